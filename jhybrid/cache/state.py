@@ -1,0 +1,71 @@
+"""The device state pytree: paged KV for full-attention layers, state slots for linear layers.
+
+    k_pages[i], v_pages[i]   [P, BS, KVH, hd]   full-attention layer i (in order of appearance), model dtype
+    conv[j]                  [S, C, W-1]        linear layer j: last W-1 conv inputs, fp32
+    ssm[j]                   [S, HV, K, V]      linear layer j: gated delta rule state, fp32
+
+Page 0 and slot 0 are null targets that padding writes into (pallas_kernels/README.md); a slot must be
+zeroed (`zero_slots`) when it is handed to a new sequence. Block tables and lengths are per-step metadata
+(`jhybrid.models.batch.Batch`), not state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from jhybrid.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    """Sizes of the two caches, fixed once memory is planned."""
+
+    num_blocks: int  # KV pages, page 0 included (reserved)
+    block_size: int
+    num_slots: int  # state slots, slot 0 included (reserved)
+    kv_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.num_blocks < 2 or self.num_slots < 2 or self.block_size < 1:
+            raise ValueError(
+                f"need num_blocks >= 2 and num_slots >= 2 (index 0 is reserved) and block_size >= 1, got "
+                f"{self.num_blocks=} {self.num_slots=} {self.block_size=}"
+            )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HybridState:
+    k_pages: tuple[Array, ...]
+    v_pages: tuple[Array, ...]
+    conv: tuple[Array, ...]
+    ssm: tuple[Array, ...]
+
+
+def init_state(cfg: ModelConfig, cache: CacheConfig) -> HybridState:
+    """Zeroed caches for `cfg` sized by `cache`."""
+    kv_shape = (cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
+    conv_shape = (cache.num_slots, cfg.conv_dim, cfg.linear_conv_kernel - 1)
+    ssm_shape = (cache.num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    kv_dtype = jnp.dtype(cache.kv_dtype)
+    return HybridState(
+        k_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(cfg.num_full_layers)),
+        v_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(cfg.num_full_layers)),
+        conv=tuple(jnp.zeros(conv_shape, jnp.float32) for _ in range(cfg.num_linear_layers)),
+        ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(cfg.num_linear_layers)),
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def zero_slots(state: HybridState, slot_ids: Int[Array, "N"]) -> HybridState:
+    """Zeroes the linear-layer state of `slot_ids` (done when slots are handed to new sequences)."""
+    return dataclasses.replace(
+        state,
+        conv=tuple(c.at[slot_ids].set(0.0) for c in state.conv),
+        ssm=tuple(s.at[slot_ids].set(0.0) for s in state.ssm),
+    )

@@ -1,0 +1,258 @@
+"""Model configuration: one frozen dataclass for every supported hybrid family.
+
+`ModelConfig.from_hf(config_dict)` reads an HF `config.json`; the per-layer layout (which layers are full
+attention, which are linear, which MLPs are mixtures of experts) is data on the config, so one model
+definition serves every family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Literal
+
+LayerKind = Literal["full_attention", "linear_attention"]
+MlpKind = Literal["dense", "moe"]
+
+SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3", "llama")
+# Families whose RMSNorm weights are stored zero-centred: the norm multiplies by (1 + w).
+_ZERO_CENTRED_NORM = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Everything the model definition needs, validated once.
+
+    Attributes follow HF names where one exists. `layer_kinds[i]` says whether layer i is full softmax
+    attention (paged KV) or a Gated DeltaNet layer (fixed-size state); `mlp_kinds[i]` whether its MLP is
+    dense or a mixture of experts.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_kinds: tuple[LayerKind, ...]
+    mlp_kinds: tuple[MlpKind, ...]
+    rms_norm_eps: float = 1e-6
+    norm_zero_centred: bool = False
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    # full attention
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    attn_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate (Qwen3-Next / Qwen3.5)
+    qk_norm: bool = False
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    rotary_dim: int = 0  # leading head dims that rotate; the rest pass through
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    # Gated DeltaNet (linear attention)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel: int = 4
+    # MLPs
+    intermediate_size: int = 0
+    mlp_bias: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+
+    def __post_init__(self):
+        if len(self.layer_kinds) != self.num_layers or len(self.mlp_kinds) != self.num_layers:
+            raise ValueError(
+                f"layer_kinds ({len(self.layer_kinds)}) and mlp_kinds ({len(self.mlp_kinds)}) must have "
+                f"one entry per layer ({self.num_layers=})"
+            )
+        for kind in self.layer_kinds:
+            if kind not in ("full_attention", "linear_attention"):
+                raise ValueError(f"unknown layer kind {kind!r}; expected 'full_attention' or 'linear_attention'")
+        if self.num_full_layers:
+            if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
+                raise ValueError(f"full attention needs positive {self.num_heads=}, {self.num_kv_heads=}, {self.head_dim=}")
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError(f"{self.num_heads=} must be a multiple of {self.num_kv_heads=}")
+            if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+                raise ValueError(f"{self.rotary_dim=} must be even and at most {self.head_dim=}")
+            if self.rope_type not in _SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"unsupported {self.rope_type=}; supported: {_SUPPORTED_ROPE_TYPES}")
+        if self.num_linear_layers:
+            hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
+            if hk <= 0 or hv <= 0 or hv % hk:
+                raise ValueError(f"linear_num_value_heads ({hv}) must be a positive multiple of linear_num_key_heads ({hk})")
+            if self.linear_conv_kernel < 1:
+                raise ValueError(f"{self.linear_conv_kernel=} must be >= 1")
+        if "moe" in self.mlp_kinds and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"MoE layers need 0 < {self.num_experts_per_tok=} <= {self.num_experts=}")
+        if self.hidden_act != "silu":
+            raise ValueError(f"unsupported {self.hidden_act=}; only 'silu' is implemented")
+
+    # ----- derived sizes -----
+    @property
+    def num_full_layers(self) -> int:
+        return sum(k == "full_attention" for k in self.layer_kinds)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(k == "linear_attention" for k in self.layer_kinds)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the depthwise conv: q, k and v concatenated."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """KV cache bytes one token costs across all full-attention layers."""
+        return self.num_full_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def state_bytes_per_sequence(self) -> int:
+        """fp32 linear-layer state (conv + recurrent) one sequence holds across all linear layers."""
+        conv = self.conv_dim * (self.linear_conv_kernel - 1)
+        rec = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        return self.num_linear_layers * (conv + rec) * 4
+
+    # ----- construction -----
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Builds a config from an HF `config.json` dict (multimodal Qwen3.5 configs use their text part)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; jhybrid supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if model_type == "qwen3_5" and "text_config" in hf:
+            text = dict(hf["text_config"])
+            text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+            text["model_type"] = "qwen3_5_text"
+            cfg = cls.from_hf(text)
+            return dataclasses.replace(cfg, model_type="qwen3_5")
+        return _from_hf_text(model_type, hf)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Reads `config.json` (a file, or a directory holding one)."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no config.json at {path}")
+        with open(path) as f:
+            return cls.from_hf(json.load(f))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        for key in ("layer_kinds", "mlp_kinds", "eos_token_ids"):
+            d[key] = tuple(d[key])
+        return cls(**d)
+
+
+def _layer_kinds(hf: dict[str, Any], num_layers: int, hybrid: bool) -> tuple[LayerKind, ...]:
+    if not hybrid:
+        return ("full_attention",) * num_layers
+    types = hf.get("layer_types")
+    if types is None:
+        interval = int(hf.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers={num_layers}")
+    return tuple(types)
+
+
+def _rope(hf: dict[str, Any], head_dim: int, default_partial: float) -> dict[str, Any]:
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_partial))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    return dict(
+        rope_theta=float(theta),
+        rotary_dim=int(head_dim * partial) // 2 * 2,
+        rope_type=rope_type,
+        rope_factor=float(params.get("factor", 1.0)),
+        rope_low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        rope_original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _from_hf_text(model_type: str, hf: dict[str, Any]) -> ModelConfig:
+    num_layers = int(hf["num_hidden_layers"])
+    hidden = int(hf["hidden_size"])
+    num_heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hidden // num_heads)
+    hybrid = model_type in ("qwen3_next", "qwen3_5_text")
+    qwen_hybrid = hybrid
+    mlp_kinds: list[MlpKind] = []
+    num_experts = int(hf.get("num_experts", 0) or 0) if model_type == "qwen3_next" else 0
+    sparse_step = int(hf.get("decoder_sparse_step", 1) or 1)
+    mlp_only = set(hf.get("mlp_only_layers") or [])
+    for i in range(num_layers):
+        moe = num_experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0
+        mlp_kinds.append("moe" if moe else "dense")
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    return ModelConfig(
+        model_type=model_type,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        layer_kinds=_layer_kinds(hf, num_layers, hybrid),
+        mlp_kinds=tuple(mlp_kinds),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_zero_centred=model_type in _ZERO_CENTRED_NORM,
+        hidden_act=hf.get("hidden_act", "silu"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=hf.get("pad_token_id"),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=head_dim,
+        attn_output_gate=qwen_hybrid,
+        qk_norm=qwen_hybrid or model_type == "qwen3",
+        attention_bias=bool(hf.get("attention_bias", False)),
+        **_rope(hf, head_dim, 0.25 if qwen_hybrid else 1.0),
+        linear_num_key_heads=int(hf.get("linear_num_key_heads", 0) or 0) if hybrid else 0,
+        linear_num_value_heads=int(hf.get("linear_num_value_heads", 0) or 0) if hybrid else 0,
+        linear_key_head_dim=int(hf.get("linear_key_head_dim", 0) or 0) if hybrid else 0,
+        linear_value_head_dim=int(hf.get("linear_value_head_dim", 0) or 0) if hybrid else 0,
+        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)) if hybrid else 4,
+        intermediate_size=int(hf.get("intermediate_size", 0) or 0),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0) if num_experts else 0,
+        moe_intermediate_size=int(hf.get("moe_intermediate_size", 0) or 0) if num_experts else 0,
+        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0) or 0) if num_experts else 0,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+    )

@@ -1,0 +1,53 @@
+"""Full softmax attention over the paged KV cache (Qwen3-Next/3.5 gated variant, Qwen3, Llama)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jhybrid.config import ModelConfig
+from jhybrid.models.batch import Batch
+from jhybrid.models.layers import apply_rope, rms_norm
+from pallas_kernels import paged_attention, write_kv_pages
+
+
+def attention_layer(
+    cfg: ModelConfig,
+    p: dict,
+    x: Float[Array, "T D"],
+    k_pages: Array,
+    v_pages: Array,
+    batch: Batch,
+    inv_freq: Array,
+) -> tuple[Float[Array, "T D"], Array, Array]:
+    """Projects, normalises and rotates q/k, writes this step's K/V into the pages, attends causally over
+    each row's cache, gates (if the family does) and projects out. Returns (out, k_pages, v_pages)."""
+    num_tokens = x.shape[0]
+    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = x @ p["q_proj"]
+    k = x @ p["k_proj"]
+    v = x @ p["v_proj"]
+    if cfg.attention_bias:
+        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+    gate = None
+    if cfg.attn_output_gate:
+        q = q.reshape(num_tokens, h, 2, hd)  # per head: hd query dims, then hd gate dims
+        q, gate = q[:, :, 0], q[:, :, 1].reshape(num_tokens, h * hd)
+    q = q.reshape(num_tokens, h, hd)
+    k = k.reshape(num_tokens, kvh, hd)
+    v = v.reshape(num_tokens, kvh, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
+    q = apply_rope(q, batch.positions, inv_freq)
+    k = apply_rope(k, batch.positions, inv_freq)
+    k_pages, v_pages = write_kv_pages(k_pages, v_pages, k, v, batch.slot_mapping)
+    o = paged_attention(q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions)
+    o = o.reshape(num_tokens, h * hd)
+    if gate is not None:
+        o = o * jax.nn.sigmoid(gate)
+    o = o @ p["o_proj"]
+    if cfg.attention_bias:
+        o = o + p["o_bias"]
+    return o.astype(x.dtype), k_pages, v_pages

@@ -1,0 +1,52 @@
+"""Gated DeltaNet layer (Qwen3-Next / Qwen3.5 linear attention) over state slots."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jhybrid.config import ModelConfig
+from jhybrid.models.batch import Batch
+from jhybrid.models.layers import causal_conv1d, gated_rms_norm, l2_normalize
+from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def gated_deltanet_layer(
+    cfg: ModelConfig,
+    p: dict,
+    x: Float[Array, "T D"],
+    conv_state: Array,
+    ssm_state: Array,
+    batch: Batch,
+    decode: bool,
+) -> tuple[Float[Array, "T D"], Array, Array]:
+    """in_proj -> causal conv + SiLU (conv state) -> L2-normed q/k, beta = sigmoid(b),
+    g = -exp(A_log) * softplus(a + dt_bias) -> gated delta rule (recurrent state) -> gated RMSNorm(z) ->
+    out_proj. `decode` (static) means one token per row. Returns (out, conv_state, ssm_state)."""
+    num_tokens = x.shape[0]
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qkv = x @ p["in_proj_qkv"]  # [T, C] with C = 2*HK*K + HV*V
+    z = (x @ p["in_proj_z"]).reshape(num_tokens, hv, dv)
+    b = x @ p["in_proj_b"]  # [T, HV]
+    a = x @ p["in_proj_a"]  # [T, HV]
+    qkv, conv_state = causal_conv1d(
+        qkv, conv_state, p["conv_weight"], batch.cu_seqlens, batch.slot_ids, batch.token_seq
+    )
+    qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
+    q = qkv[:, : hk * dk].reshape(num_tokens, hk, dk)
+    k = qkv[:, hk * dk : 2 * hk * dk].reshape(num_tokens, hk, dk)
+    v = qkv[:, 2 * hk * dk :].reshape(num_tokens, hv, dv)
+    q, k = l2_normalize(q), l2_normalize(k)  # fp32
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
+    )
+    if decode:
+        o, ssm_state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, batch.slot_ids)
+    else:
+        o, ssm_state = chunk_gated_delta_rule(q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids)
+    o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)  # [T, HV, V]
+    out = o.reshape(num_tokens, hv * dv) @ p["out_proj"]
+    return out, conv_state, ssm_state

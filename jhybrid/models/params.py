@@ -1,0 +1,168 @@
+"""The parameter pytree: its layout, shapes, and random initialisation.
+
+Layout (every matrix is stored `[in, out]`, so `x @ w` applies it):
+
+    embed                      [V, D]
+    final_norm                 [D]
+    lm_head                    [D, V]          absent when the embeddings are tied
+    layers: tuple, one dict per layer:
+      input_norm, post_norm    [D]
+      attn (full layers):      q_proj [D, H*hd*(2 if gated)]  per head: hd query dims then hd gate dims
+                               k_proj, v_proj [D, KVH*hd]; o_proj [H*hd, D]
+                               q_norm, k_norm [hd] (qk_norm); q_bias/k_bias/v_bias/o_bias (attention_bias)
+      gdn (linear layers):     in_proj_qkv [D, 2*HK*K + HV*V]   q (HK heads), k (HK heads), v (HV heads)
+                               in_proj_z [D, HV*V]; in_proj_b, in_proj_a [D, HV]
+                               conv_weight [C, W] (C = conv_dim, W = conv kernel), dt_bias [HV], A_log [HV],
+                               norm [V], out_proj [HV*V, D]
+      mlp (dense):             gate_proj, up_proj [D, I]; down_proj [I, D]
+      mlp (moe):               router [D, E]; gate_proj, up_proj [E, D, Ie]; down_proj [E, Ie, D]
+                               shared: {gate_proj, up_proj [D, Is], down_proj [Is, D]}, shared_gate [D, 1]
+
+Letters: D hidden, V vocab (in `embed`) or value head dim (in gdn), H/KVH query/kv heads, hd head dim,
+HK/HV linear key/value heads, K key head dim, E experts, I intermediate sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jhybrid.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+def _attn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q_out = h * hd * (2 if cfg.attn_output_gate else 1)
+    shapes = {"q_proj": (d, q_out), "k_proj": (d, kvh * hd), "v_proj": (d, kvh * hd), "o_proj": (h * hd, d)}
+    if cfg.qk_norm:
+        shapes |= {"q_norm": (hd,), "k_norm": (hd,)}
+    if cfg.attention_bias:
+        shapes |= {"q_bias": (q_out,), "k_bias": (kvh * hd,), "v_bias": (kvh * hd,), "o_bias": (d,)}
+    return shapes
+
+
+def _gdn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    return {
+        "in_proj_qkv": (d, cfg.conv_dim),
+        "in_proj_z": (d, cfg.linear_value_dim),
+        "in_proj_b": (d, hv),
+        "in_proj_a": (d, hv),
+        "conv_weight": (cfg.conv_dim, cfg.linear_conv_kernel),
+        "dt_bias": (hv,),
+        "A_log": (hv,),
+        "norm": (cfg.linear_value_head_dim,),
+        "out_proj": (cfg.linear_value_dim, d),
+    }
+
+
+def _dense_mlp_shapes(d: int, i: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    shapes = {"gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
+    if bias:
+        shapes |= {"gate_bias": (i,), "up_bias": (i,), "down_bias": (d,)}
+    return shapes
+
+
+def _moe_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    d, e, ie = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    shapes: dict[str, Any] = {
+        "router": (d, e),
+        "gate_proj": (e, d, ie),
+        "up_proj": (e, d, ie),
+        "down_proj": (e, ie, d),
+    }
+    if cfg.shared_expert_intermediate_size:
+        shapes["shared"] = _dense_mlp_shapes(d, cfg.shared_expert_intermediate_size)
+        shapes["shared_gate"] = (d, 1)
+    return shapes
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    """The expected shape of every parameter, as a pytree of tuples mirroring the parameter pytree."""
+    layers = []
+    for kind, mlp_kind in zip(cfg.layer_kinds, cfg.mlp_kinds):
+        layer: dict[str, Any] = {"input_norm": (cfg.hidden_size,), "post_norm": (cfg.hidden_size,)}
+        if kind == "full_attention":
+            layer["attn"] = _attn_shapes(cfg)
+        else:
+            layer["gdn"] = _gdn_shapes(cfg)
+        if mlp_kind == "moe":
+            layer["mlp"] = _moe_shapes(cfg)
+        else:
+            layer["mlp"] = _dense_mlp_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        layers.append(layer)
+    shapes: Params = {
+        "embed": (cfg.vocab_size, cfg.hidden_size),
+        "final_norm": (cfg.hidden_size,),
+        "layers": tuple(layers),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return shapes
+
+
+def is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(n, int) for n in x)
+
+
+def flatten_shapes(shapes: Params, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """`{"layers.0.attn.q_proj": (D, ...), ...}`: dotted names for messages and checkpoints."""
+    out: dict[str, tuple[int, ...]] = {}
+    items = shapes.items() if isinstance(shapes, dict) else enumerate(shapes)
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if is_shape(value):
+            out[name] = value
+        else:
+            out.update(flatten_shapes(value, name + "."))
+    return out
+
+
+def unflatten(flat: dict[str, Any], cfg: ModelConfig) -> Params:
+    """Inverse of `flatten_shapes` for arrays, using the config's layout to rebuild tuples."""
+
+    def build(shapes: Any, prefix: str) -> Any:
+        if is_shape(shapes):
+            return flat[prefix[:-1]]
+        if isinstance(shapes, dict):
+            return {k: build(v, f"{prefix}{k}.") for k, v in shapes.items()}
+        return tuple(build(v, f"{prefix}{i}.") for i, v in enumerate(shapes))
+
+    return build(param_shapes(cfg), "")
+
+
+def flatten_params(params: Params) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    items = params.items() if isinstance(params, dict) else enumerate(params)
+    for key, value in items:
+        if isinstance(value, (dict, tuple, list)):
+            out.update({f"{key}.{k}": v for k, v in flatten_params(value).items()})
+        else:
+            out[str(key)] = value
+    return out
+
+
+def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, scale: float = 0.1) -> Params:
+    """Random parameters (every weight randomised, norms included): for tests and benchmarks."""
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, shape in flatten_shapes(param_shapes(cfg)).items():
+        if name.endswith("A_log"):
+            value = np.log(rng.uniform(0.5, 4.0, shape))
+        elif name.endswith("dt_bias"):
+            value = rng.uniform(-1.0, 1.0, shape)
+        elif name.endswith("norm"):
+            value = rng.normal(0.0, 0.2, shape) + (0.0 if cfg.norm_zero_centred and "gdn.norm" not in name else 1.0)
+        else:
+            value = rng.normal(0.0, scale, shape)
+        flat[name] = jnp.asarray(value, dtype=dtype)
+    return unflatten(flat, cfg)
+
+
+def count_params(params: Params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
