@@ -1,0 +1,116 @@
+"""HF checkpoint directory -> jhybrid parameters (validated, converted, cast)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterator
+
+import numpy as np
+
+from converters.dtypes import checkpoint_dtype, param_dtype, resolve_dtype
+from converters.name_maps import build_plan, is_ignored, normalize_name
+from converters.plan import ConversionError, Plan, apply_rule, check_plan
+from converters.safetensors_io import SafetensorsCheckpoint
+from jhybrid.config import ModelConfig
+from jhybrid.models.params import Params, flatten_shapes, param_shapes, unflatten
+
+
+def config_from_hf(hf_config: dict[str, Any], where: str) -> ModelConfig:
+    """`ModelConfig.from_hf`, with errors (e.g. an unsupported model_type) raised as ConversionError."""
+    try:
+        return ModelConfig.from_hf(hf_config)
+    except (ValueError, KeyError, TypeError) as e:
+        msg = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise ConversionError(f"{where}/config.json: {msg}") from None
+
+
+def _disk_names(ckpt: SafetensorsCheckpoint, cfg: ModelConfig) -> dict[str, str]:
+    """`{normalised name: on-disk name}` of the tensors that are not ignored."""
+    out: dict[str, str] = {}
+    for raw in ckpt.names():
+        name = normalize_name(raw)
+        if is_ignored(name, cfg):
+            continue
+        if name in out:
+            raise ConversionError(f"{ckpt.path}: tensors {out[name]!r} and {raw!r} both map to {name!r}")
+        out[name] = raw
+    return out
+
+
+@dataclasses.dataclass
+class HFSource:
+    """An opened, validated HF checkpoint: its config, plan, and the on-disk name of each source."""
+
+    ckpt: SafetensorsCheckpoint
+    cfg: ModelConfig
+    plan: Plan
+    raw_names: dict[str, str]  # normalised -> on-disk name
+
+    def source_dtypes(self, jname: str) -> set[np.dtype]:
+        return {self.ckpt.dtype(self.raw_names[s]) for s in self.plan[jname].sources}
+
+    def iter_params(self, dtype: np.dtype | None) -> Iterator[tuple[str, np.ndarray]]:
+        """Yields `(flat jhybrid name, numpy array)`, cast per `converters.dtypes.param_dtype` (or kept
+        in the on-disk dtype when `dtype` is None)."""
+        expected = flatten_shapes(param_shapes(self.cfg))
+        for jname, rule in self.plan.items():
+            arrays = [self.ckpt.read(self.raw_names[s]) for s in rule.sources]
+            out = apply_rule(jname, rule, arrays, expected[jname])
+            target = out.dtype if dtype is None else param_dtype(jname, dtype)
+            yield jname, np.array(out, dtype=target, copy=True, order="C")  # owns its memory (not the mmap)
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+    def __enter__(self) -> "HFSource":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def open_hf(hf_dir: str | os.PathLike, cfg: ModelConfig | None = None) -> HFSource:
+    """Opens an HF directory and validates its tensors against the config, reading headers only.
+
+    Raises:
+      FileNotFoundError: no config.json, or no safetensors files.
+      ConversionError: unsupported config, or missing / unexpected / mis-shaped tensors.
+    """
+    ckpt = SafetensorsCheckpoint(hf_dir)
+    try:
+        cfg = cfg or config_from_hf(ckpt.config, ckpt.path)
+        raw_names = _disk_names(ckpt, cfg)
+        plan = build_plan(cfg, raw_names)
+        check_plan(plan, {n: ckpt.shape(raw) for n, raw in raw_names.items()}, ckpt.path)
+    except BaseException:
+        ckpt.close()
+        raise
+    return HFSource(ckpt, cfg, plan, raw_names)
+
+
+def load_hf_params(
+    hf_dir: str | os.PathLike, cfg: ModelConfig | None = None, dtype: Any = None, progress: bool = False
+) -> tuple[ModelConfig, Params]:
+    """Loads and converts an HF checkpoint.
+
+    Args:
+      hf_dir: directory with config.json and model.safetensors (or a sharded index).
+      cfg: overrides the config read from config.json.
+      dtype: "float32" / "bfloat16" / "float16" (or a dtype object); default the checkpoint's
+        config dtype (float32 when absent). A_log and dt_bias stay float32 (see converters.dtypes).
+      progress: show a tqdm bar over parameters.
+
+    Returns:
+      (cfg, params): `cfg.dtype` is the dtype the params were cast to; params is the nested pytree of
+      `jhybrid.models.params` holding `jnp` arrays.
+    """
+    import jax.numpy as jnp
+    from tqdm import tqdm
+
+    with open_hf(hf_dir, cfg) as src:
+        np_dtype = resolve_dtype(dtype) if dtype is not None else checkpoint_dtype(src.cfg.dtype)
+        cfg = dataclasses.replace(src.cfg, dtype=np_dtype.name)
+        items = tqdm(src.iter_params(np_dtype), total=len(src.plan), desc="loading", unit="tensor", disable=not progress)
+        flat = {name: jnp.asarray(arr) for name, arr in items}
+    return cfg, unflatten(flat, cfg)

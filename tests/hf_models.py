@@ -1,0 +1,158 @@
+"""Tiny HF models with every weight randomised, saved with `save_pretrained`: the references for
+conversion and parity tests.
+
+    from tests.hf_models import make_qwen3_next
+    model = make_qwen3_next(tmp_path / "hf", moe=True)     # returns the HF model (eval mode)
+
+Each builder: `make_X(path, dtype=torch.float32, seed=0, max_shard_size=None, **overrides)`; `overrides`
+are HF config keys. Weights are drawn in float32 with a fixed torch seed (matrices normal(0, 0.1);
+norm weights random around their neutral value; A_log = log(uniform(0.5, 4)); dt_bias uniform(-1, 1)),
+then the model is cast to `dtype` and saved (`path=None`: not saved). Sizes: vocab 128, hidden 32, 4 layers (3 linear : 1 full),
+4 query / 2 kv heads of dim 16, linear heads 2 key / 4 value of dims 8, 4 experts top-2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+HYBRID_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
+
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+_LINEAR = dict(
+    layer_types=HYBRID_LAYERS,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0, zero_centred_norms: bool = False) -> None:
+    """Overwrites every parameter in place (float32 draws from a fixed seed).
+
+    Norm weights: normal(0, 0.2) around 0 when the family's RMSNorm computes (1 + w)
+    (`zero_centred_norms`), else around 1; the Gated DeltaNet output norm (`linear_attn.norm`) always
+    uses plain w, so it is centred on 1.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        shape = p.shape
+        if name.endswith("A_log"):
+            value = torch.empty(shape).uniform_(0.5, 4.0, generator=gen).log()
+        elif name.endswith("dt_bias"):
+            value = torch.empty(shape).uniform_(-1.0, 1.0, generator=gen)
+        elif "norm" in name.rsplit(".", 2)[-2] and p.ndim == 1:
+            center = 0.0 if zero_centred_norms and "linear_attn.norm" not in name else 1.0
+            value = center + 0.2 * torch.randn(shape, generator=gen)
+        else:
+            value = 0.1 * torch.randn(shape, generator=gen)
+        p.copy_(value.to(p.dtype))
+
+
+def _save(model: torch.nn.Module, path: Any, dtype: torch.dtype, max_shard_size: Any) -> torch.nn.Module:
+    model = model.to(dtype).eval()
+    if path is None:  # build only
+        return model
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(os.fspath(path), **kwargs)
+    return model
+
+
+def make_qwen3_next(path: Any, moe: bool = True, dtype: torch.dtype = torch.float32, seed: int = 0, max_shard_size: Any = None, **overrides):
+    """Qwen3NextForCausalLM; `moe=False` gives dense MLPs everywhere (num_experts=0)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    kw = {**_COMMON, **_LINEAR, **(_MOE if moe else dict(num_experts=0)), **overrides}
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**kw))
+    randomize_(model, seed, zero_centred_norms=True)
+    return _save(model, path, dtype, max_shard_size)
+
+
+def make_qwen3_5(
+    path: Any, dtype: torch.dtype = torch.float32, seed: int = 0, max_shard_size: Any = None, multimodal: bool = False, **overrides
+):
+    """Qwen3_5ForCausalLM (model_type qwen3_5_text).
+
+    `multimodal=True` writes the layout of the hub's multimodal Qwen3.5 checkpoints instead: config
+    `model_type: qwen3_5` with a `text_config`, text weights under `model.language_model.`, plus a dummy
+    `model.visual.*` tensor and an `mtp.*` tensor (both to be ignored by converters). Returns the text model.
+    """
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    text_cfg = Qwen3_5TextConfig(**{**_COMMON, **_LINEAR, **overrides})
+    model = Qwen3_5ForCausalLM(text_cfg)
+    randomize_(model, seed, zero_centred_norms=True)
+    if not multimodal:
+        return _save(model, path, dtype, max_shard_size)
+    from safetensors.torch import save_file
+
+    model = model.to(dtype).eval()
+    os.makedirs(path, exist_ok=True)
+    tensors = {
+        (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v.contiguous().clone()
+        for k, v in model.state_dict().items()
+    }
+    if text_cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2).to(dtype)
+    tensors["mtp.fc.weight"] = torch.randn(32, 64).to(dtype)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    full = Qwen3_5Config(text_config=text_cfg.to_dict(), tie_word_embeddings=text_cfg.tie_word_embeddings).to_dict()
+    full["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+    full["text_config"]["dtype"] = str(dtype).removeprefix("torch.")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(full, f, indent=2)
+    return model
+
+
+def make_qwen3(path: Any, dtype: torch.dtype = torch.float32, seed: int = 0, max_shard_size: Any = None, **overrides):
+    """Qwen3ForCausalLM (dense, all full attention, q/k norms)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(**{**_COMMON, **overrides}))
+    randomize_(model, seed)
+    return _save(model, path, dtype, max_shard_size)
+
+
+def make_llama(path: Any, dtype: torch.dtype = torch.float32, seed: int = 0, max_shard_size: Any = None, **overrides):
+    """LlamaForCausalLM (dense, all full attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**{**_COMMON, **overrides}))
+    randomize_(model, seed)
+    return _save(model, path, dtype, max_shard_size)
+
+
+def write_tiny_tokenizer(path: Any, vocab_size: int = 128) -> None:
+    """Trains a byte-level BPE (`tokenizers`) of at most `vocab_size` ids on a few sentences and writes
+    tokenizer.json + tokenizer_config.json (eos `<|endoftext|>` = id 0, bos `<|bos|>` = id 1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|bos|>"])
+    corpus = ["hello world", "the capital of france is paris", "tiny models tell tiny stories"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    os.makedirs(path, exist_ok=True)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "bos_token": "<|bos|>", "tokenizer_class": "PreTrainedTokenizerFast"}, f)

@@ -1,0 +1,101 @@
+"""The `jhybrid` command line: convert, inspect, and its error handling (generate is tested with the engine)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from jhybrid.checkpoint import is_converted, load_model
+from jhybrid.cli import main
+from tests.hf_models import make_qwen3_5, make_qwen3_next, write_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "hf"
+    make_qwen3_next(path, moe=True)
+    write_tiny_tokenizer(path)
+    return path
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("generate", "convert", "inspect"):
+        assert command in out
+
+
+def test_convert_and_inspect(hf_dir, tmp_path, capsys):
+    out = tmp_path / "jh"
+    assert main(["convert", str(hf_dir), str(out), "--dtype", "bfloat16", "--no-progress"]) == 0
+    assert is_converted(out)
+    assert (out / "tokenizer.json").exists() and (out / "tokenizer_config.json").exists()
+    assert f"wrote {out}" in capsys.readouterr().out
+
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("linear_attention") >= 3 and "full_attention" in text and "moe" in text
+    assert "KV cache: 128 bytes per token" in text  # 1 full layer x 2 x 2 kv heads x 16 x 2 bytes (bf16)
+    assert "bytes per sequence" in text and "bfloat16" in text and "float32 (6 tensors)" in text
+    cfg, _ = load_model(out)
+    assert f"{cfg.state_bytes_per_sequence():,} bytes per sequence" in text
+
+    assert main(["inspect", str(hf_dir), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["format"] == "hf" and summary["dtype"] == "float32"
+    assert [layer["kind"] for layer in summary["layers"]] == ["linear_attention"] * 3 + ["full_attention"]
+    assert summary["kv_bytes_per_token"] == 256  # float32 checkpoint: 4 bytes per element
+    assert summary["num_params"] == sum(layer["num_params"] for layer in summary["layers"]) + sum(summary["other_params"].values())
+
+
+def test_convert_refuses_to_overwrite(hf_dir, tmp_path, capsys):
+    out = tmp_path / "jh"
+    out.mkdir()
+    (out / "x").write_text("keep")
+    assert main(["convert", str(hf_dir), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--overwrite" in err and "Traceback" not in err
+    assert main(["convert", str(hf_dir), str(out), "--overwrite", "--no-progress"]) == 0
+    assert is_converted(out)
+
+
+def test_inspect_broken_checkpoint(tmp_path, capsys):
+    path = tmp_path / "hf"
+    make_qwen3_5(path)
+    tensors = load_file(path / "model.safetensors")
+    tensors.pop("model.layers.3.self_attn.k_norm.weight")
+    tensors["model.layers.0.linear_attn.in_proj_z.weight"] = torch.zeros(16, 32)
+    save_file(tensors, path / "model.safetensors")
+    capsys.readouterr()  # drop save_pretrained's progress bar
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "Traceback" not in err
+    assert "missing tensor 'model.layers.3.self_attn.k_norm.weight'" in err
+    assert "'model.layers.0.linear_attn.in_proj_z.weight' has the wrong shape: expected (32, 32), found (16, 32)" in err
+
+
+def test_inspect_unsupported_model_type(hf_dir, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    config = json.load(open(bad / "config.json"))
+    config["model_type"] = "gpt2"
+    json.dump(config, open(bad / "config.json", "w"))
+    assert main(["inspect", str(bad)]) == 2
+    assert "unsupported model_type 'gpt2'" in capsys.readouterr().err
+
+
+def test_inspect_not_a_checkpoint(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err
+
+
+def test_generate_without_model_is_a_clear_error(capsys):
+    assert main(["generate", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--model" in err and "default model" in err
