@@ -1,5 +1,8 @@
-"""Engine: the jitted steps and the host loop that drives them."""
+"""Engine: the jitted steps, the scheduler, and the `LLM` API."""
 
-from jhybrid.engine.generate import GenerationOutput, SequenceRunner, generate
+from jhybrid.engine.generate import LoadedModel, SequenceRunner, generate, load
+from jhybrid.engine.llm import LLM, RequestOutput
+from jhybrid.engine.llm_engine import LLMEngine
+from jhybrid.engine.sampling import SamplingParams
 
-__all__ = ["GenerationOutput", "SequenceRunner", "generate"]
+__all__ = ["LLM", "LLMEngine", "LoadedModel", "RequestOutput", "SamplingParams", "SequenceRunner", "generate", "load"]

@@ -1,7 +1,7 @@
-"""The simple generation path: one sequence at a time, prefill (optionally chunked) then decode.
+"""Model loading, `jhybrid.generate` (a thin wrapper over `LLM`), and `SequenceRunner`.
 
-This is the foundation's path: it drives the model through the state pytree exactly as the engine will
-(block tables, state slots zeroed on assignment, bucketed shapes), without continuous batching.
+`SequenceRunner` drives one sequence through the state pytree step by step (block tables, a slot zeroed
+on assignment, bucketed shapes) and can return every token's logits: the tool parity tests use.
 """
 
 from __future__ import annotations
@@ -22,14 +22,6 @@ from jhybrid.config import ModelConfig
 from jhybrid.models import RowSpec, forward, make_batch
 
 _step = jax.jit(forward, static_argnames=("cfg", "decode", "all_logits"), donate_argnames=("state",))
-
-
-@dataclasses.dataclass
-class GenerationOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str  # "stop" | "length"
 
 
 @dataclasses.dataclass
@@ -69,7 +61,7 @@ class SequenceRunner:
         self.cfg, self.params = cfg, params
         self.block_size = block_size
         self.max_blocks = _bucket(-(-max_len // block_size), minimum=1)
-        kv_dtype = kv_dtype or jax.tree_util.tree_leaves(params)[0].dtype
+        kv_dtype = kv_dtype or params["embed"].dtype
         self.cache = CacheConfig(
             num_blocks=self.max_blocks + 1, block_size=block_size, num_slots=2, kv_dtype=jnp.dtype(kv_dtype).name
         )
@@ -106,12 +98,6 @@ class SequenceRunner:
         return logits[:n] if all_logits else logits[0]
 
 
-def _sample(logits: jax.Array, temperature: float, key: jax.Array) -> int:
-    if temperature <= 0.0:
-        return int(jnp.argmax(logits))
-    return int(jax.random.categorical(key, logits / temperature))
-
-
 def generate(
     model: str | os.PathLike | LoadedModel,
     prompts: Sequence[str | Sequence[int]],
@@ -120,63 +106,30 @@ def generate(
     temperature: float = 0.0,
     dtype: str | None = None,
     seed: int = 0,
-    prefill_chunk_size: int | None = None,
     ignore_eos: bool = False,
-) -> list[GenerationOutput]:
-    """Generates a continuation of each prompt (a string, or a list of token ids).
-
-    Greedy when `temperature == 0`. Stops at `max_tokens` or at an EOS id of the checkpoint
-    (config / generation_config.json) unless `ignore_eos`. `prefill_chunk_size` splits the prompt into
-    chunks that continue from the cached state (chunked prefill).
+    max_num_batched_tokens: int | None = None,
+):
+    """Generates a continuation of each prompt (a string, or a list of token ids): a thin wrapper over
+    `jhybrid.LLM`. Greedy when `temperature == 0`. Stops at `max_tokens` or at an EOS id of the checkpoint
+    (config / generation_config.json) unless `ignore_eos`. Raises ValueError if any prompt is invalid.
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens=}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature=}")
+    from jhybrid.engine.llm import LLM
+    from jhybrid.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, seed=seed)
     if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
         prompts = [prompts]  # one prompt given bare
     m = load(model, dtype)
-    encoded = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            if m.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer files: pass prompts as lists of token ids")
-            ids = m.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("empty prompt: give at least one token")
-        if min(ids) < 0 or max(ids) >= m.cfg.vocab_size:
-            raise ValueError(f"prompt token ids must lie in [0, {m.cfg.vocab_size}), got {min(ids)}..{max(ids)}")
-        if len(ids) + max_tokens > m.cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
-                f"({m.cfg.max_position_embeddings})"
-            )
-        encoded.append(ids)
-    runner = SequenceRunner(m.cfg, m.params, max_len=max(len(ids) for ids in encoded) + max_tokens)
-    key = jax.random.key(seed)
-    outputs = []
-    for ids in encoded:
-        table, slot = runner.start()
-        try:
-            chunk = prefill_chunk_size or len(ids)
-            for start in range(0, len(ids), chunk):
-                logits = runner.step(ids[start : start + chunk], start, table, slot)
-            generated: list[int] = []
-            finish = "length"
-            while True:
-                key, sub = jax.random.split(key)
-                token = _sample(logits, temperature, sub)
-                generated.append(token)
-                if not ignore_eos and token in m.eos_token_ids:
-                    finish = "stop"
-                    break
-                if len(generated) >= max_tokens:
-                    break
-                logits = runner.step([token], len(ids) + len(generated) - 1, table, slot)
-        finally:
-            runner.finish(table, slot)
-        text = m.tokenizer.decode(generated) if m.tokenizer is not None else None
-        outputs.append(GenerationOutput(list(ids), generated, text, finish))
+    lengths = [len(p) if not isinstance(p, str) else (len(m.tokenizer.encode(p)) if m.tokenizer else 1) for p in prompts]
+    context = m.cfg.max_position_embeddings
+    needed = max(lengths, default=1) + max_tokens
+    if needed > context:
+        raise ValueError(f"prompt ({max(lengths)} tokens) + max_tokens ({max_tokens}) exceeds the model's context ({context})")
+    max_model_len = min(context, _bucket(needed, minimum=64))
+    llm = LLM(m, dtype=None, max_num_seqs=min(16, max(1, len(prompts))), max_model_len=max_model_len, seed=seed,
+              max_num_batched_tokens=max_num_batched_tokens)
+    outputs = llm.generate(list(prompts), params)
+    for i, out in enumerate(outputs):
+        if out.error:
+            raise ValueError(f"prompt {i}: {out.error}")
     return outputs

@@ -20,6 +20,7 @@ def attention_layer(
     v_pages: Array,
     batch: Batch,
     inv_freq: Array,
+    decode: bool = False,
 ) -> tuple[Float[Array, "T D"], Array, Array]:
     """Projects, normalises and rotates q/k, writes this step's K/V into the pages, attends causally over
     each row's cache, gates (if the family does) and projects out. Returns (out, k_pages, v_pages)."""
@@ -43,7 +44,10 @@ def attention_layer(
     q = apply_rope(q, batch.positions, inv_freq)
     k = apply_rope(k, batch.positions, inv_freq)
     k_pages, v_pages = write_kv_pages(k_pages, v_pages, k, v, batch.slot_mapping)
-    o = paged_attention(q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions)
+    o = paged_attention(
+        q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions,
+        cu_seqlens=batch.cu_seqlens, decode=decode,
+    )
     o = o.reshape(num_tokens, h * hd)
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)

@@ -50,7 +50,7 @@ def forward(
         h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
         if kind == "full_attention":
             h, k_pages[i_full], v_pages[i_full] = attention_layer(
-                cfg, p["attn"], h, k_pages[i_full], v_pages[i_full], batch, inv_freq
+                cfg, p["attn"], h, k_pages[i_full], v_pages[i_full], batch, inv_freq, decode
             )
             i_full += 1
         else:

@@ -1,21 +1,66 @@
-"""Paged attention: reference and dispatch.
+"""Paged attention: reference, Pallas kernels and dispatch.
 
-`paged_attention` is the entry point the model calls; it picks an implementation by `impl`:
-"reference" (pure jnp, any backend) is the only one until the Pallas kernels land, and "auto" selects it.
+`paged_attention` is the entry point the model calls; `impl` picks the implementation:
+  * "reference": pure jnp (`paged_attention_reference`), any backend;
+  * "pallas": the Pallas kernel (`decode.py`: one program per (query token, kv head, KV split), split-KV
+    with an LSE merge); `interpret=True` runs it in the Pallas interpreter (CPU tests);
+  * "auto": the Pallas kernel on GPU for decode batches whose shapes it supports, else the reference.
+    Prefill batches stay on the reference: the only Pallas path for them is the per-query-token kernel,
+    which re-reads a row's KV once per query token (correct, but not a prefill kernel).
 """
 
 from __future__ import annotations
 
+import jax
+
+from pallas_kernels.paged_attention.decode import paged_attention_decode_pallas
 from pallas_kernels.paged_attention.reference import paged_attention_reference, write_kv_pages
 
-_IMPLS = ("auto", "reference")
+_IMPLS = ("auto", "reference", "pallas")
+_TUNING = ("pages_per_block", "num_splits", "num_warps", "num_stages")
 
 
-def paged_attention(*args, impl: str = "auto", **kwargs):
-    """Same signature and result as `paged_attention_reference`; `impl` picks the implementation."""
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def pallas_supported(q, k_pages) -> bool:
+    """Static check: the Triton tiles need power-of-two head dim and page size."""
+    head_dim, block_size = q.shape[-1], k_pages.shape[1]
+    return _pow2(head_dim) and head_dim >= 16 and _pow2(block_size) and q.shape[1] % k_pages.shape[2] == 0
+
+
+def paged_attention(
+    q, k_pages, v_pages, block_tables, token_seq, positions, *,
+    impl: str = "auto", interpret: bool = False, cu_seqlens=None, decode: bool = False,
+    scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None,
+    return_lse: bool = False, **tuning,
+):
+    """Same arguments and result as `paged_attention_reference`; `impl` picks the implementation.
+
+    `cu_seqlens [B + 1]` (the rows' query ranges in the packed queries) and `decode` (static: one query per
+    row, `token_seq == arange(B)`) describe the batch's structure. `tuning` (pages_per_block, num_splits,
+    num_warps, num_stages) goes to the Pallas kernel.
+    """
     if impl not in _IMPLS:
         raise ValueError(f"unknown paged attention {impl=}; choose one of {_IMPLS}")
-    return paged_attention_reference(*args, **kwargs)
+    if unknown := set(tuning) - set(_TUNING):
+        raise ValueError(f"unknown paged attention tuning arguments {unknown}; known: {_TUNING}")
+    del cu_seqlens  # the per-query-token kernel needs only token_seq and positions
+    kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, return_lse=return_lse)
+    if impl == "auto":
+        use_pallas = decode and jax.default_backend() == "gpu" and pallas_supported(q, k_pages)
+        impl = "pallas" if use_pallas else "reference"
+    if impl == "reference":
+        return paged_attention_reference(q, k_pages, v_pages, block_tables, token_seq, positions, **kw)
+    if not pallas_supported(q, k_pages):
+        raise ValueError(
+            f"the Pallas paged attention needs power-of-two head_dim >= 16 and page size, got "
+            f"{q.shape[-1]=} {k_pages.shape[1]=}; use impl='reference'"
+        )
+    return paged_attention_decode_pallas(
+        q, k_pages, v_pages, block_tables, token_seq, positions, interpret=interpret, **kw, **tuning
+    )
 
 
-__all__ = ["paged_attention", "paged_attention_reference", "write_kv_pages"]
+__all__ = ["paged_attention", "paged_attention_reference", "paged_attention_decode_pallas", "write_kv_pages"]

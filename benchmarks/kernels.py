@@ -1,0 +1,384 @@
+"""Kernel benchmark: each Pallas kernel checked against its reference on the GPU, then timed against
+baselines measured in the same run (fla's Triton kernels, jax's Pallas paged attention, the jnp reference
+under XLA, and a device copy for the bandwidth ceiling).
+
+    PYTHONPATH=. python -m benchmarks.kernels [--json out.json] [--quick]
+
+Prints a machine line and a fixed-width table; `--json` writes {machine_info, results, sweeps}.
+Correctness gates speed: a row whose error check fails reports no speedup.
+fla (fla-core / flash-linear-attention 0.6.0) and torch are optional: their rows are skipped without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gated_delta_rule import (
+    chunk_gated_delta_rule_pallas,
+    chunk_gated_delta_rule_reference,
+    fused_recurrent_gated_delta_rule_pallas,
+    fused_recurrent_gated_delta_rule_reference,
+)
+from pallas_kernels.paged_attention import paged_attention_decode_pallas, paged_attention_reference
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+# ---------------------------------------------------------------- timing and checks
+
+
+def time_jax(fn, args, reps=30, inner=5, warmup=3, carry=None):
+    """Median/p20/p80 ms per call: `inner` async calls per timed sample, synchronised at the end.
+
+    `carry(out, args) -> args` threads outputs back as inputs (donated state)."""
+    for _ in range(warmup):
+        out = fn(*args)
+        if carry:
+            args = carry(out, args)
+    jax.block_until_ready(out)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+            if carry:
+                args = carry(out, args)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / inner * 1e3)
+    return np.percentile(samples, [50, 20, 80]).tolist()
+
+
+def time_torch(fn):
+    from triton.testing import do_bench
+
+    return list(do_bench(fn, warmup=50, rep=300, quantiles=[0.5, 0.2, 0.8]))
+
+
+def errors(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if np.isnan(got).any():
+        return float("inf"), float("inf")
+    rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    return float(np.abs(got - want).max()), rel
+
+
+def machine_info(commit):
+    dev = jax.devices()[0]
+    info = dict(gpu=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__, commit=commit,
+                date=time.strftime("%Y-%m-%d"))
+    if torch is not None:
+        info["torch"] = torch.__version__
+    try:
+        import fla
+
+        info["fla"] = getattr(fla, "__version__", "?")
+    except ImportError:
+        info["fla"] = None
+    return info
+
+
+RESULTS, SWEEPS = [], []
+
+
+def record(op, shape, ours, base_name, base, err, rel, tol, extra=""):
+    ok = rel <= tol
+    row = dict(op=op, shape=shape, ours_ms=ours, baseline=base_name, baseline_ms=base, max_err=err,
+               rel_err=rel, tol=tol, passed=ok, note=extra)
+    row["speedup"] = (base[0] / ours[0]) if (ok and base and ours) else None
+    RESULTS.append(row)
+    print(f"  -> {op} [{base_name}] ours {ours and ours[0]:.4} ms base {base and base[0]} ms "
+          f"err {err:.3e} rel {rel:.3e} {'PASS' if ok else 'FAIL'} {extra}", flush=True)
+
+
+def best_config(name, fn_for_cfg, configs, args, carry=None, reps=20):
+    best = None
+    for cfg in configs:
+        try:
+            t = time_jax(fn_for_cfg(cfg), args(), reps=reps, carry=carry)
+        except Exception as e:  # a config that does not compile (shared memory, registers) is skipped
+            print(f"  sweep {name} {cfg}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+            SWEEPS.append(dict(op=name, cfg=cfg, ms=None, error=str(e)[:300]))
+            continue
+        print(f"  sweep {name} {cfg}: {t[0]:.4f} ms", flush=True)
+        SWEEPS.append(dict(op=name, cfg=cfg, ms=t))
+        if best is None or t[0] < best[1][0]:
+            best = (cfg, t)
+    return best
+
+
+# ---------------------------------------------------------------- GDN decode
+
+
+def bench_gdn_decode(quick):
+    B, H, HV, K, V = 256, 16, 16, 128, 128
+    S = B + 1
+    rng = np.random.default_rng(0)
+    key = jax.random.split(jax.random.PRNGKey(0), 6)
+    nrm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = nrm(jax.random.normal(key[0], (B, H, K))).astype(jnp.bfloat16)
+    k = nrm(jax.random.normal(key[1], (B, H, K))).astype(jnp.bfloat16)
+    v = jax.random.normal(key[2], (B, HV, V)).astype(jnp.bfloat16)
+    g = -jax.random.uniform(key[3], (B, HV)) * 0.5
+    beta = jax.random.uniform(key[4], (B, HV))
+    state0 = jax.random.normal(key[5], (S, HV, K, V), jnp.float32) * 0.1
+    slots = jnp.asarray(rng.permutation(np.arange(1, S)).astype(np.int32))
+    shape = f"B{B} H{H} HV{HV} K{K} V{V} bf16 in, fp32 state"
+
+    # correctness (a few rows on the null slot too)
+    slots_chk = slots.at[jnp.array([3, 100])].set(0)
+    want_o, want_s = jax.jit(fused_recurrent_gated_delta_rule_reference)(q, k, v, g, beta, state0, slots_chk)
+    got_o, got_s = fused_recurrent_gated_delta_rule_pallas(q, k, v, g, beta, state0, slots_chk)
+    live = np.asarray(slots_chk) != 0
+    e_o = errors(np.asarray(got_o, np.float32)[live], np.asarray(want_o, np.float32)[live])
+    idx = np.asarray(slots_chk)[live]
+    e_s = errors(np.asarray(got_s)[idx], np.asarray(want_s)[idx])
+    print(f"gdn decode check: out {e_o}, state {e_s}", flush=True)
+
+    def make(cfg):
+        bv, nw = cfg
+        f = functools.partial(fused_recurrent_gated_delta_rule_pallas, block_v=bv, num_warps=nw)
+        return jax.jit(f, donate_argnums=(5,))
+
+    carry = lambda out, a: (*a[:5], out[1], a[6])  # noqa: E731
+    configs = [(32, 4)] if quick else [(16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]
+    fresh = lambda: (q, k, v, g, beta, state0 + 0.0, slots)  # noqa: E731
+    cfg, ours = best_config("gdn_decode", make, configs, fresh, carry=carry)
+    ref_fn = jax.jit(fused_recurrent_gated_delta_rule_reference, donate_argnums=(5,))
+    t_ref = time_jax(ref_fn, fresh(), reps=10, carry=carry)
+    ok = max(e_o[1], e_s[1])
+    record("gdn_decode", shape, ours, "jnp reference (XLA)", t_ref, max(e_o[0], e_s[0]), ok, 1e-2, f"cfg={cfg}")
+    bytes_moved = 2 * B * HV * K * V * 4
+    print(f"  gdn decode state traffic {bytes_moved / 1e9:.3f} GB -> {bytes_moved / ours[0] / 1e9:.2f} TB/s")
+
+    if torch is not None:
+        try:
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fr
+
+            tt = lambda x: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda()  # noqa: E731
+            tq, tk, tv = (tt(x).to(torch.bfloat16)[:, None] for x in (q, k, v))  # [B, 1, H, K]
+            tg, tb = tt(g)[:, None], tt(beta)[:, None]
+            th0 = tt(state0[1:])  # [B, HV, K, V]
+            o_f, s_f = fla_fr(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True)
+            want_o2, want_s2 = fused_recurrent_gated_delta_rule_reference(
+                q, k, v, g, beta, state0, jnp.arange(1, S, dtype=jnp.int32))
+            e_f = errors(o_f[:, 0].float().cpu().numpy(), np.asarray(want_o2, np.float32))
+            t_fla = time_torch(lambda: fla_fr(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True))
+            print(f"  fla fused_recurrent err {e_f}", flush=True)
+            record("gdn_decode", shape, ours, "fla fused_recurrent", t_fla, max(e_o[0], e_s[0]), ok, 1e-2,
+                   f"cfg={cfg}; fla rel err {e_f[1]:.2e}")
+        except Exception as e:
+            print(f"  fla fused_recurrent baseline failed: {type(e).__name__}: {e}", flush=True)
+
+
+# ---------------------------------------------------------------- GDN chunked prefill
+
+
+def gdn_chunk_inputs(lengths, H, HV, K, V, dtype, seed):
+    key = jax.random.split(jax.random.PRNGKey(seed), 6)
+    T = int(sum(lengths))
+    nrm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = nrm(jax.random.normal(key[0], (T, H, K))).astype(dtype)
+    k = nrm(jax.random.normal(key[1], (T, H, K))).astype(dtype)
+    v = jax.random.normal(key[2], (T, HV, V)).astype(dtype)
+    g = jax.nn.log_sigmoid(jax.random.normal(key[3], (T, HV)) + 3.0)  # mostly close to 0, as in models
+    beta = jax.nn.sigmoid(jax.random.normal(key[4], (T, HV)))
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]), jnp.int32)
+    B = len(lengths)
+    state = jax.random.normal(key[5], (B + 2, HV, K, V), jnp.float32) * 0.1
+    slots = jnp.arange(1, B + 1, dtype=jnp.int32)
+    return q, k, v, g, beta, cu, state, slots
+
+
+def check_chunk(label, args, **kw):
+    want_o, want_s = jax.jit(chunk_gated_delta_rule_reference)(*args)
+    got_o, got_s = jax.jit(functools.partial(chunk_gated_delta_rule_pallas, **kw))(*args)
+    slots = np.asarray(args[-1])
+    live = slots[slots != 0]
+    e_o = errors(np.asarray(got_o, np.float32), np.asarray(want_o, np.float32))
+    e_s = errors(np.asarray(got_s)[live], np.asarray(want_s)[live])
+    print(f"{label} check: out {e_o}, state {e_s}", flush=True)
+    return max(e_o[0], e_s[0]), max(e_o[1], e_s[1])
+
+
+def bench_gdn_chunk(quick):
+    T, H, HV, K, V = 32768, 16, 16, 128, 128
+    shape = f"B1 T{T} H{H} HV{HV} K{K} V{V} bf16"
+    # ragged correctness: short, one-chunk, many-chunk rows, grouped value heads, a null-slot row
+    rq = gdn_chunk_inputs([1, 64, 1000, 3001, 17], 4, 8, 128, 128, jnp.bfloat16, 1)
+    rq = (*rq[:-1], rq[-1].at[1].set(0))
+    e_r = check_chunk("gdn chunk ragged", rq)
+    args = gdn_chunk_inputs([T], H, HV, K, V, jnp.bfloat16, 2)
+    err, rel = check_chunk("gdn chunk B1 T32768", args)
+    rel = max(rel, e_r[1])
+
+    def make(cfg):
+        bv, nw, ns = cfg
+        f = functools.partial(chunk_gated_delta_rule_pallas, block_v=bv, num_warps=nw, num_stages=ns)
+        return jax.jit(f)
+
+    configs = [(32, 4, 1)] if quick else [(16, 4, 1), (32, 4, 1), (32, 8, 1), (32, 4, 2), (64, 8, 1), (64, 4, 2)]
+    cfg, ours = best_config("gdn_chunk", make, configs, lambda: args, reps=10)
+    t_ref = time_jax(jax.jit(chunk_gated_delta_rule_reference), args, reps=5, inner=1)
+    record("gdn_chunk", shape, ours, "jnp reference (XLA)", t_ref, err, rel, 2e-2, f"cfg={cfg}")
+    if torch is not None:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+            tt = lambda x: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda()[None]  # noqa: E731
+            q, k, v, g, beta = args[:5]
+            tq, tk, tv = (tt(x).to(torch.bfloat16) for x in (q, k, v))
+            tg, tb = tt(g), tt(beta).to(torch.bfloat16)
+            th0 = tt(args[6][1])
+            call = lambda: fla_chunk(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True)  # noqa: E731
+            o_f, _ = call()
+            want_o, _ = jax.jit(chunk_gated_delta_rule_reference)(*args)
+            e_f = errors(o_f[0].float().cpu().numpy(), np.asarray(want_o, np.float32))
+            t_fla = time_torch(call)
+            record("gdn_chunk", shape, ours, "fla chunk (Triton)", t_fla, err, rel, 2e-2,
+                   f"cfg={cfg}; fla rel err {e_f[1]:.2e}")
+        except Exception as e:
+            print(f"  fla chunk baseline failed: {type(e).__name__}: {e}", flush=True)
+
+
+# ---------------------------------------------------------------- paged decode attention
+
+
+def bench_paged_decode(quick, copy_bw):
+    B, ctx, H, KVH, D, BS = 64, 8192, 16, 2, 256, 16
+    M = ctx // BS
+    P = B * M + 1
+    shape = f"B{B} ctx{ctx} H{H} KVH{KVH} D{D} BS{BS} bf16"
+    key = jax.random.split(jax.random.PRNGKey(3), 3)
+    k_pages = jax.random.normal(key[0], (P, BS, KVH, D), jnp.bfloat16)
+    v_pages = jax.random.normal(key[1], (P, BS, KVH, D), jnp.bfloat16)
+    q = jax.random.normal(key[2], (B, H, D), jnp.bfloat16)
+    rng = np.random.default_rng(3)
+    tables = jnp.asarray(1 + rng.permutation(B * M).reshape(B, M).astype(np.int32))
+    token_seq = jnp.arange(B, dtype=jnp.int32)
+    positions = jnp.full((B,), ctx - 1, jnp.int32)
+    args = (q, k_pages, v_pages, tables, token_seq, positions)
+    kv_bytes = 2 * B * ctx * KVH * D * 2
+
+    # correctness: full-length rows, plus ragged lengths with a sliding window and LSE
+    ref = jax.jit(functools.partial(paged_attention_reference, return_lse=True))
+    want_o, want_lse = ref(*args)
+    got_o, got_lse = jax.jit(functools.partial(paged_attention_decode_pallas, return_lse=True))(*args)
+    e1, e2 = errors(np.asarray(got_o, np.float32), np.asarray(want_o, np.float32)), errors(got_lse, want_lse)
+    pos_r = jnp.asarray(rng.integers(0, ctx, B).astype(np.int32)).at[0].set(0).at[1].set(BS - 1)
+    args_r = (q, k_pages, v_pages, tables, token_seq, pos_r)
+    kw_r = dict(return_lse=True, sliding_window=1000)
+    want_r = jax.jit(functools.partial(paged_attention_reference, **kw_r))(*args_r)
+    got_r = jax.jit(functools.partial(paged_attention_decode_pallas, **kw_r))(*args_r)
+    e3 = errors(np.asarray(got_r[0], np.float32), np.asarray(want_r[0], np.float32))
+    e4 = errors(got_r[1], want_r[1])
+    print(f"paged decode check: out {e1} lse {e2}; ragged+window out {e3} lse {e4}", flush=True)
+    err, rel = max(e1[0], e3[0]), max(e1[1], e3[1], e2[1], e4[1])
+
+    def make(cfg):
+        npb, ns, nw, st = cfg
+        return jax.jit(functools.partial(paged_attention_decode_pallas, pages_per_block=npb, num_splits=ns,
+                                         num_warps=nw, num_stages=st))
+
+    configs = [(4, 8, 4, 2)] if quick else [
+        (4, 8, 4, 2), (4, 16, 4, 2), (8, 8, 8, 2), (8, 16, 8, 2), (2, 16, 4, 3), (4, 16, 4, 3), (8, 4, 8, 3),
+    ]
+    cfg, ours = best_config("paged_decode", make, configs, lambda: args)
+    bw = kv_bytes / (ours[0] * 1e-3) / 1e12
+    note = f"cfg={cfg}; KV read {bw:.2f} TB/s = {bw / copy_bw:.0%} of copy {copy_bw:.2f} TB/s"
+    t_ref = time_jax(jax.jit(paged_attention_reference), args, reps=10)
+    record("paged_decode", shape, ours, "jnp reference (XLA)", t_ref, err, rel, 2e-2, note)
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention as jpa
+
+        kh, vh = jnp.transpose(k_pages, (2, 0, 1, 3)), jnp.transpose(v_pages, (2, 0, 1, 3))  # [KVH, P, BS, D]
+        lengths = positions + 1
+        base = jax.jit(functools.partial(jpa.paged_attention, block_h=16))
+        o_j = base(q * D**-0.5, kh, vh, tables, lengths)  # jax's kernel applies no scale
+        e_j = errors(np.asarray(o_j, np.float32), np.asarray(want_o, np.float32))
+        t_j = time_jax(base, (q * D**-0.5, kh, vh, tables, lengths))
+        record("paged_decode", shape, ours, "jax.experimental paged_attention", t_j, err, rel, 2e-2,
+               f"{note}; baseline rel err {e_j[1]:.2e}")
+    except Exception as e:
+        print(f"  jax paged_attention baseline failed: {type(e).__name__}: {e}", flush=True)
+    return bw
+
+
+def copy_bandwidth():
+    x = jnp.ones((1024, 1024, 1024), jnp.bfloat16)  # 2 GiB
+    f = jax.jit(lambda x: x + 1)
+    t = time_jax(f, (x,), reps=10, inner=3)
+    bw = 2 * x.nbytes / (t[0] * 1e-3) / 1e12
+    print(f"copy bandwidth (jnp x+1, read+write of {x.nbytes / 2**30:.0f} GiB): {t[0]:.3f} ms -> {bw:.2f} TB/s")
+    info = dict(jnp_ms=t, jnp_tbps=bw)
+    if torch is not None:
+        tx = torch.ones(1024 * 1024 * 1024, dtype=torch.bfloat16, device="cuda")
+        ty = torch.empty_like(tx)
+        tt = time_torch(lambda: ty.copy_(tx))
+        info.update(torch_ms=tt, torch_tbps=2 * tx.numel() * 2 / (tt[0] * 1e-3) / 1e12)
+        print(f"copy bandwidth (torch copy_): {tt[0]:.3f} ms -> {info['torch_tbps']:.2f} TB/s")
+        del tx, ty
+    return info
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--quick", action="store_true", help="one config per kernel, no sweeps")
+    parser.add_argument("--commit", default=os.environ.get("JHYBRID_COMMIT"))
+    parser.add_argument("--only", default="copy,decode,paged,chunk")
+    a = parser.parse_args()
+    commit = a.commit
+    if commit is None:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        except Exception:
+            commit = "unknown"
+    info = machine_info(commit)
+    print("machine: " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    only = a.only.split(",")
+    bwinfo = copy_bandwidth() if "copy" in only else {}
+    info["copy"] = bwinfo
+    copy_bw = bwinfo.get("torch_tbps", bwinfo.get("jnp_tbps", 4.0))
+    for name, fn in (("decode", bench_gdn_decode), ("paged", lambda q: bench_paged_decode(q, copy_bw)),
+                     ("chunk", bench_gdn_chunk)):
+        if name in only:
+            try:
+                fn(a.quick)
+            except Exception as e:
+                import traceback
+
+                traceback.print_exc()
+                print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
+    print()
+    print("machine: " + " ".join(f"{k}={v}" for k, v in info.items() if k != "copy"))
+    print(f"copy bandwidth: " + ", ".join(f"{k}={v:.2f}" for k, v in bwinfo.items() if k.endswith("tbps")) + " TB/s")
+    hdr = f"{'op':<13} {'shape':<44} {'ours ms':>9} {'baseline':<34} {'base ms':>9} {'speedup':>8} {'max err':>9} {'rel err':>9} {'ok':<4}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in RESULTS:
+        sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
+        base = f"{r['baseline_ms'][0]:.4f}" if r["baseline_ms"] else "-"
+        print(f"{r['op']:<13} {r['shape']:<44} {r['ours_ms'][0]:>9.4f} {r['baseline']:<34} {base:>9} {sp:>8} "
+              f"{r['max_err']:>9.2e} {r['rel_err']:>9.2e} {'PASS' if r['passed'] else 'FAIL':<4}")
+    for r in RESULTS:
+        if r["note"]:
+            print(f"  {r['op']} vs {r['baseline']}: {r['note']}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(machine_info=info, results=RESULTS, sweeps=SWEEPS), f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

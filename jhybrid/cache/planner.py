@@ -1,0 +1,70 @@
+"""Sizes the KV pool and the state slots from one memory budget, each from its own share.
+
+Linear-layer state is not paged: every running sequence needs one slot of fixed size, so the slots
+(`max_num_seqs + 1`, the null slot included) are reserved first; the KV pool gets the rest of the budget.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from jhybrid.cache.state import CacheConfig
+from jhybrid.config import ModelConfig
+
+_CPU_FALLBACK_BYTES = 4 << 30  # a CPU backend reports no memory limit: plan for 4 GiB
+
+
+def device_memory_bytes() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        host = _CPU_FALLBACK_BYTES
+    return min(_CPU_FALLBACK_BYTES, host // 4)
+
+
+def plan_cache(
+    cfg: ModelConfig,
+    *,
+    max_num_seqs: int,
+    max_model_len: int,
+    block_size: int,
+    kv_dtype: str,
+    num_kv_blocks: int | None = None,
+    memory_fraction: float = 0.9,
+    free_bytes: int | None = None,
+    activation_reserve: float = 0.1,
+) -> CacheConfig:
+    """The cache sizes. `num_kv_blocks` fixes the pool; otherwise it fills what the budget leaves.
+
+    Raises ValueError when the budget cannot hold the slots plus one `max_model_len` sequence of KV.
+    """
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    num_slots = max_num_seqs + 1
+    blocks_per_seq = -(-max_model_len // block_size)
+    min_blocks = blocks_per_seq + 1  # one full-length sequence plus the null page
+    kv_itemsize = jax.numpy.dtype(kv_dtype).itemsize
+    block_bytes = block_size * cfg.kv_bytes_per_token(kv_itemsize)
+    if num_kv_blocks is None:
+        if cfg.num_full_layers == 0:
+            num_kv_blocks = min_blocks
+        else:
+            free = device_memory_bytes() if free_bytes is None else free_bytes
+            budget = free * memory_fraction * (1.0 - activation_reserve)
+            state_bytes = num_slots * cfg.state_bytes_per_sequence()
+            num_kv_blocks = int((budget - state_bytes) // block_bytes)
+            num_kv_blocks = min(num_kv_blocks, max_num_seqs * blocks_per_seq + 1)  # more is never used
+            if num_kv_blocks < min_blocks:
+                raise ValueError(
+                    f"memory budget {budget / 2**30:.2f} GiB holds {num_slots} state slots "
+                    f"({state_bytes / 2**30:.2f} GiB) but not one {max_model_len}-token sequence of KV "
+                    f"({min_blocks} blocks of {block_bytes} bytes): lower max_model_len or max_num_seqs"
+                )
+    elif num_kv_blocks < min_blocks:
+        raise ValueError(f"{num_kv_blocks=} cannot hold one {max_model_len=} sequence: need >= {min_blocks}")
+    return CacheConfig(num_blocks=num_kv_blocks, block_size=block_size, num_slots=num_slots, kv_dtype=kv_dtype)

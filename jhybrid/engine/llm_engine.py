@@ -1,0 +1,164 @@
+"""The engine loop: schedule -> dispatch -> read the previous step -> stop handling.
+
+`step()` dispatches step n+1 before it reads step n's sampled tokens (JAX dispatch is asynchronous), so
+tokenisation, stop checks and scheduling on the host overlap the device's work. A sequence that stops at
+step n was already scheduled into step n+1; that row's token is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
+from jhybrid.cache.planner import plan_cache
+from jhybrid.engine.runner import ModelRunner, StepResult
+from jhybrid.engine.sampling import SamplingParams
+from jhybrid.engine.scheduler import Scheduler
+from jhybrid.engine.sequence import Sequence
+
+log = logging.getLogger("jhybrid.engine")
+
+
+class LLMEngine:
+    def __init__(self, model, *, max_num_seqs: int = 16, max_model_len: int | None = None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, memory_fraction: float = 0.9, seed: int = 0,
+                 max_num_batched_tokens: int | None = None):
+        cfg = model.cfg
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.eos_token_ids = frozenset(model.eos_token_ids)
+        max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"{max_model_len=} exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})")
+        if max_num_seqs < 1 or block_size < 1:
+            raise ValueError(f"need max_num_seqs >= 1 and block_size >= 1, got {max_num_seqs=} {block_size=}")
+        self.max_model_len = max_model_len
+        max_num_batched_tokens = max_num_batched_tokens or max(512, min(2048, max_model_len))
+        kv_dtype = np.dtype(model.params["embed"].dtype).name
+        self.cache = plan_cache(cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+                                kv_dtype=kv_dtype, num_kv_blocks=num_kv_blocks, memory_fraction=memory_fraction)
+        self.blocks = BlockAllocator(self.cache.num_blocks, block_size)
+        self.slots = SlotAllocator(self.cache.num_slots)
+        self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        self.runner = ModelRunner(cfg, model.params, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                  max_num_batched_tokens=max_num_batched_tokens, seed=seed)
+        self.requests: dict[Any, Sequence] = {}
+        self._prev: StepResult | None = None
+        self._arrivals = 0
+        self.num_preemptions = 0
+        log.info("KV pool: %d blocks of %d tokens; %d state slots", self.cache.num_blocks - 1, block_size,
+                 self.cache.num_slots - 1)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, request_id: Any, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+        """Queues a request. Bad prompts fail that request alone: it comes back finished with an error."""
+        params = params or SamplingParams()
+        if request_id in self.requests and not self.requests[request_id].is_finished:
+            raise ValueError(f"request id {request_id!r} is already running")
+        ids, error = self._encode(prompt)
+        seq = Sequence(request_id, ids, params, arrival=self._arrivals)
+        self._arrivals += 1
+        self.requests[request_id] = seq
+        if self.tokenizer is not None:
+            from jhybrid.tokenizer import IncrementalDetokenizer
+
+            seq.detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+        if error:
+            self.scheduler.finish(seq, "error", error)
+        else:
+            self.scheduler.add(seq)
+        return seq
+
+    def _encode(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                return [], "this checkpoint has no tokenizer: pass the prompt as a list of token ids"
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        vocab = self.model.cfg.vocab_size
+        if not ids:
+            return ids, "empty prompt: give at least one token"
+        if min(ids) < 0 or max(ids) >= vocab:
+            return ids, f"prompt token ids must lie in [0, {vocab}), got {min(ids)}..{max(ids)}"
+        if len(ids) >= self.max_model_len:
+            return ids, f"prompt of {len(ids)} tokens is too long: max_model_len is {self.max_model_len}"
+        return ids, None
+
+    def abort(self, request_id: Any) -> None:
+        seq = self.requests.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self._prev is not None
+
+    # ----------------------------------------------------------------- the loop
+    def step(self) -> list[Sequence]:
+        """One engine iteration; returns the sequences that got tokens or finished while reading."""
+        current = None
+        if self.scheduler.has_work():
+            sched = self.scheduler.schedule()
+            self.num_preemptions += len(sched.preempted)
+            if sched.rows:
+                self.runner.zero_slots(sched.new_slots)
+                current = self.runner.execute(sched, self._prev)
+        updated = self._read(self._prev) if self._prev is not None else []
+        self._prev = current
+        return updated
+
+    def _read(self, result: StepResult) -> list[Sequence]:
+        tokens = np.asarray(result.tokens)  # waits for that step only
+        token_logp = np.asarray(result.token_logp)
+        top_lp = np.asarray(result.top_logp) if result.top_logp is not None else None
+        top_ids = np.asarray(result.top_ids) if result.top_ids is not None else None
+        updated = []
+        for i, row in enumerate(result.sched.rows):
+            if not row.samples:
+                continue
+            seq = row.seq
+            seq.num_pending -= 1
+            if seq.is_finished:
+                continue  # stopped or aborted after this step was dispatched
+            token = int(tokens[i])
+            seq.token_ids.append(token)
+            seq.token_logprobs.append(float(token_logp[i]))
+            if seq.params.logprobs is not None and top_lp is not None:
+                k = seq.params.logprobs
+                seq.logprobs.append({int(t): float(lp) for t, lp in zip(top_ids[i, :k], top_lp[i, :k])})
+            if seq.detok is not None:
+                seq.text += seq.detok.add(token)
+            self._check_stop(seq, token)
+            updated.append(seq)
+        return updated
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return self._finish(seq, "stop")
+        if token in p.stop_token_ids:
+            return self._finish(seq, "stop")
+        if p.stop and seq.detok is not None:
+            window = max(len(s) for s in p.stop) + 16
+            start = max(0, len(seq.text) - window)
+            hits = [i for s in p.stop if (i := seq.text.find(s, start)) >= 0]
+            if hits:
+                seq.text = seq.text[: min(hits)]
+                return self._finish(seq, "stop", flush=False)
+        if len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, flush: bool = True) -> None:
+        if seq.detok is not None and flush:
+            seq.text += seq.detok.flush()
+        self.scheduler.finish(seq, reason)
+
+    def release(self, request_id: Any) -> None:
+        """Forgets a finished request (its output was delivered)."""
+        seq = self.requests.get(request_id)
+        if seq is not None and seq.is_finished:
+            del self.requests[request_id]

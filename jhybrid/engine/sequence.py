@@ -1,0 +1,75 @@
+"""A request as the engine tracks it (host only, no JAX)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Any
+
+from jhybrid.engine.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt and generated tokens, where its KV and state live, and how far the model has read it.
+
+    `token_ids` = prompt + generated tokens known on the host. `num_computed` counts tokens already fed
+    to the model (their KV / state is on the device). `num_pending` counts tokens sampled on the device
+    whose value the host has not read yet (the engine reads one step behind); each pending token will be
+    fed back from the device, so scheduling treats it as known.
+    """
+
+    def __init__(self, request_id: Any, prompt_ids: list[int], params: SamplingParams, arrival: int = 0):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.token_ids = list(prompt_ids)
+        self.params = params
+        self.arrival = arrival
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.slot: int = 0
+        self.num_computed = 0
+        self.num_pending = 0
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.logprobs: list[dict[int, float]] = []
+        self.token_logprobs: list[float] = []
+        self.detok: Any = None  # IncrementalDetokenizer when a tokenizer exists
+        self.text = ""
+        self.sent_text_len = 0  # how much of `text` has been streamed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the model will have seen once every pending token is fed back."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def num_generated(self) -> int:
+        return self.num_tokens - len(self.prompt_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, tokens={len(self.token_ids)}"
+            f"+{self.num_pending}, computed={self.num_computed}, blocks={len(self.block_table)}, slot={self.slot})"
+        )

@@ -1,0 +1,175 @@
+"""Pallas (Triton lowering) kernel: paged attention with one program per (query token, kv head, KV split).
+
+Each query token t (of row `token_seq[t]`, at `positions[t]`) attends causally to its row's cached keys
+through the block table. This is the decode form (one query per row), but it is correct for any packing:
+every query token reads its own row's KV, so a prefill batch would re-read the KV once per query.
+
+Grid `(T, KVH, NS)`: program (t, h, s) takes the G query heads of kv head h (padded to GP >= 16 rows for
+the tensor-core dots), walks split s's share of the row's pages NP pages at a time with an online softmax,
+and writes its normalised partial output and log-sum-exp. A jnp epilogue merges the NS partials by LSE
+(an empty split has LSE = -inf and weight 0). Pages outside `[window start, position]` are never
+iterated; keys masked inside an iterated block have their V zeroed, so unread or poisoned (NaN) pages
+never reach the output.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float, Int
+
+_WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2E = math.log2(math.e)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _decode_kernel(
+    token_seq_ref,  # [T] (whole)
+    positions_ref,  # [T] (whole)
+    block_tables_ref,  # [B, M'] (whole, padded to NS * pages_per_split)
+    q_ref,  # [GP, D]
+    k_pages_ref,  # [P, BS, D] (kv head fixed by the BlockSpec)
+    v_pages_ref,  # [P, BS, D]
+    o_ref,  # [GP, D] fp32, normalised partial output
+    lse_ref,  # [GP] fp32
+    *,
+    scale: float,
+    pages_per_block: int,
+    pages_per_split: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    t, s = pl.program_id(0), pl.program_id(2)
+    block_size, head_dim = k_pages_ref.shape[1], k_pages_ref.shape[2]
+    block_k = pages_per_block * block_size
+    row = token_seq_ref[t]
+    pos = positions_ref[t]
+    lo_tok = 0 if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
+    split_start = s * pages_per_split  # first page of this split
+    lo_page = jnp.maximum(lo_tok // block_size, split_start)
+    hi_page = jnp.minimum(pos // block_size + 1, split_start + pages_per_split)
+    first_it = (lo_page - split_start) // pages_per_block
+    last_it = (hi_page - split_start + pages_per_block - 1) // pages_per_block  # exclusive
+
+    q = q_ref[...]  # [GP, D]
+    gp = q.shape[0]
+
+    def body(it, carry):
+        o_prev, m_prev, l_prev = carry
+        first_page = split_start + it * pages_per_block
+        pages = block_tables_ref[row, pl.ds(first_page, pages_per_block)]  # [NP]
+        k = k_pages_ref[pages].reshape(block_k, head_dim)  # [NP*BS, D]
+        v = v_pages_ref[pages].reshape(block_k, head_dim)
+        key_pos = first_page * block_size + jnp.arange(block_k)
+        mask = key_pos <= pos
+        if sliding_window is not None:
+            mask &= key_pos >= lo_tok
+        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        scores = scores * scale  # [GP, NP*BS]
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        scores = jnp.where(mask[None, :], scores, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, scores.max(axis=-1))
+        corr = jnp.exp2((m_prev - m_next) * _LOG2E)
+        p = jnp.exp2((scores - m_next[:, None]) * _LOG2E)
+        v = jnp.where(mask[:, None], v, jnp.zeros_like(v))  # unread keys may hold NaN
+        o_next = o_prev * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return o_next, m_next, l_prev * corr + p.sum(axis=-1)
+
+    o = jnp.zeros((gp, head_dim), jnp.float32)
+    m = jnp.full((gp,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((gp,), jnp.float32)
+    o, m, l = jax.lax.fori_loop(first_it, last_it, body, (o, m, l))
+    empty = l == 0.0
+    o_ref[...] = o / jnp.where(empty, 1.0, l)[:, None]
+    lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale", "sliding_window", "soft_cap", "return_lse", "pages_per_block", "num_splits",
+        "num_warps", "num_stages", "interpret",
+    ),
+)
+def paged_attention_decode_pallas(
+    q: Float[Array, "T H D"],
+    k_pages: Float[Array, "P BS KVH D"],
+    v_pages: Float[Array, "P BS KVH D"],
+    block_tables: Int[Array, "B M"],
+    token_seq: Int[Array, "T"],
+    positions: Int[Array, "T"],
+    *,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    return_lse: bool = False,
+    pages_per_block: int = 4,
+    num_splits: int = 8,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+):
+    """Same arguments and results as `paged_attention_reference` (query tokens of any rows).
+
+    D and BS must be powers of two. `num_splits` KV splits per query are merged by LSE.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_pages.shape
+    group = num_heads // num_kv_heads
+    gp = max(16, _next_pow2(group))
+    scale = head_dim**-0.5 if scale is None else scale
+    max_pages = block_tables.shape[1]
+    pages_per_block = min(pages_per_block, _next_pow2(max_pages))
+    num_splits = max(1, min(num_splits, -(-max_pages // pages_per_block)))
+    pages_per_split = -(-max_pages // (num_splits * pages_per_block)) * pages_per_block
+    pad = num_splits * pages_per_split - max_pages
+    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))  # pad entries: page 0
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [T, KVH, GP, D]
+    kernel = functools.partial(
+        _decode_kernel, scale=scale, pages_per_block=pages_per_block, pages_per_split=pages_per_split,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda t, h, s: (0, 0, h, 0))
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(num_tokens, num_kv_heads, num_splits),
+        in_specs=[
+            _WHOLE, _WHOLE, _WHOLE,
+            pl.BlockSpec((None, None, gp, head_dim), lambda t, h, s: (t, h, 0, 0)),
+            pages_spec, pages_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, gp, head_dim), lambda t, h, s: (t, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda t, h, s: (t, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_tokens, num_kv_heads, num_splits, gp, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_tokens, num_kv_heads, num_splits, gp), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"paged_decode_np{pages_per_block}_ns{num_splits}_gp{gp}_w{num_warps}_s{num_stages}",
+    )(token_seq.astype(jnp.int32), positions.astype(jnp.int32), block_tables, q4, k_pages, v_pages)
+    o, lse = o[:, :, :, :group], lse[:, :, :, :group]  # [T, KVH, NS, G, D], [T, KVH, NS, G]
+    # --- LSE merge of the splits ---
+    m = lse.max(axis=2, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)  # [T, KVH, NS, G]; 0 for empty splits
+    denom = w.sum(axis=2)  # [T, KVH, G]
+    out = (w[..., None] * o).sum(axis=2) / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    out = out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse_out = (m[:, :, 0] + jnp.log(denom)).reshape(num_tokens, num_heads)
+    return out, lse_out

@@ -1,0 +1,227 @@
+"""Pallas kernels against their pure-jnp references: interpret mode on CPU, and lowering for the H200.
+
+Every kernel runs with `interpret=True` on small random inputs (lengths of 1, of exactly one block, and
+spanning many blocks with a ragged tail; padded rows on the null slot / page; several GQA ratios and head
+dims), with whatever the kernel must not read poisoned by NaN. `lower_for_h200` lowers a function for
+CUDA on this CPU machine under an abstract H200 mesh (pallas_kernels/README.md), so a kernel that the
+Triton lowering rejects fails CI; `test_lowering_check_can_fail` shows that it can.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels import (
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+    paged_attention,
+    paged_attention_reference,
+    write_kv_pages,
+)
+from pallas_kernels.gated_delta_rule import (
+    chunk_gated_delta_rule_reference,
+    fused_recurrent_gated_delta_rule_reference,
+)
+
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+
+
+def lower_for_h200(fn, *args):
+    """Lowers `jit(fn)(*args)` for CUDA under an abstract H200 mesh; returns the StableHLO text.
+
+    Pallas calls lower to Triton IR here, so unsupported block shapes or primitives raise."""
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)):
+        text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text or "triton" in text, "no Triton kernel in the lowered program"
+    return text
+
+
+def assert_close(label, got, want, rtol):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{label}: shape {got.shape} != {want.shape}"
+    assert not np.isnan(got).any(), f"{label}: NaN in output"
+    err = np.abs(got - want).max() if got.size else 0.0
+    rel = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+    assert rel <= rtol, f"{label}: max abs err {err:.3e}, relative RMS err {rel:.3e} > {rtol}"
+
+
+def test_lowering_check_can_fail():
+    def bad(x_ref, o_ref):
+        o_ref[...] = x_ref[...] * 2
+
+    def call(x, block):
+        return pl.pallas_call(
+            bad, grid=(x.shape[0] // block,), in_specs=[pl.BlockSpec((block,), lambda i: (i,))],
+            out_specs=pl.BlockSpec((block,), lambda i: (i,)), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        )(x)
+
+    x = jnp.zeros((48,), jnp.float32)
+    lower_for_h200(functools.partial(call, block=16), x)  # power of two: lowers
+    with pytest.raises(Exception, match="power of 2"):
+        lower_for_h200(functools.partial(call, block=24), x)
+
+
+# ---------------------------------------------------------------- gated delta rule: decode
+
+
+def _gdn_decode_inputs(rng, batch, h, hv, dk, dv, num_slots, dtype):
+    def unit(shape):
+        x = rng.normal(size=shape)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    q = jnp.asarray(unit((batch, h, dk)), dtype)
+    k = jnp.asarray(unit((batch, h, dk)), dtype)
+    v = jnp.asarray(rng.normal(size=(batch, hv, dv)), dtype)
+    g = jnp.asarray(-rng.uniform(0.0, 1.5, (batch, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (batch, hv)), jnp.float32)
+    state = rng.normal(size=(num_slots, hv, dk, dv)).astype(np.float32)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize(
+    "batch,h,hv,dk,dv,dtype",
+    [(1, 1, 1, 16, 16, jnp.float32), (5, 2, 4, 32, 64, jnp.float32), (4, 2, 2, 64, 32, jnp.bfloat16)],
+)
+def test_fused_recurrent_pallas_matches_reference(batch, h, hv, dk, dv, dtype):
+    rng = np.random.default_rng(batch * 10 + dk)
+    num_slots = batch + 4
+    q, k, v, g, beta, state = _gdn_decode_inputs(rng, batch, h, hv, dk, dv, num_slots, dtype)
+    slots = rng.permutation(np.arange(1, num_slots))[:batch].astype(np.int32)
+    if batch > 2:
+        slots[1] = slots[-1] = 0  # padded rows on the null slot
+    state[0] = np.nan  # the null slot holds garbage; rows on it start from zeros
+    free = np.setdiff1d(np.arange(1, num_slots), slots)
+    state[free] = np.nan  # never read, never written
+    args = (q, k, v, g, beta, jnp.asarray(state), jnp.asarray(slots))
+    want_o, want_state = fused_recurrent_gated_delta_rule_reference(*args)
+    got_o, got_state = fused_recurrent_gated_delta_rule(*args, impl="pallas", interpret=True, block_v=16)
+    live = slots != 0
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert_close("decode output", np.asarray(got_o, np.float32)[live], np.asarray(want_o, np.float32)[live], rtol)
+    real = slots[live]
+    assert_close("decode state", np.asarray(got_state)[real], np.asarray(want_state)[real], 1e-5)
+    np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
+
+
+def test_fused_recurrent_lowers_for_h200():
+    rng = np.random.default_rng(0)
+    q, k, v, g, beta, state = _gdn_decode_inputs(rng, 8, 2, 4, 128, 128, 9, jnp.bfloat16)
+    fn = functools.partial(fused_recurrent_gated_delta_rule, impl="pallas")
+    lower_for_h200(fn, q, k, v, g, beta, jnp.asarray(state), jnp.arange(8, dtype=jnp.int32))
+
+
+# ---------------------------------------------------------------- paged attention
+
+
+def _paged_inputs(rng, lengths, new, h, kvh, d, bs, dtype):
+    """Pages with each row's cached prefix + its new tokens written; unused pages (page 0 too) are NaN."""
+    max_blocks = max(-(-n // bs) for n in lengths) + 1
+    num_pages = 1 + max_blocks * len(lengths) + 2
+    k_pages = np.full((num_pages, bs, kvh, d), np.nan, np.float32)
+    v_pages = np.full((num_pages, bs, kvh, d), np.nan, np.float32)
+    perm = rng.permutation(np.arange(1, num_pages))
+    tables = np.zeros((len(lengths), max_blocks), np.int32)
+    for b, n in enumerate(lengths):
+        nb = -(-n // bs)
+        tables[b, :nb] = perm[b * max_blocks : b * max_blocks + nb]
+        for pos in range(n):
+            k_pages[tables[b, pos // bs], pos % bs] = rng.normal(size=(kvh, d))
+            v_pages[tables[b, pos // bs], pos % bs] = rng.normal(size=(kvh, d))
+    token_seq = np.concatenate([[b] * new[b] for b in range(len(lengths))]).astype(np.int32)
+    positions = np.concatenate([np.arange(n - m, n) for n, m in zip(lengths, new)]).astype(np.int32)
+    q = rng.normal(size=(len(token_seq), h, d))
+    return (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
+            jnp.asarray(tables), jnp.asarray(token_seq), jnp.asarray(positions))
+
+
+DECODE_CASES = [
+    # lengths (one query per row, at the last position), H, KVH, D, BS
+    ([1], 4, 4, 64, 16),  # a single token
+    ([16, 33, 1], 8, 2, 128, 16),  # exactly one block; decode just past a block boundary
+    ([300, 7, 129, 64], 16, 2, 256, 16),  # many blocks with a ragged tail, GQA 8
+    ([40, 5, 77], 6, 3, 64, 8),  # GQA 2, group padded to 16 rows
+    ([200, 3], 2, 1, 64, 8),  # MQA-like ratio 2
+]
+
+
+@pytest.mark.parametrize("lengths,h,kvh,d,bs", DECODE_CASES)
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
+def test_paged_decode_pallas_matches_reference(lengths, h, kvh, d, bs, variant):
+    rng = np.random.default_rng(sum(lengths) + d)
+    args = _paged_inputs(rng, lengths, [1] * len(lengths), h, kvh, d, bs, jnp.float32)
+    kw = dict(sliding_window=37 if variant == "window" else None, soft_cap=2.0 if variant == "softcap" else None)
+    want_o, want_lse = paged_attention_reference(*args, return_lse=True, **kw)
+    cu = jnp.arange(len(lengths) + 1, dtype=jnp.int32)
+    got_o, got_lse = paged_attention(
+        *args, cu_seqlens=cu, decode=True, impl="pallas", interpret=True, return_lse=True,
+        pages_per_block=2, num_splits=3, **kw,
+    )
+    assert_close("decode attention output", got_o, want_o, 1e-5)
+    assert_close("decode attention lse", got_lse, want_lse, 1e-5)
+
+
+@pytest.mark.parametrize("h,kvh,d", [(16, 2, 256), (8, 8, 64), (32, 4, 128)])
+def test_paged_decode_lowers_for_h200(h, kvh, d):
+    rng = np.random.default_rng(1)
+    args = _paged_inputs(rng, [40, 17], [1, 1], h, kvh, d, 16, jnp.bfloat16)
+    cu = jnp.arange(3, dtype=jnp.int32)
+    fn = lambda *a: paged_attention(*a, cu_seqlens=cu, decode=True, impl="pallas", return_lse=True)  # noqa: E731
+    lower_for_h200(fn, *args)
+
+
+# ---------------------------------------------------------------- gated delta rule: chunked prefill
+
+
+def _gdn_chunk_inputs(rng, lengths, h, hv, dk, dv, num_slots, dtype, pad=3):
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v, g, beta, state = _gdn_decode_inputs(rng, int(cu[-1]) + pad, h, hv, dk, dv, num_slots, dtype)
+    return q, k, v, g, beta, jnp.asarray(cu), state
+
+
+CHUNK_CASES = [
+    # lengths, H, HV, K, V, chunk size, dtype
+    ([1], 1, 1, 16, 16, 16, jnp.float32),  # a single token
+    ([16, 1], 2, 2, 16, 32, 16, jnp.float32),  # exactly one chunk
+    ([1, 63, 0, 37], 2, 4, 32, 16, 16, jnp.float32),  # many chunks, ragged tails, an empty row, GQA 2
+    ([40, 9], 1, 2, 64, 64, 32, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("lengths,h,hv,dk,dv,c,dtype", CHUNK_CASES)
+def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype):
+    rng = np.random.default_rng(sum(lengths) + dk)
+    num_slots = len(lengths) + 3
+    q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, lengths, h, hv, dk, dv, num_slots, dtype)
+    slots = np.arange(1, len(lengths) + 1, dtype=np.int32)[::-1].copy()
+    if len(lengths) > 2:
+        slots[1] = 0  # a row on the null slot starts from zeros
+    state[0] = np.nan
+    free = np.setdiff1d(np.arange(1, num_slots), slots)
+    state[free] = np.nan
+    args = (q, k, v, g, beta, cu, jnp.asarray(state), jnp.asarray(slots))
+    want_o, want_state = chunk_gated_delta_rule_reference(*args, chunk_size=c)
+    got_o, got_state = chunk_gated_delta_rule(*args, impl="pallas", interpret=True, chunk_size=c, block_v=16)
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert_close("chunk output", np.asarray(got_o, np.float32), np.asarray(want_o, np.float32), rtol)
+    assert np.all(np.asarray(got_o, np.float32)[int(cu[-1]):] == 0), "padding tokens must produce zeros"
+    live = slots[slots != 0]
+    assert_close("chunk final state", np.asarray(got_state)[live], np.asarray(want_state)[live], 1e-5)
+    np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
+
+
+@pytest.mark.parametrize("hv,dk,dv", [(2, 128, 128), (4, 64, 128)])
+def test_chunk_lowers_for_h200(hv, dk, dv):
+    rng = np.random.default_rng(2)
+    q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, [100, 30], 2, hv, dk, dv, 4, jnp.bfloat16)
+    fn = functools.partial(chunk_gated_delta_rule, impl="pallas")
+    lower_for_h200(fn, q, k, v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32))
