@@ -152,7 +152,7 @@ def bench_gdn_decode(quick):
         return jax.jit(f, donate_argnums=(5,))
 
     carry = lambda out, a: (*a[:5], out[1], a[6])  # noqa: E731
-    configs = [(32, 4)] if quick else [(16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)]
+    configs = [(64, 4)] if quick else [(32, 2), (64, 2), (64, 4), (128, 4), (128, 8)]
     fresh = lambda: (q, k, v, g, beta, state0 + 0.0, slots)  # noqa: E731
     cfg, ours = best_config("gdn_decode", make, configs, fresh, carry=carry)
     ref_fn = jax.jit(fused_recurrent_gated_delta_rule_reference, donate_argnums=(5,))
@@ -170,11 +170,11 @@ def bench_gdn_decode(quick):
             tq, tk, tv = (tt(x).to(torch.bfloat16)[:, None] for x in (q, k, v))  # [B, 1, H, K]
             tg, tb = tt(g)[:, None], tt(beta)[:, None]
             th0 = tt(state0[1:])  # [B, HV, K, V]
-            o_f, s_f = fla_fr(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True)
+            o_f, s_f = fla_fr(tq, tk, tv, tg, beta=tb, initial_state=th0, output_final_state=True)
             want_o2, want_s2 = fused_recurrent_gated_delta_rule_reference(
                 q, k, v, g, beta, state0, jnp.arange(1, S, dtype=jnp.int32))
             e_f = errors(o_f[:, 0].float().cpu().numpy(), np.asarray(want_o2, np.float32))
-            t_fla = time_torch(lambda: fla_fr(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True))
+            t_fla = time_torch(lambda: fla_fr(tq, tk, tv, tg, beta=tb, initial_state=th0, output_final_state=True))
             print(f"  fla fused_recurrent err {e_f}", flush=True)
             record("gdn_decode", shape, ours, "fla fused_recurrent", t_fla, max(e_o[0], e_s[0]), ok, 1e-2,
                    f"cfg={cfg}; fla rel err {e_f[1]:.2e}")
@@ -221,14 +221,19 @@ def bench_gdn_chunk(quick):
     e_r = check_chunk("gdn chunk ragged", rq)
     args = gdn_chunk_inputs([T], H, HV, K, V, jnp.bfloat16, 2)
     err, rel = check_chunk("gdn chunk B1 T32768", args)
-    rel = max(rel, e_r[1])
+    e_f = check_chunk("gdn chunk B1 T32768 fused_output", args, fused_output=True)
+    rel = max(rel, e_r[1], e_f[1])
 
     def make(cfg):
-        bv, nw, ns = cfg
-        f = functools.partial(chunk_gated_delta_rule_pallas, block_v=bv, num_warps=nw, num_stages=ns)
+        bv, nw, ns, fused = cfg
+        f = functools.partial(chunk_gated_delta_rule_pallas, block_v=bv, num_warps=nw, num_stages=ns,
+                              fused_output=fused)
         return jax.jit(f)
 
-    configs = [(32, 4, 1)] if quick else [(16, 4, 1), (32, 4, 1), (32, 8, 1), (32, 4, 2), (64, 8, 1), (64, 4, 2)]
+    configs = [(32, 4, 1, False)] if quick else [
+        (16, 4, 1, False), (32, 4, 1, False), (64, 4, 1, False), (32, 4, 2, False), (64, 8, 2, False),
+        (16, 4, 1, True), (32, 4, 2, True),
+    ]
     cfg, ours = best_config("gdn_chunk", make, configs, lambda: args, reps=10)
     t_ref = time_jax(jax.jit(chunk_gated_delta_rule_reference), args, reps=5, inner=1)
     record("gdn_chunk", shape, ours, "jnp reference (XLA)", t_ref, err, rel, 2e-2, f"cfg={cfg}")
@@ -281,18 +286,21 @@ def bench_paged_decode(quick, copy_bw):
     kw_r = dict(return_lse=True, sliding_window=1000)
     want_r = jax.jit(functools.partial(paged_attention_reference, **kw_r))(*args_r)
     got_r = jax.jit(functools.partial(paged_attention_decode_pallas, **kw_r))(*args_r)
+    got_p = jax.jit(functools.partial(paged_attention_decode_pallas, per_page=True, **kw_r))(*args_r)
+    e5 = errors(np.asarray(got_p[0], np.float32), np.asarray(want_r[0], np.float32))
     e3 = errors(np.asarray(got_r[0], np.float32), np.asarray(want_r[0], np.float32))
     e4 = errors(got_r[1], want_r[1])
-    print(f"paged decode check: out {e1} lse {e2}; ragged+window out {e3} lse {e4}", flush=True)
-    err, rel = max(e1[0], e3[0]), max(e1[1], e3[1], e2[1], e4[1])
+    print(f"paged decode check: out {e1} lse {e2}; ragged+window out {e3} lse {e4}; per_page {e5}", flush=True)
+    err, rel = max(e1[0], e3[0], e5[0]), max(e1[1], e3[1], e2[1], e4[1], e5[1])
 
     def make(cfg):
-        npb, ns, nw, st = cfg
+        npb, ns, nw, st, pp = cfg
         return jax.jit(functools.partial(paged_attention_decode_pallas, pages_per_block=npb, num_splits=ns,
-                                         num_warps=nw, num_stages=st))
+                                         num_warps=nw, num_stages=st, per_page=pp))
 
-    configs = [(4, 8, 4, 2)] if quick else [
-        (4, 8, 4, 2), (4, 16, 4, 2), (8, 8, 8, 2), (8, 16, 8, 2), (2, 16, 4, 3), (4, 16, 4, 3), (8, 4, 8, 3),
+    configs = [(4, 16, 4, 3, False)] if quick else [
+        (4, 16, 4, 3, False), (4, 16, 4, 3, True), (8, 16, 4, 3, True), (4, 8, 4, 2, True), (2, 16, 4, 3, True),
+        (4, 32, 4, 3, True), (8, 8, 8, 3, True), (4, 32, 4, 3, False),
     ]
     cfg, ours = best_config("paged_decode", make, configs, lambda: args)
     bw = kv_bytes / (ours[0] * 1e-3) / 1e12

@@ -118,6 +118,8 @@ def test_fused_recurrent_lowers_for_h200():
     q, k, v, g, beta, state = _gdn_decode_inputs(rng, 8, 2, 4, 128, 128, 9, jnp.bfloat16)
     fn = functools.partial(fused_recurrent_gated_delta_rule, impl="pallas")
     lower_for_h200(fn, q, k, v, g, beta, jnp.asarray(state), jnp.arange(8, dtype=jnp.int32))
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    lower_for_h200(fn, f32(q), f32(k), v, g, beta, jnp.asarray(state), jnp.arange(8, dtype=jnp.int32))
 
 
 # ---------------------------------------------------------------- paged attention
@@ -155,28 +157,32 @@ DECODE_CASES = [
 
 
 @pytest.mark.parametrize("lengths,h,kvh,d,bs", DECODE_CASES)
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "window-per-page"])
 def test_paged_decode_pallas_matches_reference(lengths, h, kvh, d, bs, variant):
     rng = np.random.default_rng(sum(lengths) + d)
     args = _paged_inputs(rng, lengths, [1] * len(lengths), h, kvh, d, bs, jnp.float32)
-    kw = dict(sliding_window=37 if variant == "window" else None, soft_cap=2.0 if variant == "softcap" else None)
+    kw = dict(sliding_window=37 if "window" in variant else None, soft_cap=2.0 if variant == "softcap" else None)
     want_o, want_lse = paged_attention_reference(*args, return_lse=True, **kw)
     cu = jnp.arange(len(lengths) + 1, dtype=jnp.int32)
     got_o, got_lse = paged_attention(
         *args, cu_seqlens=cu, decode=True, impl="pallas", interpret=True, return_lse=True,
-        pages_per_block=2, num_splits=3, **kw,
+        pages_per_block=2, num_splits=3, per_page=variant.endswith("per-page"), **kw,
     )
     assert_close("decode attention output", got_o, want_o, 1e-5)
     assert_close("decode attention lse", got_lse, want_lse, 1e-5)
 
 
-@pytest.mark.parametrize("h,kvh,d", [(16, 2, 256), (8, 8, 64), (32, 4, 128)])
-def test_paged_decode_lowers_for_h200(h, kvh, d):
+@pytest.mark.parametrize("h,kvh,d,per_page", [(16, 2, 256, False), (16, 2, 256, True), (8, 8, 64, False),
+                                             (32, 4, 128, True)])
+def test_paged_decode_lowers_for_h200(h, kvh, d, per_page):
     rng = np.random.default_rng(1)
     args = _paged_inputs(rng, [40, 17], [1, 1], h, kvh, d, 16, jnp.bfloat16)
     cu = jnp.arange(3, dtype=jnp.int32)
-    fn = lambda *a: paged_attention(*a, cu_seqlens=cu, decode=True, impl="pallas", return_lse=True)  # noqa: E731
+    fn = lambda *a: paged_attention(  # noqa: E731
+        *a, cu_seqlens=cu, decode=True, impl="pallas", return_lse=True, sliding_window=64, per_page=per_page
+    )
     lower_for_h200(fn, *args)
+    lower_for_h200(fn, args[0].astype(jnp.float32), *args[1:])  # fp32 queries over bf16 pages (the model)
 
 
 # ---------------------------------------------------------------- gated delta rule: chunked prefill
@@ -197,8 +203,9 @@ CHUNK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fused_output", [False, True])
 @pytest.mark.parametrize("lengths,h,hv,dk,dv,c,dtype", CHUNK_CASES)
-def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype):
+def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, fused_output):
     rng = np.random.default_rng(sum(lengths) + dk)
     num_slots = len(lengths) + 3
     q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, lengths, h, hv, dk, dv, num_slots, dtype)
@@ -210,18 +217,22 @@ def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype):
     state[free] = np.nan
     args = (q, k, v, g, beta, cu, jnp.asarray(state), jnp.asarray(slots))
     want_o, want_state = chunk_gated_delta_rule_reference(*args, chunk_size=c)
-    got_o, got_state = chunk_gated_delta_rule(*args, impl="pallas", interpret=True, chunk_size=c, block_v=16)
+    got_o, got_state = chunk_gated_delta_rule(*args, impl="pallas", interpret=True, chunk_size=c, block_v=16,
+                                            fused_output=fused_output)
     rtol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert_close("chunk output", np.asarray(got_o, np.float32), np.asarray(want_o, np.float32), rtol)
     assert np.all(np.asarray(got_o, np.float32)[int(cu[-1]):] == 0), "padding tokens must produce zeros"
     live = slots[slots != 0]
-    assert_close("chunk final state", np.asarray(got_state)[live], np.asarray(want_state)[live], 1e-5)
+    # bf16 inputs: w, u and the dot operands are bf16 (fp32 accumulation), as in fla
+    assert_close("chunk final state", np.asarray(got_state)[live], np.asarray(want_state)[live], rtol)
     np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
 
 
-@pytest.mark.parametrize("hv,dk,dv", [(2, 128, 128), (4, 64, 128)])
-def test_chunk_lowers_for_h200(hv, dk, dv):
+@pytest.mark.parametrize("hv,dk,dv,fused_output", [(2, 128, 128, False), (2, 128, 128, True), (4, 64, 128, False)])
+def test_chunk_lowers_for_h200(hv, dk, dv, fused_output):
     rng = np.random.default_rng(2)
     q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, [100, 30], 2, hv, dk, dv, 4, jnp.bfloat16)
-    fn = functools.partial(chunk_gated_delta_rule, impl="pallas")
+    fn = functools.partial(chunk_gated_delta_rule, impl="pallas", fused_output=fused_output)
     lower_for_h200(fn, q, k, v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32))
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  the model passes fp32 q/k (l2-normed) with bf16 v
+    lower_for_h200(fn, f32(q), f32(k), v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32))

@@ -20,16 +20,24 @@ import numpy as np
 from jhybrid.cache import BlockAllocator, CacheConfig, SlotAllocator, init_state, zero_slots
 from jhybrid.config import ModelConfig
 from jhybrid.models import RowSpec, forward, make_batch
+from jhybrid.models.params import pack_params
 
-_step = jax.jit(forward, static_argnames=("cfg", "decode", "all_logits"), donate_argnames=("state",))
+_step = jax.jit(
+    forward, static_argnames=("cfg", "decode", "all_logits", "kernel_impl", "interpret"), donate_argnames=("state",)
+)
 
 
 @dataclasses.dataclass
 class LoadedModel:
+    """A config with its parameters (packed for the model on construction), tokenizer and EOS ids."""
+
     cfg: ModelConfig
     params: Any
     tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        self.params = pack_params(self.params)
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -57,8 +65,10 @@ def load(model: str | os.PathLike | LoadedModel, dtype: str | None = None) -> Lo
 class SequenceRunner:
     """Runs one sequence at a time through the paged KV cache and one state slot."""
 
-    def __init__(self, cfg: ModelConfig, params: Any, *, max_len: int, block_size: int = 16, kv_dtype=None):
-        self.cfg, self.params = cfg, params
+    def __init__(self, cfg: ModelConfig, params: Any, *, max_len: int, block_size: int = 16, kv_dtype=None,
+                 kernel_impl: str = "auto", interpret: bool = False):
+        self.kernels = dict(kernel_impl=kernel_impl, interpret=interpret)
+        self.cfg, self.params = cfg, pack_params(params)
         self.block_size = block_size
         self.max_blocks = _bucket(-(-max_len // block_size), minimum=1)
         kv_dtype = kv_dtype or params["embed"].dtype
@@ -94,7 +104,9 @@ class SequenceRunner:
             num_rows=1,
         )
         batch = jax.tree.map(jnp.asarray, batch)
-        logits, self.state = _step(self.cfg, self.params, self.state, batch, decode=decode, all_logits=all_logits)
+        logits, self.state = _step(
+            self.cfg, self.params, self.state, batch, decode=decode, all_logits=all_logits, **self.kernels
+        )
         return logits[:n] if all_logits else logits[0]
 
 

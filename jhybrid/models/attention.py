@@ -21,16 +21,17 @@ def attention_layer(
     batch: Batch,
     inv_freq: Array,
     decode: bool = False,
+    kernels: dict | None = None,
 ) -> tuple[Float[Array, "T D"], Array, Array]:
     """Projects, normalises and rotates q/k, writes this step's K/V into the pages, attends causally over
     each row's cache, gates (if the family does) and projects out. Returns (out, k_pages, v_pages)."""
     num_tokens = x.shape[0]
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = x @ p["q_proj"]
-    k = x @ p["k_proj"]
-    v = x @ p["v_proj"]
+    q_out = h * hd * (2 if cfg.attn_output_gate else 1)
+    qkv = x @ p["qkv_proj"]  # [T, Q + 2*KVH*hd]: the packed q, k, v projections
     if cfg.attention_bias:
-        q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
+        qkv = qkv + p["qkv_bias"]
+    q, k, v = qkv[:, :q_out], qkv[:, q_out : q_out + kvh * hd], qkv[:, q_out + kvh * hd :]
     gate = None
     if cfg.attn_output_gate:
         q = q.reshape(num_tokens, h, 2, hd)  # per head: hd query dims, then hd gate dims
@@ -46,7 +47,7 @@ def attention_layer(
     k_pages, v_pages = write_kv_pages(k_pages, v_pages, k, v, batch.slot_mapping)
     o = paged_attention(
         q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions,
-        cu_seqlens=batch.cu_seqlens, decode=decode,
+        cu_seqlens=batch.cu_seqlens, decode=decode, **(kernels or {}),
     )
     o = o.reshape(num_tokens, h * hd)
     if gate is not None:

@@ -20,6 +20,7 @@ def gated_deltanet_layer(
     ssm_state: Array,
     batch: Batch,
     decode: bool,
+    kernels: dict | None = None,
 ) -> tuple[Float[Array, "T D"], Array, Array]:
     """in_proj -> causal conv + SiLU (conv state) -> L2-normed q/k, beta = sigmoid(b),
     g = -exp(A_log) * softplus(a + dt_bias) -> gated delta rule (recurrent state) -> gated RMSNorm(z) ->
@@ -27,10 +28,12 @@ def gated_deltanet_layer(
     num_tokens = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv = x @ p["in_proj_qkv"]  # [T, C] with C = 2*HK*K + HV*V
-    z = (x @ p["in_proj_z"]).reshape(num_tokens, hv, dv)
-    b = x @ p["in_proj_b"]  # [T, HV]
-    a = x @ p["in_proj_a"]  # [T, HV]
+    c = cfg.conv_dim  # 2*HK*K + HV*V
+    proj = x @ p["in_proj"]  # [T, C + HV*V + 2*HV]: the packed qkv, z, b, a projections
+    qkv = proj[:, :c]
+    z = proj[:, c : c + hv * dv].reshape(num_tokens, hv, dv)
+    b = proj[:, c + hv * dv : c + hv * dv + hv]  # [T, HV]
+    a = proj[:, c + hv * dv + hv :]  # [T, HV]
     qkv, conv_state = causal_conv1d(
         qkv, conv_state, p["conv_weight"], batch.cu_seqlens, batch.slot_ids, batch.token_seq
     )
@@ -38,15 +41,17 @@ def gated_deltanet_layer(
     q = qkv[:, : hk * dk].reshape(num_tokens, hk, dk)
     k = qkv[:, hk * dk : 2 * hk * dk].reshape(num_tokens, hk, dk)
     v = qkv[:, 2 * hk * dk :].reshape(num_tokens, hv, dv)
-    q, k = l2_normalize(q), l2_normalize(k)  # fp32
+    q, k = l2_normalize(q).astype(x.dtype), l2_normalize(k).astype(x.dtype)  # normalised in fp32, fed as x.dtype
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
     )
     if decode:
-        o, ssm_state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, batch.slot_ids)
+        o, ssm_state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, batch.slot_ids, **(kernels or {}))
     else:
-        o, ssm_state = chunk_gated_delta_rule(q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids)
+        o, ssm_state = chunk_gated_delta_rule(
+            q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids, **(kernels or {})
+        )
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)  # [T, HV, V]
     out = o.reshape(num_tokens, hv * dv) @ p["out_proj"]
     return out, conv_state, ssm_state

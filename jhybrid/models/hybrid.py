@@ -17,6 +17,7 @@ from jhybrid.models.attention import attention_layer
 from jhybrid.models.batch import Batch
 from jhybrid.models.gated_deltanet import gated_deltanet_layer
 from jhybrid.models.layers import dense_mlp, moe, rms_norm, rope_inv_freq
+from jhybrid.models.params import is_packed
 
 
 def forward(
@@ -27,6 +28,8 @@ def forward(
     *,
     decode: bool = False,
     all_logits: bool = False,
+    kernel_impl: str = "auto",
+    interpret: bool = False,
 ) -> tuple[Float[Array, "B V"] | Float[Array, "T V"], HybridState]:
     """Runs one step over a ragged batch.
 
@@ -37,10 +40,15 @@ def forward(
       batch: packed tokens and their metadata (`jhybrid.models.batch.Batch`).
       decode: every row has exactly one token (selects the decode forms of the kernels).
       all_logits: return logits for every packed token `[T, V]` instead of each row's last `[B, V]`.
+      kernel_impl: the kernels' `impl` ("auto": Pallas on GPU where supported, the references on CPU;
+        "reference"; "pallas"), with `interpret` to run Pallas in interpret mode (CPU tests).
 
     Returns:
       fp32 logits and the updated state.
     """
+    if not is_packed(params):
+        raise ValueError("forward runs on packed parameters: call jhybrid.models.params.pack_params(params) once")
+    kernels = dict(impl=kernel_impl, interpret=interpret)
     x = params["embed"][batch.token_ids]  # [T, D]
     inv_freq = rope_inv_freq(cfg) if cfg.num_full_layers else None
     k_pages, v_pages = list(state.k_pages), list(state.v_pages)
@@ -50,12 +58,12 @@ def forward(
         h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
         if kind == "full_attention":
             h, k_pages[i_full], v_pages[i_full] = attention_layer(
-                cfg, p["attn"], h, k_pages[i_full], v_pages[i_full], batch, inv_freq, decode
+                cfg, p["attn"], h, k_pages[i_full], v_pages[i_full], batch, inv_freq, decode, kernels
             )
             i_full += 1
         else:
             h, conv[i_lin], ssm[i_lin] = gated_deltanet_layer(
-                cfg, p["gdn"], h, conv[i_lin], ssm[i_lin], batch, decode
+                cfg, p["gdn"], h, conv[i_lin], ssm[i_lin], batch, decode, kernels
             )
             i_lin += 1
         x = x + h

@@ -63,10 +63,11 @@ def apply_rope(x: Float[Array, "T NH D"], positions: Int[Array, "T"], inv_freq: 
 
 
 def dense_mlp(p: dict, x: Float[Array, "T D"]) -> Array:
-    """SwiGLU MLP: `down(silu(gate(x)) * up(x))`."""
-    gate, up = x @ p["gate_proj"], x @ p["up_proj"]
-    if "gate_bias" in p:
-        gate, up = gate + p["gate_bias"], up + p["up_bias"]
+    """SwiGLU MLP: `down(silu(gate(x)) * up(x))` with gate and up packed in `gate_up_proj [D, 2I]`."""
+    gate_up = x @ p["gate_up_proj"]
+    if "gate_up_bias" in p:
+        gate_up = gate_up + p["gate_up_bias"]
+    gate, up = jnp.split(gate_up, 2, axis=-1)
     out = (jax.nn.silu(gate) * up) @ p["down_proj"]
     return out + p["down_bias"] if "down_bias" in p else out
 
@@ -84,7 +85,8 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool) -> Ar
         top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     combine = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], top_i].set(top_p)  # [T, E]
     combine = combine.astype(x.dtype)
-    h = jax.nn.silu(jnp.einsum("td,edi->tei", x, p["gate_proj"])) * jnp.einsum("td,edi->tei", x, p["up_proj"])
+    gate, up = jnp.split(jnp.einsum("td,edi->tei", x, p["gate_up_proj"]), 2, axis=-1)  # [T, E, Ie] x2
+    h = jax.nn.silu(gate) * up
     out = jnp.einsum("tei,eid,te->td", h, p["down_proj"], combine)  # [T, D]
     if "shared" in p:
         out = out + jax.nn.sigmoid(x @ p["shared_gate"]) * dense_mlp(p["shared"], x)

@@ -166,3 +166,45 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, scale
 
 def count_params(params: Params) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+
+
+# ----------------------------------------------------------------------------- runtime layout
+# The model runs on *packed* parameters: projections that read the same input are concatenated along
+# their output dim so one matmul replaces several (at decode, each is a weight-bandwidth-bound GEMV,
+# and fewer, larger ones waste less launch time and bandwidth):
+#   gdn.in_proj        = [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a]      [D, C + HV*V + 2*HV]
+#   attn.qkv_proj      = [q_proj | k_proj | v_proj]  (qkv_bias likewise)        [D, Q + 2*KVH*hd]
+#   mlp.gate_up_proj   = [gate_proj | up_proj]       (gate_up_bias likewise)    [D, 2I]   ([E, D, 2Ie] for experts)
+# Checkpoints keep the separate (HF-like) layout of `param_shapes`; `pack_params` converts once at load.
+
+_PACKS = {
+    "gdn": (("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),),
+    "attn": (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("qkv_bias", ("q_bias", "k_bias", "v_bias"))),
+    "mlp": (("gate_up_proj", ("gate_proj", "up_proj")), ("gate_up_bias", ("gate_bias", "up_bias"))),
+}
+
+
+def _pack_dict(p: dict, packs) -> dict:
+    out = dict(p)
+    for fused, parts in packs:
+        if all(part in out for part in parts):
+            out[fused] = jnp.concatenate([out.pop(part) for part in parts], axis=-1)
+    return out
+
+
+def pack_params(params: Params) -> Params:
+    """Canonical (checkpoint) layout -> the packed runtime layout the model runs on. Idempotent."""
+    layers = []
+    for layer in params["layers"]:
+        layer = dict(layer)
+        for key, packs in _PACKS.items():
+            if key in layer:
+                layer[key] = _pack_dict(layer[key], packs)
+        if "shared" in layer.get("mlp", {}):
+            layer["mlp"]["shared"] = _pack_dict(layer["mlp"]["shared"], _PACKS["mlp"])
+        layers.append(layer)
+    return {**params, "layers": tuple(layers)}
+
+
+def is_packed(params: Params) -> bool:
+    return all("gate_up_proj" in layer["mlp"] for layer in params["layers"])

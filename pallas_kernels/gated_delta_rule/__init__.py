@@ -24,7 +24,7 @@ from pallas_kernels.gated_delta_rule.reference import (
 _IMPLS = ("auto", "reference", "recurrent", "pallas")
 
 # Which kernels "auto" routes to on GPU: only those checked correct on the H200 (benchmarks/RESULTS.md).
-AUTO_PALLAS = {"fused_recurrent": True, "chunk": True}
+_AUTO_PALLAS = frozenset({"fused_recurrent", "chunk"})
 
 
 def _pow2(x: int) -> bool:
@@ -41,7 +41,7 @@ def _pick(impl: str, kind: str, q, v) -> str:
         raise ValueError(f"unknown gated delta rule {impl=}; choose one of {_IMPLS}")
     if impl == "auto":
         gpu = jax.default_backend() == "gpu"
-        return "pallas" if gpu and AUTO_PALLAS[kind] and pallas_supported(q, v) else "reference"
+        return "pallas" if gpu and kind in _AUTO_PALLAS and pallas_supported(q, v) else "reference"
     if impl == "pallas" and not pallas_supported(q, v):
         raise ValueError(
             f"the Pallas gated delta rule needs power-of-two K, V >= 16, got {q.shape[-1]=} {v.shape[-1]=}; "
@@ -56,7 +56,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, slot_ids, *, imp
     """Same signature and result as `chunk_gated_delta_rule_reference`.
 
     impl: "auto", "reference" (chunked WY form), "recurrent" (token-by-token scan, the definition) or
-    "pallas". `tuning` (block_v, num_warps, num_stages) goes to the Pallas kernel.
+    "pallas". `tuning` (block_v, num_warps, num_stages, wy_num_warps, fused_output) goes to the Pallas kernel.
     """
     impl = _pick(impl, "chunk", q, v)
     args = (q, k, v, g, beta, cu_seqlens, state, slot_ids)
@@ -85,7 +85,6 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, slot_ids, *, impl:
 
 
 __all__ = [
-    "AUTO_PALLAS",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_pallas",
     "chunk_gated_delta_rule_reference",

@@ -60,7 +60,7 @@ def fused_recurrent_gated_delta_rule_pallas(
     slot_ids: Int[Array, "B"],
     *,
     scale: float | None = None,
-    block_v: int = 32,
+    block_v: int = 128,
     num_warps: int = 4,
     num_stages: int = 1,
     interpret: bool = False,

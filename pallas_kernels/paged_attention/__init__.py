@@ -17,7 +17,7 @@ from pallas_kernels.paged_attention.decode import paged_attention_decode_pallas
 from pallas_kernels.paged_attention.reference import paged_attention_reference, write_kv_pages
 
 _IMPLS = ("auto", "reference", "pallas")
-_TUNING = ("pages_per_block", "num_splits", "num_warps", "num_stages")
+_TUNING = ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page")
 
 
 def _pow2(x: int) -> bool:

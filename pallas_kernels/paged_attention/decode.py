@@ -47,6 +47,7 @@ def _decode_kernel(
     pages_per_split: int,
     sliding_window: int | None,
     soft_cap: float | None,
+    per_page: bool,
 ):
     t, s = pl.program_id(0), pl.program_id(2)
     block_size, head_dim = k_pages_ref.shape[1], k_pages_ref.shape[2]
@@ -63,18 +64,13 @@ def _decode_kernel(
     q = q_ref[...]  # [GP, D]
     gp = q.shape[0]
 
-    def body(it, carry):
+    def update(carry, k, v, key_pos):  # online softmax over one block of keys [BK, D]
         o_prev, m_prev, l_prev = carry
-        first_page = split_start + it * pages_per_block
-        pages = block_tables_ref[row, pl.ds(first_page, pages_per_block)]  # [NP]
-        k = k_pages_ref[pages].reshape(block_k, head_dim)  # [NP*BS, D]
-        v = v_pages_ref[pages].reshape(block_k, head_dim)
-        key_pos = first_page * block_size + jnp.arange(block_k)
         mask = key_pos <= pos
         if sliding_window is not None:
             mask &= key_pos >= lo_tok
         scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        scores = scores * scale  # [GP, NP*BS]
+        scores = scores * scale  # [GP, BK]
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         scores = jnp.where(mask[None, :], scores, _MASK_VALUE)
@@ -84,6 +80,19 @@ def _decode_kernel(
         v = jnp.where(mask[:, None], v, jnp.zeros_like(v))  # unread keys may hold NaN
         o_next = o_prev * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return o_next, m_next, l_prev * corr + p.sum(axis=-1)
+
+    def body(it, carry):
+        first_page = split_start + it * pages_per_block
+        if per_page:  # NP scalar-indexed page loads: contiguous [BS, D] tiles
+            for i in range(pages_per_block):
+                page = block_tables_ref[row, first_page + i]
+                key_pos = (first_page + i) * block_size + jnp.arange(block_size)
+                carry = update(carry, k_pages_ref[page], v_pages_ref[page], key_pos)
+            return carry
+        pages = block_tables_ref[row, pl.ds(first_page, pages_per_block)]  # [NP]
+        k = k_pages_ref[pages].reshape(block_k, head_dim)  # [NP*BS, D] (a gather)
+        v = v_pages_ref[pages].reshape(block_k, head_dim)
+        return update(carry, k, v, first_page * block_size + jnp.arange(block_k))
 
     o = jnp.zeros((gp, head_dim), jnp.float32)
     m = jnp.full((gp,), -jnp.inf, jnp.float32)
@@ -98,7 +107,7 @@ def _decode_kernel(
     jax.jit,
     static_argnames=(
         "scale", "sliding_window", "soft_cap", "return_lse", "pages_per_block", "num_splits",
-        "num_warps", "num_stages", "interpret",
+        "num_warps", "num_stages", "per_page", "interpret",
     ),
 )
 def paged_attention_decode_pallas(
@@ -117,11 +126,14 @@ def paged_attention_decode_pallas(
     num_splits: int = 8,
     num_warps: int = 4,
     num_stages: int = 2,
+    per_page: bool = True,
     interpret: bool = False,
 ):
     """Same arguments and results as `paged_attention_reference` (query tokens of any rows).
 
-    D and BS must be powers of two. `num_splits` KV splits per query are merged by LSE.
+    q is cast to the pages' dtype for the dots (fp32 accumulation); the output has q's dtype.
+    D and BS must be powers of two. `num_splits` KV splits per query are merged by LSE. Each loop step
+    reads `pages_per_block` pages: as one gathered tile, or with `per_page` page by page.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
@@ -134,11 +146,11 @@ def paged_attention_decode_pallas(
     pages_per_split = -(-max_pages // (num_splits * pages_per_block)) * pages_per_block
     pad = num_splits * pages_per_split - max_pages
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))  # pad entries: page 0
-    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    q4 = q.astype(k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)  # dot operands: one dtype
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [T, KVH, GP, D]
     kernel = functools.partial(
         _decode_kernel, scale=scale, pages_per_block=pages_per_block, pages_per_split=pages_per_split,
-        sliding_window=sliding_window, soft_cap=soft_cap,
+        sliding_window=sliding_window, soft_cap=soft_cap, per_page=per_page,
     )
     pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda t, h, s: (0, 0, h, 0))
     o, lse = pl.pallas_call(
@@ -159,7 +171,8 @@ def paged_attention_decode_pallas(
         ],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_decode_np{pages_per_block}_ns{num_splits}_gp{gp}_w{num_warps}_s{num_stages}",
+        name=(f"paged_decode_{'pp' if per_page else 'np'}{pages_per_block}_ns{num_splits}_gp{gp}"
+              f"_w{num_warps}_s{num_stages}"),
     )(token_seq.astype(jnp.int32), positions.astype(jnp.int32), block_tables, q4, k_pages, v_pages)
     o, lse = o[:, :, :, :group], lse[:, :, :, :group]  # [T, KVH, NS, G, D], [T, KVH, NS, G]
     # --- LSE merge of the splits ---

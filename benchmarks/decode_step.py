@@ -1,0 +1,107 @@
+"""Where batch-1 decode time goes: the jitted step timed three ways, and its kernel count.
+
+    PYTHONPATH=. python -m benchmarks.decode_step [--json out.json]
+
+On the 2.2 B Qwen3-Next-shaped dense model (random bf16 weights made on the device), after a 512-token
+prefill: (a) `SequenceRunner.step` (host batch building + dispatch), (b) the jitted forward called
+back to back on device-resident inputs (dispatch + device only), (c) the number of kernels (fusions,
+custom calls, library calls) in the compiled program. Run it under different XLA_FLAGS to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.generate import HF_CONFIG
+from jhybrid.config import ModelConfig
+from jhybrid.engine.generate import SequenceRunner, _step
+from jhybrid.models.batch import RowSpec, make_batch
+from jhybrid.models.params import flatten_shapes, pack_params, param_shapes, unflatten
+
+
+def random_params(cfg: ModelConfig, seed: int = 0):
+    key = jax.random.key(seed)
+    flat = {}
+    for i, (name, shape) in enumerate(flatten_shapes(param_shapes(cfg)).items()):
+        k = jax.random.fold_in(key, i)
+        if name.endswith("A_log"):
+            flat[name] = jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0))
+        elif name.endswith("dt_bias"):
+            flat[name] = jax.random.uniform(k, shape, jnp.float32, -1.0, 1.0)
+        else:
+            flat[name] = (jax.random.normal(k, shape, jnp.float32) * (0.05 if len(shape) == 1 else 0.02)).astype(jnp.bfloat16)
+    return pack_params(unflatten(flat, cfg))
+
+
+def count_kernels(hlo_text: str) -> dict[str, int]:
+    entry = hlo_text[hlo_text.index("ENTRY") :]
+    return {
+        "fusion": len(re.findall(r"= \S+ fusion\(", entry)),
+        "custom-call": len(re.findall(r"custom-call\(", entry)),
+        "while": len(re.findall(r" while\(", entry)),
+        "instructions": entry.count("\n"),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json")
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args(argv)
+    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
+    cfg = ModelConfig.from_hf(hf)
+    params = random_params(cfg)
+    runner = SequenceRunner(cfg, params, max_len=1024)
+    table, slot = runner.start()
+    jax.block_until_ready(runner.step(list(range(512)), 0, table, slot))
+    for i in range(4):
+        out = runner.step([1], 512 + i, table, slot)
+    jax.block_until_ready(out)
+    # (a) through SequenceRunner.step
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        out = runner.step([1], 516 + i, table, slot)
+    jax.block_until_ready(out)
+    a = (time.perf_counter() - t0) / args.steps * 1e3
+    # (b) the jitted forward on device-resident inputs, back to back
+    batch = jax.tree.map(jnp.asarray, make_batch([RowSpec([1], 700, table, slot)], block_size=runner.block_size,
+                                                 max_blocks_per_seq=runner.max_blocks, num_tokens=1, num_rows=1))
+    state = runner.state
+    for _ in range(3):
+        logits, state = _step(cfg, runner.params, state, batch, decode=True, all_logits=False, kernel_impl="auto", interpret=False)
+    jax.block_until_ready(logits)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        logits, state = _step(cfg, runner.params, state, batch, decode=True, all_logits=False, kernel_impl="auto", interpret=False)
+    jax.block_until_ready(logits)
+    b = (time.perf_counter() - t0) / args.steps * 1e3
+    # (c) dispatch alone: a trivial jitted function with the same argument pytree
+    touch = jax.jit(lambda p, s, bt: bt.token_ids + 1)
+    jax.block_until_ready(touch(runner.params, state, batch))
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        r = touch(runner.params, state, batch)
+    jax.block_until_ready(r)
+    c = (time.perf_counter() - t0) / args.steps * 1e3
+    hlo = _step.lower(cfg, runner.params, state, batch, decode=True, all_logits=False, kernel_impl="auto",
+                      interpret=False).compile().as_text()
+    kernels = count_kernels(hlo)
+    weight_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
+    res = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "runner_step_ms": a, "jit_step_ms": b, "dispatch_only_ms": c,
+           "kernels": kernels, "weight_bytes": weight_bytes}
+    print(json.dumps(res), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Randomised property test of the scheduler and allocators (host only, no model).
+
+Hypothesis drives synthetic arrivals, engine steps (read one step behind, as the engine does), stops,
+aborts and the preemptions a small pool forces, and checks the invariants after every step: no block or
+slot held twice, used counts equal what sequences hold, every fed token has KV room, every row's tokens
+are known on the host or sampled by the previous step, and in the end every request finished (with a
+reason) and everything is free.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
+from jhybrid.engine.sampling import SamplingParams
+from jhybrid.engine.scheduler import Scheduler
+from jhybrid.engine.sequence import Sequence, Status
+
+
+def check_invariants(sched: Scheduler, blocks: BlockAllocator, slots: SlotAllocator, all_seqs: list[Sequence]):
+    held_blocks, held_slots = [], []
+    for seq in all_seqs:
+        if seq.status is Status.RUNNING:
+            assert seq in sched.running
+            assert seq.slot != 0 and 0 not in seq.block_table
+            assert blocks.blocks_needed(seq.num_computed) <= len(seq.block_table), f"{seq}: fed tokens without KV room"
+            held_blocks += seq.block_table
+            held_slots.append(seq.slot)
+        else:
+            assert seq.block_table == [] and seq.slot == 0, f"{seq} holds memory while {seq.status}"
+        assert 0 <= seq.num_pending <= 2
+        assert seq.num_computed <= seq.num_tokens
+    assert len(held_blocks) == len(set(held_blocks)) == blocks.num_used, "a block is held twice or leaked"
+    assert len(held_slots) == len(set(held_slots)) == slots.num_used, "a slot is held twice or leaked"
+    assert blocks.num_used + blocks.num_free == blocks.capacity - 1
+    assert slots.num_used + slots.num_free == slots.capacity - 1
+    assert len(sched.running) <= sched.max_num_seqs
+
+
+def read(prev, sched: Scheduler, rng, max_model_len: int):
+    """What the engine does with a step's sampled tokens: append, then stop or keep going."""
+    for row in prev.rows:
+        if not row.samples:
+            continue
+        seq = row.seq
+        seq.num_pending -= 1
+        if seq.is_finished:
+            continue
+        seq.token_ids.append(rng.randrange(100))
+        if rng.random() < 0.05:
+            sched.finish(seq, "stop")
+        elif len(seq.output_ids) >= seq.params.max_tokens or len(seq.token_ids) >= max_model_len:
+            sched.finish(seq, "length")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block_size=st.integers(1, 8),
+    extra_blocks=st.integers(0, 8),
+    num_slots=st.integers(2, 7),
+    budget=st.integers(1, 64),
+    events=st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "step", "step", "step", "abort"]), st.integers(0, 10**6)),
+                    min_size=20, max_size=120),
+    seed=st.integers(0, 2**16),
+)
+def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, events, seed):
+    import random
+
+    rng = random.Random(seed)
+    max_model_len = 4 * block_size + rng.randrange(1, 40)
+    num_blocks = -(-max_model_len // block_size) + 1 + extra_blocks  # always fits one full sequence
+    blocks, slots = BlockAllocator(num_blocks, block_size), SlotAllocator(num_slots)
+    sched = Scheduler(blocks, slots, max_num_seqs=rng.randrange(1, num_slots), max_num_batched_tokens=budget,
+                      max_model_len=max_model_len)
+    seqs: list[Sequence] = []
+    prev = None
+
+    def step():
+        nonlocal prev
+        out = sched.schedule() if sched.has_work() else None
+        if out is not None:
+            assert out.num_tokens <= budget and len(out.rows) <= sched.max_num_seqs
+            sampled_last = {id(r.seq) for r in prev.rows if r.samples} if prev is not None else set()
+            for row in out.rows:
+                assert row.num_tokens >= 1 and row.seq.status is Status.RUNNING
+                known = len(row.seq.token_ids) + (1 if id(row.seq) in sampled_last else 0)
+                assert row.start + row.num_tokens <= known, f"{row.seq}: row needs tokens nobody sampled"
+            assert len({id(r.seq) for r in out.rows}) == len(out.rows), "a sequence got two rows"
+        if prev is not None:
+            read(prev, sched, rng, max_model_len)
+        prev = out if out is not None and out.rows else None
+        check_invariants(sched, blocks, slots, seqs)
+
+    for kind, value in events:
+        if kind == "arrive":
+            prompt = [value % 97] * (1 + value % (max_model_len - 1))
+            seqs.append(Sequence(len(seqs), prompt, SamplingParams(max_tokens=1 + value % 12)))
+            sched.add(seqs[-1])
+        elif kind == "abort" and seqs:
+            sched.finish(seqs[value % len(seqs)], "abort")
+        else:
+            step()
+    for _ in range(20_000):  # drain: every request must finish
+        if not sched.has_work() and prev is None:
+            break
+        step()
+    assert all(s.is_finished and s.finish_reason in ("stop", "length", "abort") for s in seqs)
+    assert blocks.num_used == 0 and slots.num_used == 0
+    assert all(s.num_pending == 0 for s in seqs)
+
+
+def test_preemption_happens_and_recovers():
+    """A pool too small for all running sequences preempts (recompute) and still finishes every request."""
+    blocks, slots = BlockAllocator(12, 4), SlotAllocator(5)
+    sched = Scheduler(blocks, slots, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40)
+    seqs = [Sequence(i, [1] * 10, SamplingParams(max_tokens=20)) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    import random
+
+    rng, prev, preempted = random.Random(0), None, 0
+    while sched.has_work() or prev is not None:
+        out = sched.schedule() if sched.has_work() else None
+        preempted += len(out.preempted) if out else 0
+        if prev is not None:
+            for row in prev.rows:
+                if row.samples:
+                    row.seq.num_pending -= 1
+                    if not row.seq.is_finished:
+                        row.seq.token_ids.append(rng.randrange(100))
+                        if len(row.seq.output_ids) >= 20:
+                            sched.finish(row.seq, "length")
+        prev = out if out is not None and out.rows else None
+        check_invariants(sched, blocks, slots, seqs)
+    assert preempted > 0
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 20 for s in seqs)
+    assert any(s.num_preemptions for s in seqs)
