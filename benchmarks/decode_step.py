@@ -51,14 +51,47 @@ def count_kernels(hlo_text: str) -> dict[str, int]:
     }
 
 
+def engine_decode(cfg, params, batches, json_path):
+    """Steady-state decode step time of the LLM engine (host work + dispatch + device), prompts of 512."""
+    import jhybrid
+    from jhybrid.engine.generate import LoadedModel
+
+    llm = jhybrid.LLM(LoadedModel(cfg=cfg, params=params), dtype=None, max_num_seqs=max(batches), max_model_len=1024,
+                      max_num_batched_tokens=8192)
+    eng, res = llm.engine, {}
+    sp = jhybrid.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for b in batches:
+        for rep in range(2):  # the first compiles
+            for i in range(b):
+                eng.add_request(f"{b}-{rep}-{i}", [t % cfg.vocab_size for t in range(1, 513)], sp)
+            times, last = [], None
+            while eng.has_unfinished():
+                decode_only = all(s.num_uncomputed <= 1 for s in eng.scheduler.running) and not eng.scheduler.waiting
+                eng.step()
+                now = time.perf_counter()
+                if decode_only and last is not None:
+                    times.append(now - last)
+                last = now
+            for i in range(b):
+                eng.release(f"{b}-{rep}-{i}")
+        res[f"engine_decode_step_ms_b{b}"] = float(np.median(times[4:])) * 1e3
+        print(f"engine batch {b}: decode step {res[f'engine_decode_step_ms_b{b}']:.3f} ms", flush=True)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=2)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json")
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--engine", default="", help="comma-separated batch sizes: time the LLM engine's decode steps only")
     args = parser.parse_args(argv)
     hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
     cfg = ModelConfig.from_hf(hf)
     params = random_params(cfg)
+    if args.engine:
+        return engine_decode(cfg, params, [int(b) for b in args.engine.split(",")], args.json)
     runner = SequenceRunner(cfg, params, max_len=1024)
     table, slot = runner.start()
     jax.block_until_ready(runner.step(list(range(512)), 0, table, slot))

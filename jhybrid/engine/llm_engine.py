@@ -112,10 +112,7 @@ class LLMEngine:
         return updated
 
     def _read(self, result: StepResult) -> list[Sequence]:
-        tokens = np.asarray(result.tokens)  # waits for that step only
-        token_logp = np.asarray(result.token_logp)
-        top_lp = np.asarray(result.top_logp) if result.top_logp is not None else None
-        top_ids = np.asarray(result.top_ids) if result.top_ids is not None else None
+        tokens, token_logp, top_lp, top_ids = result.fetch()  # waits for that step only
         updated = []
         for i, row in enumerate(result.sched.rows):
             if not row.samples:

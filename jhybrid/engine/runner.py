@@ -1,5 +1,10 @@
 """Turns a scheduled step into arrays and runs the jitted step (forward + sampling) without waiting.
 
+Host overhead per step is what bounds small-batch decode, so the runner keeps it small: block tables live
+in a persistent NumPy array indexed by state slot (updated only when a sequence gains blocks), the step's
+metadata is built with vectorised NumPy and crosses to the device as ONE int32 buffer (unpacked inside
+the jitted step), and the sampled tokens with their log-probabilities come back as one array.
+
 Rows whose last fed token was sampled by the previous step (not yet read on the host) take it from that
 step's device output (`token_src`), so step n+1 is dispatched before step n's tokens reach the host.
 """
@@ -17,54 +22,79 @@ from jhybrid.cache.state import CacheConfig, HybridState, init_state, zero_slots
 from jhybrid.config import ModelConfig
 from jhybrid.engine.sampling import MAX_LOGPROBS, SamplingArrays, sample
 from jhybrid.engine.scheduler import SchedulerOutput
-from jhybrid.models.batch import Batch, RowSpec, make_batch
+from jhybrid.models.batch import Batch
 from jhybrid.models.hybrid import forward
+
+# the packed metadata: (name, length as a function of T, B, M); float fields travel bit-cast to int32
+_FIELDS = (
+    ("token_ids", lambda t, b, m: t), ("positions", lambda t, b, m: t), ("token_seq", lambda t, b, m: t),
+    ("slot_mapping", lambda t, b, m: t), ("cu_seqlens", lambda t, b, m: b + 1), ("block_tables", lambda t, b, m: b * m),
+    ("slot_ids", lambda t, b, m: b), ("logits_index", lambda t, b, m: b), ("token_src", lambda t, b, m: b),
+    ("temperature", lambda t, b, m: b), ("top_k", lambda t, b, m: b), ("top_p", lambda t, b, m: b),
+    ("seeds", lambda t, b, m: b), ("counters", lambda t, b, m: b),
+)
+_FLOAT_FIELDS = ("temperature", "top_p")
 
 
 def _pow2(n: int, minimum: int) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
+def _unpack(meta: jax.Array, t: int, b: int, m: int) -> dict[str, jax.Array]:
+    out, offset = {}, 0
+    for name, size in _FIELDS:
+        n = size(t, b, m)
+        x = meta[offset : offset + n]
+        if name in _FLOAT_FIELDS:
+            x = jax.lax.bitcast_convert_type(x, jnp.float32)
+        out[name] = x.reshape(b, m) if name == "block_tables" else x
+        offset += n
+    return out
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "decode", "all_greedy", "filtered", "num_logprobs", "max_rows"),
+    static_argnames=("cfg", "layout", "decode", "all_greedy", "filtered", "num_logprobs", "max_rows"),
     donate_argnames=("state",),
 )
-def engine_step(
-    cfg: ModelConfig,
-    params,
-    state: HybridState,
-    batch: Batch,
-    prev_tokens: jax.Array,  # [R] the previous step's sampled tokens (padded to R = max_rows)
-    token_src: jax.Array,  # [B] row of the previous step whose token is this row's last token, or -1
-    sampling: SamplingArrays,
-    *,
-    decode: bool,
-    all_greedy: bool,
-    filtered: bool,
-    num_logprobs: int,
-    max_rows: int,
-):
-    num_tokens = batch.token_ids.shape[0]
-    last = batch.cu_seqlens[1:] - 1
-    target = jnp.where(token_src >= 0, last, num_tokens)  # out of range: dropped
-    token_ids = batch.token_ids.at[target].set(prev_tokens[jnp.maximum(token_src, 0)], mode="drop")
-    batch = dataclasses.replace(batch, token_ids=token_ids)
+def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array, *,
+                layout: tuple[int, int, int], decode: bool, all_greedy: bool, filtered: bool, num_logprobs: int,
+                max_rows: int):
+    """One step. `meta` is the packed int32 metadata of `layout = (T, B, M)`; `prev_out [2, R]` the previous
+    step's output (row 0: its sampled tokens). Returns (`[2, R]` int32: tokens and their bit-cast fp32 logprobs, top logprobs,
+    top ids, state)."""
+    f = _unpack(meta, *layout)
+    num_tokens = layout[0]
+    token_src = f["token_src"]
+    target = jnp.where(token_src >= 0, f["cu_seqlens"][1:] - 1, num_tokens)  # out of range: dropped
+    token_ids = f["token_ids"].at[target].set(prev_out[0][jnp.maximum(token_src, 0)], mode="drop")
+    batch = Batch(token_ids=token_ids, positions=f["positions"], token_seq=f["token_seq"],
+                  slot_mapping=f["slot_mapping"], cu_seqlens=f["cu_seqlens"], block_tables=f["block_tables"],
+                  slot_ids=f["slot_ids"], logits_index=f["logits_index"])
+    sampling = SamplingArrays(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
+                              seeds=f["seeds"], counters=f["counters"])
     logits, state = forward(cfg, params, state, batch, decode=decode)
     tokens, token_logp, top_lp, top_ids = sample(
         logits, sampling, all_greedy=all_greedy, filtered=filtered, num_logprobs=num_logprobs
     )
-    padded = jnp.zeros((max_rows,), jnp.int32).at[: tokens.shape[0]].set(tokens)
-    return padded, token_logp, top_lp, top_ids, state
+    packed = jnp.zeros((2, max_rows), jnp.int32)
+    packed = packed.at[0, : tokens.shape[0]].set(tokens)
+    packed = packed.at[1, : tokens.shape[0]].set(jax.lax.bitcast_convert_type(token_logp, jnp.int32))
+    return packed, top_lp, top_ids, state
 
 
 @dataclasses.dataclass
 class StepResult:
     sched: SchedulerOutput
-    tokens: jax.Array  # [R] device
-    token_logp: jax.Array
+    out: jax.Array  # [2, R] device: tokens, bit-cast logprobs
     top_logp: jax.Array | None
     top_ids: jax.Array | None
+
+    def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
+        out = np.asarray(self.out)  # one transfer; waits for this step only
+        top_lp = np.asarray(self.top_logp) if self.top_logp is not None else None
+        top_ids = np.asarray(self.top_ids) if self.top_ids is not None else None
+        return out[0], out[1].view(np.float32), top_lp, top_ids
 
 
 class ModelRunner:
@@ -76,7 +106,11 @@ class ModelRunner:
         self.max_rows = _pow2(max_num_seqs, 1)
         self.max_tokens_bucket = _pow2(max_num_batched_tokens, 16)
         self.seed = seed
-        self._no_prev = jnp.zeros((self.max_rows,), jnp.int32)
+        self._no_prev = jnp.zeros((2, self.max_rows), jnp.int32)
+        # block table of the sequence in each state slot, kept in sync incrementally
+        self._tables = np.zeros((cache.num_slots, self.max_blocks), np.int32)
+        self._table_len = np.zeros(cache.num_slots, np.int64)
+        self._table_owner: list[tuple[int, int] | None] = [None] * cache.num_slots
         self.compiled_shapes: set[tuple] = set()
 
     def zero_slots(self, slots: list[int]) -> None:
@@ -84,52 +118,82 @@ class ModelRunner:
             padded = slots + [0] * (_pow2(len(slots), 4) - len(slots))  # bucketed; slot 0 is the null slot
             self.state = zero_slots(self.state, jnp.asarray(padded, jnp.int32))
 
+    def _sync_table(self, seq) -> None:
+        slot, table = seq.slot, seq.block_table
+        owner = (seq.seq_id, seq.num_preemptions)  # a re-admitted sequence has new blocks
+        if self._table_owner[slot] != owner or self._table_len[slot] > len(table):
+            self._table_owner[slot], self._table_len[slot] = owner, 0
+        n = self._table_len[slot]
+        if n < len(table):
+            self._tables[slot, n : len(table)] = table[n:]
+            self._table_len[slot] = len(table)
+
     def execute(self, sched: SchedulerOutput, prev: StepResult | None) -> StepResult:
         rows = sched.rows
-        prev_row = {id(r.seq): i for i, r in enumerate(prev.sched.rows)} if prev is not None else {}
-        specs, src = [], []
-        for r in rows:
-            seq = r.seq
-            known = len(seq.token_ids)  # host-known tokens; position `known` is pending on the device
-            end = r.start + r.num_tokens
-            ids = seq.token_ids[r.start : min(end, known)]
-            if end > known:
-                if end != known + 1 or id(seq) not in prev_row:
-                    raise AssertionError(f"{seq}: row [{r.start}, {end}) needs tokens the last step did not sample")
-                src.append(prev_row[id(seq)])
-                ids = ids + [0]  # placeholder, replaced on the device
-            else:
-                src.append(-1)
-            specs.append(RowSpec(ids, r.start, seq.block_table, seq.slot))
+        num_real = len(rows)
         decode = sched.is_decode
-        num_rows = min(_pow2(len(rows), 4), self.max_rows)  # len(rows) <= max_num_seqs <= max_rows
+        num_rows = min(_pow2(num_real, 4), self.max_rows)  # num_real <= max_num_seqs <= max_rows
         num_tokens = num_rows if decode else min(_pow2(sched.num_tokens, 16), self.max_tokens_bucket)
-        batch = make_batch(specs, block_size=self.cache.block_size, max_blocks_per_seq=self.max_blocks,
-                           num_tokens=num_tokens, num_rows=num_rows)
+        bs, m = self.cache.block_size, self.max_blocks
+        prev_row = {r.seq.seq_id: i for i, r in enumerate(prev.sched.rows)} if prev is not None else {}
+
+        lengths = np.zeros(num_rows, np.int64)
+        starts = np.zeros(num_rows, np.int64)
+        slots = np.zeros(num_rows, np.int32)
         token_src = np.full(num_rows, -1, np.int32)
-        token_src[: len(src)] = src
-        params = [r.seq.params for r in rows]
-        sampling = SamplingArrays(
-            temperature=np.array([p.temperature for p in params] + [0.0] * (num_rows - len(rows)), np.float32),
-            top_k=np.array([max(p.top_k, 0) for p in params] + [0] * (num_rows - len(rows)), np.int32),
-            top_p=np.array([p.top_p for p in params] + [1.0] * (num_rows - len(rows)), np.float32),
-            seeds=np.array([self._seed(r.seq) for r in rows] + [0] * (num_rows - len(rows)), np.uint32),
-            counters=np.array([r.start + r.num_tokens for r in rows] + [0] * (num_rows - len(rows)), np.int32),
+        temperature = np.zeros(num_rows, np.float32)
+        top_k = np.zeros(num_rows, np.int32)
+        top_p = np.ones(num_rows, np.float32)
+        seeds = np.zeros(num_rows, np.uint32)
+        pieces = []
+        for i, r in enumerate(rows):
+            seq, p = r.seq, r.seq.params
+            self._sync_table(seq)
+            end, known = r.start + r.num_tokens, len(seq.token_ids)
+            if end > known:  # the last token is pending on the device: the previous step sampled it
+                if end != known + 1 or seq.seq_id not in prev_row:
+                    raise AssertionError(f"{seq}: row [{r.start}, {end}) needs tokens the last step did not sample")
+                token_src[i] = prev_row[seq.seq_id]
+                pieces.append(seq.token_ids[r.start : known] + [0])  # placeholder, replaced on the device
+            else:
+                pieces.append(seq.token_ids[r.start : end])
+            lengths[i], starts[i], slots[i] = r.num_tokens, r.start, seq.slot
+            temperature[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
+            seeds[i] = self._seed(seq)
+        total = int(lengths.sum())
+        cu = np.zeros(num_rows + 1, np.int64)
+        np.cumsum(lengths, out=cu[1:])
+        token_ids = np.zeros(num_tokens, np.int32)
+        token_ids[:total] = np.fromiter((t for piece in pieces for t in piece), np.int32, total)
+        token_seq = np.full(num_tokens, max(num_real - 1, 0), np.int64)
+        token_seq[:total] = np.repeat(np.arange(num_rows), lengths)
+        positions = np.zeros(num_tokens, np.int64)
+        positions[:total] = np.arange(total) - np.repeat(cu[:-1] - starts, lengths)
+        tables = self._tables[slots]  # [B, M]; padding rows read slot 0's row: zeros
+        tables[num_real:] = 0
+        slot_mapping = np.arange(num_tokens) % bs  # padding tokens -> page 0 (the null page)
+        slot_mapping[:total] = tables[token_seq[:total], positions[:total] // bs] * bs + positions[:total] % bs
+        counters = (starts + lengths).astype(np.int32)
+        fields = dict(
+            token_ids=token_ids, positions=positions, token_seq=token_seq, slot_mapping=slot_mapping, cu_seqlens=cu,
+            block_tables=tables, slot_ids=slots, logits_index=np.maximum(cu[1:] - 1, 0), token_src=token_src,
+            temperature=temperature.view(np.int32), top_k=top_k, top_p=top_p.view(np.int32),
+            seeds=seeds.view(np.int32), counters=counters,
         )
-        wants_logprobs = any(p.logprobs is not None for p in params)
+        meta = np.concatenate([np.asarray(fields[name], np.int32).ravel() for name, _ in _FIELDS])
+        params = [r.seq.params for r in rows]
         statics = dict(
+            layout=(num_tokens, num_rows, m),
             decode=decode,
             all_greedy=all(p.greedy for p in params),
             filtered=any(p.filtered for p in params),
-            num_logprobs=MAX_LOGPROBS if wants_logprobs else 0,
+            num_logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else 0,
             max_rows=self.max_rows,
         )
-        self.compiled_shapes.add((num_tokens, num_rows, *statics.values()))
-        prev_tokens = prev.tokens if prev is not None else self._no_prev
-        tokens, token_logp, top_lp, top_ids, self.state = engine_step(
-            self.cfg, self.params, self.state, batch, prev_tokens, token_src, sampling, **statics
-        )
-        return StepResult(sched, tokens, token_logp, top_lp, top_ids)
+        self.compiled_shapes.add(tuple(statics.values()))
+        prev_out = prev.out if prev is not None else self._no_prev
+        out, top_lp, top_ids, self.state = engine_step(self.cfg, self.params, self.state, meta, prev_out, **statics)
+        return StepResult(sched, out, top_lp, top_ids)
 
     def _seed(self, seq) -> int:
         if seq.params.seed is not None:
