@@ -2,11 +2,12 @@
 
 `paged_attention` is the entry point the model calls; `impl` picks the implementation:
   * "reference": pure jnp (`paged_attention_reference`), any backend;
-  * "pallas": the Pallas kernel (`decode.py`: one program per (query token, kv head, KV split), split-KV
-    with an LSE merge); `interpret=True` runs it in the Pallas interpreter (CPU tests);
-  * "auto": the Pallas kernel on GPU for decode batches whose shapes it supports, else the reference.
-    Prefill batches stay on the reference: the only Pallas path for them is the per-query-token kernel,
-    which re-reads a row's KV once per query token (correct, but not a prefill kernel).
+  * "pallas": the Pallas kernels: `decode.py` (one program per (query token, kv head, KV split), split-KV
+    with an LSE merge) for `decode=True`, `prefill.py` (ragged query tiles per row, needs `cu_seqlens`)
+    otherwise; `interpret=True` runs them in the Pallas interpreter (CPU tests);
+  * "auto": the Pallas decode kernel on GPU for decode batches whose shapes it supports, else the
+    reference. Prefill goes to the Pallas prefill kernel only when `AUTO_PALLAS_PREFILL` is set (after its
+    check on the H200; not yet done).
 """
 
 from __future__ import annotations
@@ -14,10 +15,15 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.paged_attention.decode import paged_attention_decode_pallas
+from pallas_kernels.paged_attention.prefill import paged_attention_prefill_pallas
 from pallas_kernels.paged_attention.reference import paged_attention_reference, write_kv_pages
 
 _IMPLS = ("auto", "reference", "pallas")
-_TUNING = ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page")
+_TUNING = ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page", "block_q")
+_PREFILL_TUNING = ("pages_per_block", "num_warps", "num_stages", "block_q")
+# "auto" routes prefill (many queries per row) to the ragged Pallas kernel only once it has been checked
+# on the H200; until then it uses the reference.
+AUTO_PALLAS_PREFILL = False
 
 
 def _pow2(x: int) -> bool:
@@ -46,10 +52,10 @@ def paged_attention(
         raise ValueError(f"unknown paged attention {impl=}; choose one of {_IMPLS}")
     if unknown := set(tuning) - set(_TUNING):
         raise ValueError(f"unknown paged attention tuning arguments {unknown}; known: {_TUNING}")
-    del cu_seqlens  # the per-query-token kernel needs only token_seq and positions
     kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, return_lse=return_lse)
     if impl == "auto":
-        use_pallas = decode and jax.default_backend() == "gpu" and pallas_supported(q, k_pages)
+        on_gpu = jax.default_backend() == "gpu" and pallas_supported(q, k_pages)
+        use_pallas = on_gpu and (decode or (AUTO_PALLAS_PREFILL and cu_seqlens is not None))
         impl = "pallas" if use_pallas else "reference"
     if impl == "reference":
         return paged_attention_reference(q, k_pages, v_pages, block_tables, token_seq, positions, **kw)
@@ -58,9 +64,22 @@ def paged_attention(
             f"the Pallas paged attention needs power-of-two head_dim >= 16 and page size, got "
             f"{q.shape[-1]=} {k_pages.shape[1]=}; use impl='reference'"
         )
+    if not decode and cu_seqlens is not None:  # ragged prefill: query tiles per row
+        tuning = {k: v for k, v in tuning.items() if k in _PREFILL_TUNING}
+        return paged_attention_prefill_pallas(
+            q, k_pages, v_pages, block_tables, cu_seqlens, positions, interpret=interpret, **kw, **tuning
+        )
+    tuning = {k: v for k, v in tuning.items() if k != "block_q"}
     return paged_attention_decode_pallas(
         q, k_pages, v_pages, block_tables, token_seq, positions, interpret=interpret, **kw, **tuning
     )
 
 
-__all__ = ["paged_attention", "paged_attention_reference", "paged_attention_decode_pallas", "write_kv_pages"]
+__all__ = [
+    "AUTO_PALLAS_PREFILL",
+    "paged_attention",
+    "paged_attention_decode_pallas",
+    "paged_attention_prefill_pallas",
+    "paged_attention_reference",
+    "write_kv_pages",
+]

@@ -1,0 +1,53 @@
+"""The ragged prefill paged-attention Pallas kernel (interpret mode) against the reference, and its
+lowering for the H200."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from tests.test_kernels_pallas import _paged_inputs, assert_close, lower_for_h200
+
+PREFILL_CASES = [
+    # cached lengths after the step, new tokens per row, H, KVH, D, BS
+    ([1], [1], 4, 4, 64, 16),  # one token
+    ([16, 33], [16, 5], 8, 2, 128, 16),  # exactly one block; a chunk continuing a cached prefix
+    ([300, 7, 129], [45, 7, 100], 16, 2, 256, 16),  # many blocks with ragged tails, GQA 8
+    ([40, 5, 77], [40, 5, 3], 6, 2, 64, 8),  # GQA 3, group padded to 4
+]
+
+
+def _with_padding(args, lengths, new, pad=3):
+    q, kp, vp, tables, token_seq, positions = args
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+    q = jnp.concatenate([q, jnp.full((pad, *q.shape[1:]), jnp.nan, q.dtype)])  # padding queries: NaN
+    token_seq = jnp.concatenate([token_seq, jnp.full((pad,), len(lengths) - 1, jnp.int32)])
+    positions = jnp.concatenate([positions, jnp.zeros((pad,), jnp.int32)])
+    return (q, kp, vp, tables, token_seq, positions), cu
+
+
+@pytest.mark.parametrize("lengths,new,h,kvh,d,bs", PREFILL_CASES)
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
+def test_paged_prefill_pallas_matches_reference(lengths, new, h, kvh, d, bs, variant):
+    rng = np.random.default_rng(sum(lengths) + d + len(variant))
+    args, cu = _with_padding(_paged_inputs(rng, lengths, new, h, kvh, d, bs, jnp.float32), lengths, new)
+    kw = dict(sliding_window=21 if variant == "window" else None, soft_cap=2.0 if variant == "softcap" else None)
+    real = int(cu[-1])
+    want_o, want_lse = paged_attention_reference(*args, return_lse=True, **kw)
+    got_o, got_lse = paged_attention(*args, cu_seqlens=cu, decode=False, impl="pallas", interpret=True,
+                                     return_lse=True, block_q=4, pages_per_block=2, **kw)
+    assert_close("prefill attention output", got_o[:real], want_o[:real], 1e-5)
+    assert_close("prefill attention lse", got_lse[:real], want_lse[:real], 1e-5)
+    assert np.all(np.asarray(got_o)[real:] == 0), "padding tokens must produce zeros"
+
+
+@pytest.mark.parametrize("h,kvh,d", [(16, 2, 256), (8, 8, 64), (32, 4, 128)])
+def test_paged_prefill_lowers_for_h200(h, kvh, d):
+    rng = np.random.default_rng(2)
+    args, cu = _with_padding(_paged_inputs(rng, [40, 17], [30, 17], h, kvh, d, 16, jnp.bfloat16), [40, 17], [30, 17])
+    fn = lambda *a: paged_attention(*a, cu_seqlens=cu, decode=False, impl="pallas", return_lse=True,  # noqa: E731
+                                    sliding_window=64)
+    lower_for_h200(fn, *args)
+    lower_for_h200(fn, args[0].astype(jnp.float32), *args[1:])  # fp32 queries over bf16 pages
