@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 
@@ -12,16 +11,14 @@ import torch
 
 import jhybrid
 from jhybrid.cli import main
+from tests.example_ckpt import write_example_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("tiny_random", os.path.join(ROOT, "examples", "tiny_random.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "ckpt"), seed=7)
+    return write_example_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=7)
 
 
 def test_example_checkpoint_loads_in_hf_and_generates_the_same(tiny_dir):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import numpy as np
 import pytest
@@ -12,10 +10,10 @@ import torch
 import jhybrid
 from jhybrid import LLM, SamplingParams
 from jhybrid.checkpoint import load_model
+from tests.example_ckpt import write_example_checkpoint
 from jhybrid.engine.generate import LoadedModel
 from tests.hf_models import make_qwen3_5
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -31,10 +29,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def texty(tmp_path_factory):
     """The example's tiny checkpoint, which has a tokenizer."""
-    spec = importlib.util.spec_from_file_location("tiny_random", os.path.join(ROOT, "examples", "tiny_random.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_tiny_checkpoint(str(tmp_path_factory.mktemp("texty") / "ckpt"), seed=3)
+    return write_example_checkpoint(tmp_path_factory.mktemp("texty") / "ckpt", seed=3)
 
 
 def prompts_1_to_300(n=16, vocab=128):

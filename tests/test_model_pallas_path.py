@@ -6,24 +6,19 @@ bf16 activations over fp32 state), which kernel-level tests alone can miss.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import numpy as np
 import pytest
 
 from jhybrid.checkpoint import load_model
+from tests.example_ckpt import write_example_checkpoint
 from jhybrid.engine.generate import SequenceRunner
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("tiny_random", os.path.join(ROOT, "examples", "tiny_random.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.write_tiny_checkpoint(str(tmp_path_factory.mktemp("pallas") / "ckpt"), seed=5)
+    return write_example_checkpoint(tmp_path_factory.mktemp("pallas") / "ckpt", seed=5)
 
 
 def run(cfg, params, ids, chunks, decode_steps, **kernels):

@@ -7,7 +7,6 @@ on assignment, bucketed shapes) and can return every token's logits: the tool pa
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from collections.abc import Sequence
@@ -15,7 +14,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jhybrid.cache import BlockAllocator, CacheConfig, SlotAllocator, init_state, zero_slots
 from jhybrid.config import ModelConfig
