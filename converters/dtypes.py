@@ -24,7 +24,7 @@ _NAMES = {
     "float": np.dtype(np.float32),
 }
 SUPPORTED = ("float32", "bfloat16", "float16")
-FP32_PARAMS = ("A_log", "dt_bias")
+FP32_PARAMS = ("A_log", "dt_bias", "router_bias")  # router_bias: HF keeps e_score_correction_bias in fp32
 
 
 def resolve_dtype(dtype: Any) -> np.dtype:

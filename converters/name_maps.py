@@ -16,7 +16,11 @@ jhybrid names are those of `jhybrid.models.params.flatten_shapes(param_shapes(cf
   stacked `gate_proj`, `up_proj [E, D, Ie]`, `down_proj [E, Ie, D]`.
 
 Ignored on-disk tensors: `model.visual.*` (Qwen3.5 vision tower), `mtp.*` (multi-token prediction
-heads), `*.rotary_emb.inv_freq`, and `lm_head.weight` when the embeddings are tied. Multimodal Qwen3.5
+heads), `*.rotary_emb.inv_freq`, MiniMax's derived lightning-decay buffers (`*.slope_rate`,
+`*.query_decay`, `*.key_decay`, `*.diagonal_decay`: jhybrid recomputes the slopes from the layer index),
+and `lm_head.weight` when the embeddings are tied.
+
+The lightning-attention and Mamba2 families (MiniMax, NemotronH) have their maps in `family_maps.py`. Multimodal Qwen3.5
 checkpoints keep the text model under `model.language_model.`, read as `model.`.
 """
 
@@ -30,13 +34,18 @@ from converters.plan import Plan, Rule, identity, linear
 from jhybrid.config import ModelConfig
 
 _IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_IGNORED_SUFFIXES = (
+    ".rotary_emb.inv_freq", ".self_attn.slope_rate", ".self_attn.query_decay", ".self_attn.key_decay",
+    ".self_attn.diagonal_decay",
+)
 
 
 def normalize_name(name: str) -> str:
-    """`model.language_model.X` -> `model.X` (multimodal Qwen3.5); other names unchanged."""
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model.") :]
+    """`model.language_model.X` (multimodal Qwen3.5) and `backbone.X` (NemotronH hub checkpoints) ->
+    `model.X`; other names unchanged."""
+    for prefix in ("model.language_model.", "backbone."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix) :]
     return name
 
 
@@ -56,10 +65,12 @@ def build_plan(cfg: ModelConfig, disk_names: Iterable[str]) -> Plan:
         per-expert MoE weights), never to decide what is required.
     """
     disk = set(disk_names)
-    d, v = cfg.hidden_size, cfg.vocab_size
-    plan: Plan = {"embed": identity((v, d), "model.embed_tokens.weight"), "final_norm": identity((d,), "model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        plan["lm_head"] = linear((d, v), "lm_head.weight")
+    from converters.family_maps import FAMILY_PLANS
+
+    if cfg.model_type in FAMILY_PLANS:
+        return FAMILY_PLANS[cfg.model_type](cfg, disk)
+    d = cfg.hidden_size
+    plan = embed_and_head(cfg)
     for i, (kind, mlp_kind) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds)):
         hf, jh = f"model.layers.{i}.", f"layers.{i}."
         plan[jh + "input_norm"] = identity((d,), hf + "input_layernorm.weight")
@@ -76,6 +87,14 @@ def build_plan(cfg: ModelConfig, disk_names: Iterable[str]) -> Plan:
         else:
             mlp = _dense_mlp(d, cfg.intermediate_size, hf + "mlp.", cfg.mlp_bias)
         plan.update({f"{jh}mlp.{k}": r for k, r in mlp.items()})
+    return plan
+
+
+def embed_and_head(cfg: ModelConfig, embed: str = "model.embed_tokens.weight", norm: str = "model.norm.weight") -> Plan:
+    d, v = cfg.hidden_size, cfg.vocab_size
+    plan: Plan = {"embed": identity((v, d), embed), "final_norm": identity((d,), norm)}
+    if not cfg.tie_word_embeddings:
+        plan["lm_head"] = linear((d, v), "lm_head.weight")
     return plan
 
 

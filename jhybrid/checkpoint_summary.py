@@ -11,14 +11,17 @@ import numpy as np
 
 from converters.dtypes import resolve_dtype
 from jhybrid.checkpoint import CheckpointInfo, inspect_checkpoint
+from jhybrid.config import LINEAR_KINDS
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerSummary:
     index: int
-    kind: str  # "full_attention" | "linear_attention"
-    mlp: str  # "dense" | "moe"
+    kind: str  # `jhybrid.config.LAYER_KINDS`: full_attention, linear_attention (GDN), lightning_attention, mamba2, none
+    mlp: str  # "dense" | "moe" | "none"
     num_params: int
+    state: str = ""  # linear layers: per-slot state shapes, e.g. "conv 64x3 + ssm 4x8x8"
+    state_bytes: int = 0  # fp32 bytes of that state per sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,24 +59,27 @@ class Summary:
         lines = [
             f"checkpoint: {self.info.path}  [{fmt}]",
             f"model_type: {cfg.model_type}   dtype: {cfg.dtype}   layers: {cfg.num_layers} "
-            f"({kinds['linear_attention']} linear_attention, {kinds['full_attention']} full_attention)",
+            f"({', '.join(f'{n} {kind}' for kind, n in kinds.items())})",
             "",
-            f"{'layer':>5}  {'kind':<17} {'mlp':<6} {'params':>14}",
+            f"{'layer':>5}  {'kind':<20} {'mlp':<6} {'params':>14}  state per sequence (fp32)",
         ]
         for layer in self.layers:
-            lines.append(f"{layer.index:>5}  {layer.kind:<17} {layer.mlp:<6} {layer.num_params:>14,}")
+            state = f"  {layer.state} = {layer.state_bytes:,} bytes" if layer.state else ""
+            lines.append(f"{layer.index:>5}  {layer.kind:<20} {layer.mlp:<6} {layer.num_params:>14,}{state}")
         for name, n in self.other_params.items():
-            lines.append(f"{'':>5}  {name:<24} {n:>14,}")
+            lines.append(f"{'':>5}  {name:<27} {n:>14,}")
         dtypes = ", ".join(f"{d} ({n} tensors)" for d, n in self.dtype_counts.items())
         kv_itemsize = resolve_dtype(cfg.dtype).itemsize
         lines += [
-            f"{'':>5}  {'total':<24} {self.num_params:>14,}",
+            f"{'':>5}  {'total':<27} {self.num_params:>14,}",
             "",
             f"tensor dtypes: {dtypes}",
             f"KV cache: {self.kv_bytes_per_token:,} bytes per token "
             f"({cfg.num_full_layers} full layers x 2 x {cfg.num_kv_heads} kv heads x {cfg.head_dim} x {kv_itemsize} bytes)",
             f"linear state: {self.state_bytes_per_sequence:,} bytes per sequence "
-            f"({cfg.num_linear_layers} linear layers, conv + recurrent state in float32)",
+            f"({cfg.num_linear_layers} linear layers: "
+            f"{', '.join(f'{n} {k}' for k, n in collections.Counter(cfg.linear_layer_kinds).items()) or 'none'}; "
+            "conv + recurrent state in float32)",
             "checkpoint OK",
         ]
         return "\n".join(lines)
@@ -91,7 +97,10 @@ def summarize(path: str | os.PathLike) -> Summary:
             per_layer[int(name.split(".")[1])] += n
         else:
             other[name] = other.get(name, 0) + n
-    layers = [LayerSummary(i, cfg.layer_kinds[i], cfg.mlp_kinds[i], per_layer[i]) for i in range(cfg.num_layers)]
+    layers = [
+        LayerSummary(i, cfg.layer_kinds[i], cfg.mlp_kinds[i], per_layer[i], *_layer_state(cfg, cfg.layer_kinds[i]))
+        for i in range(cfg.num_layers)
+    ]
     return Summary(
         info=info,
         layers=layers,
@@ -100,3 +109,13 @@ def summarize(path: str | os.PathLike) -> Summary:
         kv_bytes_per_token=cfg.kv_bytes_per_token(resolve_dtype(cfg.dtype).itemsize),
         state_bytes_per_sequence=cfg.state_bytes_per_sequence(),
     )
+
+
+def _layer_state(cfg, kind: str) -> tuple[str, int]:
+    """("conv C x W-1 + ssm H x K x V", fp32 bytes per sequence) of a linear layer; ("", 0) otherwise."""
+    if kind not in LINEAR_KINDS:
+        return "", 0
+    conv, ssm = cfg.linear_state_shapes(kind)
+    text = "x".join(map(str, ssm))
+    text = f"conv {'x'.join(map(str, conv))} + ssm {text}" if conv[0] else f"ssm {text} (no conv)"
+    return text, 4 * (conv[0] * conv[1] + int(np.prod(ssm)))

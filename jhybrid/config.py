@@ -12,10 +12,21 @@ import json
 import os
 from typing import Any, Literal
 
-LayerKind = Literal["full_attention", "linear_attention"]
-MlpKind = Literal["dense", "moe"]
+# A layer is a mixer followed by an MLP, each pre-normed with its own residual; either may be absent
+# ("none": NemotronH blocks are a mixer *or* an MLP). State-carrying ("linear") mixers: "linear_attention"
+# (Gated DeltaNet), "lightning_attention" (MiniMax, fixed per-head decay) and "mamba2" (SSD).
+LayerKind = Literal["full_attention", "linear_attention", "lightning_attention", "mamba2", "none"]
+MlpKind = Literal["dense", "moe", "none"]
+LAYER_KINDS = ("full_attention", "linear_attention", "lightning_attention", "mamba2", "none")
+LINEAR_KINDS = ("linear_attention", "lightning_attention", "mamba2")
+MLP_KINDS = ("dense", "moe", "none")
+MLP_ACTS = ("silu", "relu2")
+LIGHTNING_NORM_EPS = 1e-6  # HF MiniMaxLightningAttention's output RMSNorm uses the default eps, not rms_norm_eps
 
-SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3", "llama")
+# Families parsed in jhybrid/config_families.py (lightning attention, Mamba2 hybrids).
+_FAMILY_MODEL_TYPES = ("minimax", "nemotron_h", "bamba")
+MOE_ROUTERS = ("softmax", "sigmoid_group")
+SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3", "llama") + _FAMILY_MODEL_TYPES
 # Families whose RMSNorm weights are stored zero-centred: the norm multiplies by (1 + w).
 _ZERO_CENTRED_NORM = ("qwen3_next", "qwen3_5", "qwen3_5_text")
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -25,9 +36,12 @@ _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 class ModelConfig:
     """Everything the model definition needs, validated once.
 
-    Attributes follow HF names where one exists. `layer_kinds[i]` says whether layer i is full softmax
-    attention (paged KV) or a Gated DeltaNet layer (fixed-size state); `mlp_kinds[i]` whether its MLP is
-    dense or a mixture of experts.
+    Attributes follow HF names where one exists. `layer_kinds[i]` names layer i's mixer: full softmax
+    attention (paged KV), a linear mixer with fixed-size state (`LINEAR_KINDS`), or "none"; `mlp_kinds[i]`
+    its MLP: dense, a mixture of experts, or "none".
+
+    Residuals: `x = alpha * r + beta * f(norm(x))` with `r = x`, or `r = norm(x)` when `residual_from_norm`
+    (MiniMax); alpha/beta per sublayer kind (`*_alpha`, `*_beta`; 1 for most families).
     """
 
     model_type: str
@@ -65,14 +79,42 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel: int = 4
+    # Mamba2 (SSD) mixer: heads of dim `mamba_head_dim`, B/C shared by `mamba_n_groups` head groups
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_n_groups: int = 1
+    ssm_state_size: int = 0
+    mamba_conv_kernel: int = 4
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_dt_min: float = 0.0  # dt = clip(softplus(dt + dt_bias), dt_min, dt_max), in every step (see mamba2.py)
+    mamba_dt_max: float = float("inf")
+    mamba_norm_eps: float = 1e-5
+    # residual scheme (module docstring)
+    residual_from_norm: bool = False
+    full_attn_alpha: float = 1.0
+    full_attn_beta: float = 1.0
+    linear_attn_alpha: float = 1.0
+    linear_attn_beta: float = 1.0
+    mlp_alpha: float = 1.0
+    mlp_beta: float = 1.0
     # MLPs
     intermediate_size: int = 0
+    mlp_act: str = "silu"  # "silu": gated SwiGLU (gate_proj, up_proj); "relu2": relu(up(x))^2, no gate
     mlp_bias: bool = False
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = True  # the shared expert's output is scaled by sigmoid(x @ shared_gate) (Qwen3-Next)
     norm_topk_prob: bool = True
+    # "softmax": top-k of softmax(router logits) (Qwen3-Next, MiniMax); "sigmoid_group" (NemotronH,
+    # DeepSeek-V3 style): sigmoid scores, experts chosen by score + router_bias within the best
+    # `moe_topk_group` of `moe_n_group` expert groups, weights = scores (renormalised) * routed_scaling_factor
+    moe_router: str = "softmax"
+    moe_n_group: int = 1
+    moe_topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if len(self.layer_kinds) != self.num_layers or len(self.mlp_kinds) != self.num_layers:
@@ -80,9 +122,13 @@ class ModelConfig:
                 f"layer_kinds ({len(self.layer_kinds)}) and mlp_kinds ({len(self.mlp_kinds)}) must have "
                 f"one entry per layer ({self.num_layers=})"
             )
-        for kind in self.layer_kinds:
-            if kind not in ("full_attention", "linear_attention"):
-                raise ValueError(f"unknown layer kind {kind!r}; expected 'full_attention' or 'linear_attention'")
+        for i, (kind, mlp_kind) in enumerate(zip(self.layer_kinds, self.mlp_kinds)):
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"layer {i}: unknown layer kind {kind!r}; expected one of {LAYER_KINDS}")
+            if mlp_kind not in MLP_KINDS:
+                raise ValueError(f"layer {i}: unknown mlp kind {mlp_kind!r}; expected one of {MLP_KINDS}")
+            if kind == "none" and mlp_kind == "none":
+                raise ValueError(f"layer {i} has neither a mixer nor an MLP")
         if self.num_full_layers:
             if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_dim <= 0:
                 raise ValueError(f"full attention needs positive {self.num_heads=}, {self.num_kv_heads=}, {self.head_dim=}")
@@ -92,7 +138,7 @@ class ModelConfig:
                 raise ValueError(f"{self.rotary_dim=} must be even and at most {self.head_dim=}")
             if self.rope_type not in _SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"unsupported {self.rope_type=}; supported: {_SUPPORTED_ROPE_TYPES}")
-        if self.num_linear_layers:
+        if "linear_attention" in self.layer_kinds:
             hk, hv = self.linear_num_key_heads, self.linear_num_value_heads
             if hk <= 0 or hv <= 0 or hv % hk:
                 raise ValueError(f"linear_num_value_heads ({hv}) must be a positive multiple of linear_num_key_heads ({hk})")
@@ -100,8 +146,32 @@ class ModelConfig:
                 raise ValueError(f"{self.linear_conv_kernel=} must be >= 1")
         if "moe" in self.mlp_kinds and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"MoE layers need 0 < {self.num_experts_per_tok=} <= {self.num_experts=}")
+        if self.moe_router not in MOE_ROUTERS:
+            raise ValueError(f"unsupported {self.moe_router=}; supported: {MOE_ROUTERS}")
+        if "moe" in self.mlp_kinds and self.moe_router == "sigmoid_group":
+            e, g = self.num_experts, self.moe_n_group
+            if g < 1 or e % g or e // g < 2 or not 0 < self.moe_topk_group <= g:
+                raise ValueError(
+                    f"grouped routing needs experts split into groups of >= 2 and 0 < topk_group <= groups, got "
+                    f"{self.num_experts=} {self.moe_n_group=} {self.moe_topk_group=}"
+                )
+            if self.moe_topk_group * (e // g) < self.num_experts_per_tok:
+                raise ValueError(f"{self.moe_topk_group=} groups of {e // g} experts cannot hold top-{self.num_experts_per_tok}")
+        if "lightning_attention" in self.layer_kinds and (self.num_heads <= 0 or self.head_dim <= 0):
+            raise ValueError(f"lightning attention needs positive {self.num_heads=} and {self.head_dim=}")
+        if "mamba2" in self.layer_kinds:
+            h, p, g, n = self.mamba_num_heads, self.mamba_head_dim, self.mamba_n_groups, self.ssm_state_size
+            if min(h, p, g, n) <= 0 or h % g:
+                raise ValueError(
+                    f"mamba2 needs positive heads, head dim, groups and state size with heads a multiple of groups, "
+                    f"got {self.mamba_num_heads=} {self.mamba_head_dim=} {self.mamba_n_groups=} {self.ssm_state_size=}"
+                )
+            if self.mamba_conv_kernel < 1:
+                raise ValueError(f"{self.mamba_conv_kernel=} must be >= 1")
         if self.hidden_act != "silu":
             raise ValueError(f"unsupported {self.hidden_act=}; only 'silu' is implemented")
+        if self.mlp_act not in MLP_ACTS:
+            raise ValueError(f"unsupported {self.mlp_act=}; supported: {MLP_ACTS}")
 
     # ----- derived sizes -----
     @property
@@ -110,7 +180,37 @@ class ModelConfig:
 
     @property
     def num_linear_layers(self) -> int:
-        return sum(k == "linear_attention" for k in self.layer_kinds)
+        """Layers with state slots (Gated DeltaNet, lightning attention, Mamba2)."""
+        return sum(k in LINEAR_KINDS for k in self.layer_kinds)
+
+    @property
+    def linear_layer_kinds(self) -> tuple[LayerKind, ...]:
+        return tuple(k for k in self.layer_kinds if k in LINEAR_KINDS)
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of the Mamba2 depthwise conv: x, B and C concatenated."""
+        return self.mamba_intermediate_size + 2 * self.mamba_n_groups * self.ssm_state_size
+
+    def linear_state_shapes(self, kind: LayerKind) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """Per-slot shapes of one linear layer's (conv state `[C, W-1]`, recurrent state `[H, K, V]`).
+
+        Lightning attention has no conv: its conv state is the empty `[0, 0]`. Mamba2's recurrent state is
+        `[heads, ssm_state_size, head_dim]`: K is the state (B/C) dim, V the head dim, as in `S += k^T v`.
+        """
+        if kind == "linear_attention":
+            conv = (self.conv_dim, self.linear_conv_kernel - 1)
+            return conv, (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
+        if kind == "lightning_attention":
+            return (0, 0), (self.num_heads, self.head_dim, self.head_dim)
+        if kind == "mamba2":
+            conv = (self.mamba_conv_dim, self.mamba_conv_kernel - 1)
+            return conv, (self.mamba_num_heads, self.ssm_state_size, self.mamba_head_dim)
+        raise ValueError(f"{kind!r} is not a linear layer kind; expected one of {LINEAR_KINDS}")
 
     @property
     def linear_key_dim(self) -> int:
@@ -131,9 +231,11 @@ class ModelConfig:
 
     def state_bytes_per_sequence(self) -> int:
         """fp32 linear-layer state (conv + recurrent) one sequence holds across all linear layers."""
-        conv = self.conv_dim * (self.linear_conv_kernel - 1)
-        rec = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
-        return self.num_linear_layers * (conv + rec) * 4
+        total = 0
+        for kind in self.linear_layer_kinds:
+            (c, w1), (h, k, v) = self.linear_state_shapes(kind)
+            total += c * w1 + h * k * v
+        return total * 4
 
     # ----- construction -----
     @classmethod
@@ -144,6 +246,10 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; jhybrid supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type in _FAMILY_MODEL_TYPES:
+            from jhybrid.config_families import FAMILY_PARSERS
+
+            return FAMILY_PARSERS[model_type](cls, hf)
         if model_type == "qwen3_5" and "text_config" in hf:
             text = dict(hf["text_config"])
             text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))

@@ -9,6 +9,9 @@ are HF config keys. Weights are drawn in float32 with a fixed torch seed (matric
 norm weights random around their neutral value; A_log = log(uniform(0.5, 4)); dt_bias uniform(-1, 1)),
 then the model is cast to `dtype` and saved (`path=None`: not saved). Sizes: vocab 128, hidden 32, 4 layers (3 linear : 1 full),
 4 query / 2 kv heads of dim 16, linear heads 2 key / 4 value of dims 8, 4 experts top-2.
+
+The lightning / Mamba2 hybrids (`make_minimax`, `make_nemotron_h`, `make_bamba`) are documented at their
+builders below.
 """
 
 from __future__ import annotations
@@ -156,3 +159,101 @@ def write_tiny_tokenizer(path: Any, vocab_size: int = 128) -> None:
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|endoftext|>", "bos_token": "<|bos|>", "tokenizer_class": "PreTrainedTokenizerFast"}, f)
+
+
+MINIMAX_LAYERS = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
+
+
+def make_minimax(path: Any, dtype: torch.dtype = torch.float32, seed: int = 0, max_shard_size: Any = None, **overrides):
+    """MiniMaxForCausalLM: lightning ("linear_attention") and softmax attention layers, every MLP a 4-expert
+    top-2 MoE, non-trivial residual alpha/beta factors, HF lightning block size 16 (so prompts span several
+    HF blocks). Layer 0 is full attention by default: HF's MiniMaxCache is wrong when layer 0 is linear
+    (DESIGN.md §5). Experts are saved one per expert under `block_sparse_moe.` (HF's conversion mapping)."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    kw = {
+        **_COMMON,
+        "intermediate_size": 16,
+        "layer_types": MINIMAX_LAYERS,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "block_size": 16,
+        "full_attn_alpha_factor": 1.25,
+        "full_attn_beta_factor": 0.75,
+        "linear_attn_alpha_factor": 0.9,
+        "linear_attn_beta_factor": 1.1,
+        "mlp_alpha_factor": 1.2,
+        "mlp_beta_factor": 0.8,
+        **overrides,
+    }
+    model = MiniMaxForCausalLM(MiniMaxConfig(**kw))
+    randomize_(model, seed)
+    return _save(model, path, dtype, max_shard_size)
+
+
+NEMOTRON_BLOCKS = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention"]
+
+
+def make_nemotron_h(path: Any, dtype: torch.dtype = torch.float32, seed: int = 0, max_shard_size: Any = None, **overrides):
+    """NemotronHForCausalLM, blocks "ME*-M": Mamba2 (4 heads of dim 8 in 2 groups, state 8, conv 4, HF chunk
+    16), a 4-expert top-2 MoE in 2 routing groups (1 chosen) with a shared expert, attention without RoPE,
+    a relu^2 MLP. The router's `e_score_correction_bias` (a buffer) is randomised too. dt_bias in (-1, 1)
+    keeps softplus(dt + dt_bias) far above HF's prefill-only clamp at time_step_min = 1e-3, so HF's
+    prefill and decode paths compute one function. Saved with HF's hub names (`backbone.`, per-expert)."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    kw = {
+        **_COMMON,
+        "layers_block_type": NEMOTRON_BLOCKS,
+        "intermediate_size": 48,
+        "ssm_state_size": 8,
+        "mamba_num_heads": 4,
+        "mamba_head_dim": 8,
+        "n_groups": 2,
+        "conv_kernel": 4,
+        "chunk_size": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "moe_shared_expert_intermediate_size": 24,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 1.5,
+        "layer_norm_epsilon": 1e-5,
+        **overrides,
+    }
+    kw.pop("num_hidden_layers", None)
+    kw.pop("rms_norm_eps", None)
+    model = NemotronHForCausalLM(NemotronHConfig(**kw))
+    randomize_(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
+    return _save(model, path, dtype, max_shard_size)
+
+
+def make_bamba(path: Any, dtype: torch.dtype = torch.float32, seed: int = 0, max_shard_size: Any = None, **overrides):
+    """BambaForCausalLM: 4 layers, attention at layer 1 (RoPE on half of each head), Mamba2 elsewhere (4 heads
+    of dim 16 in 2 groups, state 8, conv 4, HF chunk 16; conv and projection biases on), SwiGLU MLPs."""
+    from transformers import BambaConfig, BambaForCausalLM
+
+    kw = {
+        **_COMMON,
+        "attn_layer_indices": [1],
+        "mamba_n_heads": 4,
+        "mamba_d_head": 16,
+        "mamba_n_groups": 2,
+        "mamba_d_state": 8,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 16,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": True,
+        "attention_bias": True,
+        **overrides,
+    }
+    model = BambaForCausalLM(BambaConfig(**kw))
+    randomize_(model, seed)
+    return _save(model, path, dtype, max_shard_size)

@@ -2,7 +2,13 @@
 
     k_pages[i], v_pages[i]   [P, BS, KVH, hd]   full-attention layer i (in order of appearance), model dtype
     conv[j]                  [S, C, W-1]        linear layer j: last W-1 conv inputs, fp32
-    ssm[j]                   [S, HV, K, V]      linear layer j: gated delta rule state, fp32
+    ssm[j]                   [S, HV, K, V]      linear layer j: recurrent state, fp32
+
+Linear layer j is the j-th layer whose kind is in `LINEAR_KINDS`; shapes differ by kind
+(`ModelConfig.linear_state_shapes`): Gated DeltaNet `[S, 2*HK*K + HV*V, W-1]` / `[S, HV, K, V]`; lightning
+attention has no conv, so its conv state is the empty `[S, 0, 0]` (kept so conv[j] and ssm[j] stay aligned),
+and `[S, H, hd, hd]`; Mamba2 `[S, Hm*P + 2*G*N, Wm-1]` / `[S, Hm, N, P]` (N = ssm_state_size, the B/C dim,
+plays K; P = head dim plays V). A model without full-attention layers has empty `k_pages`/`v_pages`.
 
 Page 0 and slot 0 are null targets that padding writes into (pallas_kernels/README.md); a slot must be
 zeroed (`zero_slots`) when it is handed to a new sequence. Block tables and lengths are per-step metadata
@@ -50,14 +56,13 @@ class HybridState:
 def init_state(cfg: ModelConfig, cache: CacheConfig) -> HybridState:
     """Zeroed caches for `cfg` sized by `cache`."""
     kv_shape = (cache.num_blocks, cache.block_size, cfg.num_kv_heads, cfg.head_dim)
-    conv_shape = (cache.num_slots, cfg.conv_dim, cfg.linear_conv_kernel - 1)
-    ssm_shape = (cache.num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    shapes = [cfg.linear_state_shapes(kind) for kind in cfg.linear_layer_kinds]
     kv_dtype = jnp.dtype(cache.kv_dtype)
     return HybridState(
         k_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(cfg.num_full_layers)),
         v_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(cfg.num_full_layers)),
-        conv=tuple(jnp.zeros(conv_shape, jnp.float32) for _ in range(cfg.num_linear_layers)),
-        ssm=tuple(jnp.zeros(ssm_shape, jnp.float32) for _ in range(cfg.num_linear_layers)),
+        conv=tuple(jnp.zeros((cache.num_slots, *conv), jnp.float32) for conv, _ in shapes),
+        ssm=tuple(jnp.zeros((cache.num_slots, *ssm), jnp.float32) for _, ssm in shapes),
     )
 
 

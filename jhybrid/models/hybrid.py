@@ -1,7 +1,9 @@
-"""The hybrid decoder: embeddings, a stack of full-attention and Gated DeltaNet layers, the LM head.
+"""The hybrid decoder: embeddings, a stack of layers (a mixer — full attention, Gated DeltaNet, lightning
+attention or Mamba2 — and an MLP, either of which may be absent), the LM head.
 
 `forward(cfg, params, state, batch, decode=..., all_logits=...)` is a pure function of its arguments:
-it returns logits and the new state pytree. Which layer is which comes from `cfg.layer_kinds`.
+it returns logits and the new state pytree. Which layer is which comes from `cfg.layer_kinds` and
+`cfg.mlp_kinds`; linear layer j (in order, whatever its kind) owns `state.conv[j]` and `state.ssm[j]`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from jhybrid.models.attention import attention_layer
 from jhybrid.models.batch import Batch
 from jhybrid.models.gated_deltanet import gated_deltanet_layer
 from jhybrid.models.layers import dense_mlp, moe, rms_norm, rope_inv_freq
+from jhybrid.models.lightning import lightning_attention_layer
+from jhybrid.models.mamba2 import mamba2_layer
 from jhybrid.models.params import is_packed
 
 
@@ -54,25 +58,31 @@ def forward(
     k_pages, v_pages = list(state.k_pages), list(state.v_pages)
     conv, ssm = list(state.conv), list(state.ssm)
     i_full = i_lin = 0
-    for kind, mlp_kind, p in zip(cfg.layer_kinds, cfg.mlp_kinds, params["layers"]):
-        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
-        if kind == "full_attention":
-            h, k_pages[i_full], v_pages[i_full] = attention_layer(
-                cfg, p["attn"], h, k_pages[i_full], v_pages[i_full], batch, inv_freq, decode, kernels
-            )
-            i_full += 1
-        else:
-            h, conv[i_lin], ssm[i_lin] = gated_deltanet_layer(
-                cfg, p["gdn"], h, conv[i_lin], ssm[i_lin], batch, decode, kernels
-            )
-            i_lin += 1
-        x = x + h
-        h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
-        if mlp_kind == "moe":
-            h = moe(p["mlp"], h, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        else:
-            h = dense_mlp(p["mlp"], h)
-        x = x + h
+    for i, (kind, mlp_kind, p) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds, params["layers"])):
+        if kind != "none":
+            normed = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
+            if kind == "full_attention":
+                h, k_pages[i_full], v_pages[i_full] = attention_layer(
+                    cfg, p["attn"], normed, k_pages[i_full], v_pages[i_full], batch, inv_freq, decode, kernels
+                )
+                i_full += 1
+                alpha, beta = cfg.full_attn_alpha, cfg.full_attn_beta
+            else:
+                h, conv[i_lin], ssm[i_lin] = _linear_mixer(
+                    cfg, kind, p, normed, conv[i_lin], ssm[i_lin], batch, i, decode, kernels
+                )
+                i_lin += 1
+                alpha, beta = cfg.linear_attn_alpha, cfg.linear_attn_beta
+            x = _residual(normed if cfg.residual_from_norm else x, h, alpha, beta)
+        if mlp_kind != "none":
+            normed = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
+            if mlp_kind == "moe":
+                h = moe(p["mlp"], normed, cfg.num_experts_per_tok, cfg.norm_topk_prob, act=cfg.mlp_act,
+                        router=cfg.moe_router, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
+                        scaling=cfg.routed_scaling_factor)
+            else:
+                h = dense_mlp(p["mlp"], normed, cfg.mlp_act)
+            x = _residual(normed if cfg.residual_from_norm else x, h, cfg.mlp_alpha, cfg.mlp_beta)
     if not all_logits:
         x = x[batch.logits_index]  # [B, D]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
@@ -80,3 +90,23 @@ def forward(
     logits = (x @ head).astype(jnp.float32)
     new_state = dataclasses.replace(state, k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
     return logits, new_state
+
+
+def _residual(r: Array, h: Array, alpha: float, beta: float) -> Array:
+    """`alpha * r + beta * h` (multiplications by 1 skipped: most families use plain `r + h`)."""
+    r = r if alpha == 1.0 else r * alpha
+    h = h if beta == 1.0 else h * beta
+    return r + h
+
+
+def _linear_mixer(cfg, kind, p, x, conv, ssm, batch, layer_index, decode, kernels):
+    """Runs a state-slot mixer; returns (out, conv, ssm). Lightning attention has no conv (its conv state
+    is the empty `[S, 0, 0]` and passes through)."""
+    if kind == "linear_attention":
+        return gated_deltanet_layer(cfg, p["gdn"], x, conv, ssm, batch, decode, kernels)
+    if kind == "lightning_attention":
+        h, ssm = lightning_attention_layer(cfg, p["lightning"], x, ssm, batch, layer_index, decode, kernels)
+        return h, conv, ssm
+    if kind == "mamba2":
+        return mamba2_layer(cfg, p["mamba"], x, conv, ssm, batch, decode, kernels)
+    raise ValueError(f"layer {layer_index}: no model code for layer kind {kind!r}")

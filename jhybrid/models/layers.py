@@ -62,8 +62,15 @@ def apply_rope(x: Float[Array, "T NH D"], positions: Int[Array, "T"], inv_freq: 
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
-def dense_mlp(p: dict, x: Float[Array, "T D"]) -> Array:
-    """SwiGLU MLP: `down(silu(gate(x)) * up(x))` with gate and up packed in `gate_up_proj [D, 2I]`."""
+def dense_mlp(p: dict, x: Float[Array, "T D"], act: str = "silu") -> Array:
+    """`act="silu"`: SwiGLU `down(silu(gate(x)) * up(x))` with gate and up packed in `gate_up_proj [D, 2I]`;
+    `act="relu2"` (NemotronH): `down(relu(up(x))^2)`, no gate."""
+    if act == "relu2":
+        up = x @ p["up_proj"]
+        if "up_bias" in p:
+            up = up + p["up_bias"]
+        out = jnp.square(jax.nn.relu(up)) @ p["down_proj"]
+        return out + p["down_bias"] if "down_bias" in p else out
     gate_up = x @ p["gate_up_proj"]
     if "gate_up_bias" in p:
         gate_up = gate_up + p["gate_up_bias"]
@@ -72,25 +79,62 @@ def dense_mlp(p: dict, x: Float[Array, "T D"]) -> Array:
     return out + p["down_bias"] if "down_bias" in p else out
 
 
-def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool) -> Array:
-    """Top-k softmax-routed experts plus an optional sigmoid-gated shared expert (Qwen3-Next).
+def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, act: str = "silu",
+        router: str = "softmax", n_group: int = 1, topk_group: int = 1, scaling: float = 1.0) -> Array:
+    """Top-k routed experts plus an optional shared expert (sigmoid-gated when `shared_gate` is present).
+
+    router "softmax" (Qwen3-Next, MiniMax): weights = top-k of softmax(logits), optionally renormalised.
+    router "sigmoid_group" (NemotronH): scores = sigmoid(logits); experts are chosen by top-k of
+    `scores + router_bias` within the `topk_group` best of `n_group` expert groups (a group's merit: the sum
+    of its two best biased scores); weights = the chosen unbiased scores, renormalised (+1e-20) if
+    `norm_topk_prob`, times `scaling`. Experts are SwiGLU (`act="silu"`) or `relu(up(x))^2` (`"relu2"`).
 
     Every expert runs on every token and the combine weights zero the unrouted ones: exact, simple, and
     E times the routed FLOPs; a grouped (sorted) expert matmul replaces it in the kernels work.
     """
-    logits = x @ p["router"]  # [T, E]
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top_p, top_i = jax.lax.top_k(probs, top_k)  # [T, k]
-    if norm_topk_prob:
-        top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    combine = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], top_i].set(top_p)  # [T, E]
+    num_tokens = x.shape[0]
+    if router == "softmax":
+        probs = jax.nn.softmax((x @ p["router"]).astype(jnp.float32), axis=-1)  # [T, E]
+        top_p, top_i = jax.lax.top_k(probs, top_k)  # [T, k]
+        if norm_topk_prob:
+            top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    else:  # HF routes in fp32
+        probs = scores = jax.nn.sigmoid(x.astype(jnp.float32) @ p["router"].astype(jnp.float32))  # [T, E]
+        choice = scores + p["router_bias"].astype(jnp.float32)  # [T, E]
+        num_experts = choice.shape[-1]
+        grouped = choice.reshape(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
+        group_merit = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        _, top_groups = jax.lax.top_k(group_merit, topk_group)  # [T, topk_group]
+        group_ok = jnp.zeros((num_tokens, n_group), bool).at[jnp.arange(num_tokens)[:, None], top_groups].set(True)
+        choice = jnp.where(jnp.repeat(group_ok, num_experts // n_group, axis=-1), choice, -jnp.inf)
+        _, top_i = jax.lax.top_k(choice, top_k)
+        top_p = jnp.take_along_axis(scores, top_i, axis=-1)
+        if norm_topk_prob:
+            top_p = top_p / (jnp.sum(top_p, axis=-1, keepdims=True) + 1e-20)
+        top_p = top_p * scaling
+    combine = jnp.zeros_like(probs).at[jnp.arange(num_tokens)[:, None], top_i].set(top_p)  # [T, E]
     combine = combine.astype(x.dtype)
-    gate, up = jnp.split(jnp.einsum("td,edi->tei", x, p["gate_up_proj"]), 2, axis=-1)  # [T, E, Ie] x2
-    h = jax.nn.silu(gate) * up
+    if act == "relu2":
+        h = jnp.square(jax.nn.relu(jnp.einsum("td,edi->tei", x, p["up_proj"])))  # [T, E, Ie]
+    else:
+        gate, up = jnp.split(jnp.einsum("td,edi->tei", x, p["gate_up_proj"]), 2, axis=-1)  # [T, E, Ie] x2
+        h = jax.nn.silu(gate) * up
     out = jnp.einsum("tei,eid,te->td", h, p["down_proj"], combine)  # [T, D]
     if "shared" in p:
-        out = out + jax.nn.sigmoid(x @ p["shared_gate"]) * dense_mlp(p["shared"], x)
+        shared = dense_mlp(p["shared"], x, act)
+        out = out + (jax.nn.sigmoid(x @ p["shared_gate"]) * shared if "shared_gate" in p else shared)
     return out
+
+
+def grouped_gated_rms_norm(x: Float[Array, "T I"], gate: Float[Array, "T I"], w: Float[Array, "I"], group_size: int,
+                           eps: float) -> Array:
+    """Mamba2 output norm (norm after the gate): `w * rmsnorm_per_group(x * silu(gate))`, the RMS taken over
+    consecutive groups of `group_size` channels (NemotronH: one group per B/C group)."""
+    num_tokens, dim = x.shape
+    h = x.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+    h = h.reshape(num_tokens, dim // group_size, group_size)  # [T, G, I/G]
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return w * h.reshape(num_tokens, dim).astype(x.dtype)
 
 
 def causal_conv1d(

@@ -6,7 +6,8 @@ Layout (every matrix is stored `[in, out]`, so `x @ w` applies it):
     final_norm                 [D]
     lm_head                    [D, V]          absent when the embeddings are tied
     layers: tuple, one dict per layer:
-      input_norm, post_norm    [D]
+      input_norm [D]           before the mixer (absent when the layer has none)
+      post_norm [D]            before the MLP (absent when the layer has none)
       attn (full layers):      q_proj [D, H*hd*(2 if gated)]  per head: hd query dims then hd gate dims
                                k_proj, v_proj [D, KVH*hd]; o_proj [H*hd, D]
                                q_norm, k_norm [hd] (qk_norm); q_bias/k_bias/v_bias/o_bias (attention_bias)
@@ -14,12 +15,21 @@ Layout (every matrix is stored `[in, out]`, so `x @ w` applies it):
                                in_proj_z [D, HV*V]; in_proj_b, in_proj_a [D, HV]
                                conv_weight [C, W] (C = conv_dim, W = conv kernel), dt_bias [HV], A_log [HV],
                                norm [V], out_proj [HV*V, D]
-      mlp (dense):             gate_proj, up_proj [D, I]; down_proj [I, D]
+      lightning (lightning):   qkv_proj [D, 3*H*hd]  per head: hd q dims, hd k dims, hd v dims
+                               output_gate [D, H*hd]; norm [H*hd]; out_proj [H*hd, D]
+      mamba (mamba2):          in_proj [D, Im + Cm + Hm]  z (Im = Hm*P), then x|B|C (Cm = Im + 2*G*N), then dt
+                               (in_proj_bias [Im + Cm + Hm] with mamba_proj_bias); conv_weight [Cm, Wm]
+                               (conv_bias [Cm] with mamba_conv_bias); dt_bias, A_log, D [Hm]; norm [Im];
+                               out_proj [Im, D] (out_bias [D] with mamba_proj_bias)
+      mlp (dense, silu):       gate_proj, up_proj [D, I]; down_proj [I, D]
+      mlp (dense, relu2):      up_proj [D, I]; down_proj [I, D]
       mlp (moe):               router [D, E]; gate_proj, up_proj [E, D, Ie]; down_proj [E, Ie, D]
                                shared: {gate_proj, up_proj [D, Is], down_proj [Is, D]}, shared_gate [D, 1]
+                               (relu2 experts: no gate_proj; sigmoid_group routing: router_bias [E])
 
 Letters: D hidden, V vocab (in `embed`) or value head dim (in gdn), H/KVH query/kv heads, hd head dim,
-HK/HV linear key/value heads, K key head dim, E experts, I intermediate sizes.
+HK/HV linear key/value heads, K key head dim, E experts, I intermediate sizes; Mamba2: Hm heads of dim P,
+G groups, N state size, Wm conv width.
 """
 
 from __future__ import annotations
@@ -61,40 +71,70 @@ def _gdn_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _dense_mlp_shapes(d: int, i: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
-    shapes = {"gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)}
+def _lightning_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, hd = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    return {"qkv_proj": (d, 3 * hd), "output_gate": (d, hd), "norm": (hd,), "out_proj": (hd, d)}
+
+
+def _mamba_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, h, inner, conv = cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_intermediate_size, cfg.mamba_conv_dim
+    proj = inner + conv + h
+    shapes = {"in_proj": (d, proj), "conv_weight": (conv, cfg.mamba_conv_kernel)}
+    if cfg.mamba_conv_bias:
+        shapes["conv_bias"] = (conv,)
+    shapes |= {"dt_bias": (h,), "A_log": (h,), "D": (h,), "norm": (inner,), "out_proj": (inner, d)}
+    if cfg.mamba_proj_bias:
+        shapes |= {"in_proj_bias": (proj,), "out_bias": (d,)}
+    return shapes
+
+
+def _dense_mlp_shapes(d: int, i: int, bias: bool = False, gated: bool = True) -> dict[str, tuple[int, ...]]:
+    shapes = {"gate_proj": (d, i), "up_proj": (d, i), "down_proj": (i, d)} if gated else {"up_proj": (d, i), "down_proj": (i, d)}
     if bias:
-        shapes |= {"gate_bias": (i,), "up_bias": (i,), "down_bias": (d,)}
+        shapes |= {"gate_bias": (i,), "up_bias": (i,), "down_bias": (d,)} if gated else {"up_bias": (i,), "down_bias": (d,)}
     return shapes
 
 
 def _moe_shapes(cfg: ModelConfig) -> dict[str, Any]:
     d, e, ie = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    shapes: dict[str, Any] = {
-        "router": (d, e),
-        "gate_proj": (e, d, ie),
-        "up_proj": (e, d, ie),
-        "down_proj": (e, ie, d),
-    }
+    gated = cfg.mlp_act == "silu"
+    shapes: dict[str, Any] = {"router": (d, e)}
+    if cfg.moe_router == "sigmoid_group":
+        shapes["router_bias"] = (e,)  # added to the scores for expert choice only (HF e_score_correction_bias)
+    if gated:
+        shapes |= {"gate_proj": (e, d, ie)}
+    shapes |= {"up_proj": (e, d, ie), "down_proj": (e, ie, d)}
     if cfg.shared_expert_intermediate_size:
-        shapes["shared"] = _dense_mlp_shapes(d, cfg.shared_expert_intermediate_size)
-        shapes["shared_gate"] = (d, 1)
+        shapes["shared"] = _dense_mlp_shapes(d, cfg.shared_expert_intermediate_size, cfg.mlp_bias, gated)
+        if cfg.shared_expert_gate:
+            shapes["shared_gate"] = (d, 1)
     return shapes
+
+
+# layer kind -> (the layer dict's key for the mixer's parameters, their shapes)
+MIXER_PARAMS = {
+    "full_attention": ("attn", _attn_shapes),
+    "linear_attention": ("gdn", _gdn_shapes),
+    "lightning_attention": ("lightning", _lightning_shapes),
+    "mamba2": ("mamba", _mamba_shapes),
+}
 
 
 def param_shapes(cfg: ModelConfig) -> Params:
     """The expected shape of every parameter, as a pytree of tuples mirroring the parameter pytree."""
     layers = []
     for kind, mlp_kind in zip(cfg.layer_kinds, cfg.mlp_kinds):
-        layer: dict[str, Any] = {"input_norm": (cfg.hidden_size,), "post_norm": (cfg.hidden_size,)}
-        if kind == "full_attention":
-            layer["attn"] = _attn_shapes(cfg)
-        else:
-            layer["gdn"] = _gdn_shapes(cfg)
+        layer: dict[str, Any] = {}
+        if kind != "none":
+            layer["input_norm"] = (cfg.hidden_size,)
+            key, shapes = MIXER_PARAMS[kind]
+            layer[key] = shapes(cfg)
+        if mlp_kind != "none":
+            layer["post_norm"] = (cfg.hidden_size,)
         if mlp_kind == "moe":
             layer["mlp"] = _moe_shapes(cfg)
-        else:
-            layer["mlp"] = _dense_mlp_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        elif mlp_kind == "dense":
+            layer["mlp"] = _dense_mlp_shapes(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.mlp_act == "silu")
         layers.append(layer)
     shapes: Params = {
         "embed": (cfg.vocab_size, cfg.hidden_size),
@@ -157,7 +197,8 @@ def init_params(cfg: ModelConfig, seed: int = 0, dtype: Any = jnp.float32, scale
         elif name.endswith("dt_bias"):
             value = rng.uniform(-1.0, 1.0, shape)
         elif name.endswith("norm"):
-            value = rng.normal(0.0, 0.2, shape) + (0.0 if cfg.norm_zero_centred and "gdn.norm" not in name else 1.0)
+            centred = cfg.norm_zero_centred and not name.endswith(("gdn.norm", "lightning.norm", "mamba.norm"))
+            value = rng.normal(0.0, 0.2, shape) + (0.0 if centred else 1.0)
         else:
             value = rng.normal(0.0, scale, shape)
         flat[name] = jnp.asarray(value, dtype=dtype)
@@ -173,12 +214,14 @@ def count_params(params: Params) -> int:
 # their output dim so one matmul replaces several (at decode, each is a weight-bandwidth-bound GEMV,
 # and fewer, larger ones waste less launch time and bandwidth):
 #   gdn.in_proj        = [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a]      [D, C + HV*V + 2*HV]
+#   lightning.in_proj  = [qkv_proj | output_gate]                               [D, 4*H*hd]
 #   attn.qkv_proj      = [q_proj | k_proj | v_proj]  (qkv_bias likewise)        [D, Q + 2*KVH*hd]
 #   mlp.gate_up_proj   = [gate_proj | up_proj]       (gate_up_bias likewise)    [D, 2I]   ([E, D, 2Ie] for experts)
 # Checkpoints keep the separate (HF-like) layout of `param_shapes`; `pack_params` converts once at load.
 
 _PACKS = {
     "gdn": (("in_proj", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),),
+    "lightning": (("in_proj", ("qkv_proj", "output_gate")),),
     "attn": (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("qkv_bias", ("q_bias", "k_bias", "v_bias"))),
     "mlp": (("gate_up_proj", ("gate_proj", "up_proj")), ("gate_up_bias", ("gate_bias", "up_bias"))),
 }
@@ -207,4 +250,15 @@ def pack_params(params: Params) -> Params:
 
 
 def is_packed(params: Params) -> bool:
-    return all("gate_up_proj" in layer["mlp"] for layer in params["layers"])
+    """Whether no group of projections that `pack_params` fuses is still stored separately."""
+
+    def unpacked(p: dict, packs) -> bool:
+        return any(all(part in p for part in parts) for _, parts in packs)
+
+    for layer in params["layers"]:
+        for key, packs in _PACKS.items():
+            if key in layer and unpacked(layer[key], packs):
+                return False
+        if "shared" in layer.get("mlp", {}) and unpacked(layer["mlp"]["shared"], _PACKS["mlp"]):
+            return False
+    return True

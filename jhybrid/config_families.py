@@ -1,0 +1,212 @@
+"""`ModelConfig.from_hf` for the lightning-attention and Mamba2 hybrid families (MiniMax, NemotronH, Bamba).
+
+Each parser reads an HF `config.json` dict into the one `ModelConfig`; the per-layer layout becomes the
+`layer_kinds` / `mlp_kinds` tuples. HF quirks are followed, not fixed (each is noted where it is read).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from jhybrid.config import ModelConfig
+
+
+def _eos(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+
+
+def _common(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    hidden = int(hf["hidden_size"])
+    num_heads = int(hf["num_attention_heads"])
+    return dict(
+        model_type=model_type,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_eos(hf),
+        pad_token_id=hf.get("pad_token_id"),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+    )
+
+
+def _no_sliding_window(hf: dict[str, Any], model_type: str) -> None:
+    if hf.get("sliding_window") is not None:
+        raise ValueError(
+            f"{model_type}: sliding_window={hf['sliding_window']} is not supported (full attention layers attend "
+            "to the whole context); set it to null"
+        )
+
+
+def minimax(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
+    """MiniMax-Text-01 / M1: lightning attention ("linear_attention" in HF's `layer_types`) and softmax
+    attention layers, every MLP a block-sparse MoE (softmax top-k, renormalised), residuals
+    `alpha * norm(x) + beta * f(norm(x))`. RoPE rotates the whole head: HF's default MiniMax rotary ignores
+    `partial_rotary_factor`."""
+    common = _common(hf, "minimax")
+    num_layers = int(hf["num_hidden_layers"])
+    _no_sliding_window(hf, "minimax")
+    types = hf.get("layer_types") or [
+        "full_attention" if (i + 1) % 2 else "linear_attention" for i in range(num_layers)
+    ]  # HF's default layout
+    if len(types) != num_layers:
+        raise ValueError(f"minimax: layer_types has {len(types)} entries but num_hidden_layers={num_layers}")
+    rename = {"full_attention": "full_attention", "linear_attention": "lightning_attention"}
+    if unknown := set(types) - set(rename):
+        raise ValueError(f"minimax: unknown layer_types {sorted(unknown)}; expected {sorted(rename)}")
+    rope = dict(hf.get("rope_scaling") or {}) | dict(hf.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"minimax: unsupported {rope_type=}; only 'default' RoPE is implemented")
+    num_experts = int(hf.get("num_local_experts", hf.get("num_experts", 8)))
+    inter = int(hf["intermediate_size"])
+    return cls(
+        **common,
+        num_layers=num_layers,
+        layer_kinds=tuple(rename[t] for t in types),
+        mlp_kinds=("moe",) * num_layers,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        hidden_act=hf.get("hidden_act", "silu"),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e6))),
+        rotary_dim=common["head_dim"],
+        intermediate_size=inter,
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+        moe_intermediate_size=inter,  # every MiniMax expert has intermediate_size
+        norm_topk_prob=True,  # MiniMaxTopKRouter always renormalises the top-k weights
+        residual_from_norm=True,
+        full_attn_alpha=float(hf.get("full_attn_alpha_factor", 1)),
+        full_attn_beta=float(hf.get("full_attn_beta_factor", 1)),
+        linear_attn_alpha=float(hf.get("linear_attn_alpha_factor", 1)),
+        linear_attn_beta=float(hf.get("linear_attn_beta_factor", 1)),
+        mlp_alpha=float(hf.get("mlp_alpha_factor", 1)),
+        mlp_beta=float(hf.get("mlp_beta_factor", 1)),
+    )
+
+
+# NemotronH block names (current and legacy, and the one-letter `hybrid_override_pattern`) -> (mixer, mlp)
+_NEMOTRON_BLOCKS = {
+    "linear_attention": ("mamba2", "none"), "mamba": ("mamba2", "none"), "M": ("mamba2", "none"),
+    "full_attention": ("full_attention", "none"), "attention": ("full_attention", "none"), "*": ("full_attention", "none"),
+    "mlp": ("none", "dense"), "-": ("none", "dense"),
+    "moe": ("none", "moe"), "E": ("none", "moe"),
+}
+
+
+def nemotron_h(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
+    """NemotronH: each block is ONE of Mamba2, attention (no RoPE), a relu^2 MLP or a relu^2 MoE (sigmoid
+    grouped routing + a shared expert), pre-normed with its own residual. Layout from `layers_block_type`
+    (or the legacy `hybrid_override_pattern`, e.g. "M-M*-E"). HF clamps dt to `[time_step_min, inf)`
+    in its chunked prefill only; jhybrid clamps in every step (see models/mamba2.py)."""
+    common = _common(hf, "nemotron_h")
+    _no_sliding_window(hf, "nemotron_h")
+    blocks = hf.get("layers_block_type") or hf.get("layer_types") or list(hf.get("hybrid_override_pattern") or "")
+    if not blocks:
+        raise ValueError("nemotron_h: config has neither layers_block_type nor hybrid_override_pattern")
+    if unknown := set(blocks) - set(_NEMOTRON_BLOCKS):
+        raise ValueError(f"nemotron_h: unknown block types {sorted(unknown)}; expected {sorted(_NEMOTRON_BLOCKS)}")
+    if hf.get("moe_latent_size") is not None:
+        raise ValueError(f"nemotron_h: moe_latent_size={hf['moe_latent_size']} (latent MoE projections) is not supported")
+    eps = float(hf.get("layer_norm_epsilon", 1e-5))
+    num_experts = int(hf.get("n_routed_experts", 0) or 0) if any(_NEMOTRON_BLOCKS[b][1] == "moe" for b in blocks) else 0
+    moe = dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size", 0)),
+        shared_expert_intermediate_size=int(hf.get("moe_shared_expert_intermediate_size", 0)),
+        shared_expert_gate=False,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        moe_router="sigmoid_group",
+        moe_n_group=int(hf.get("n_group", 1)),
+        moe_topk_group=int(hf.get("topk_group", 1)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+    ) if num_experts else {}
+    mlp_act = hf.get("mlp_hidden_act", "relu2")
+    if mlp_act != "relu2":
+        raise ValueError(f"nemotron_h: unsupported mlp_hidden_act={mlp_act!r}; only 'relu2' is implemented")
+    use_bias = bool(hf.get("use_bias", False))  # HF's Mamba2 in_proj/out_proj take their bias from use_bias
+    return cls(
+        **common,
+        num_layers=len(blocks),
+        layer_kinds=tuple(_NEMOTRON_BLOCKS[b][0] for b in blocks),
+        mlp_kinds=tuple(_NEMOTRON_BLOCKS[b][1] for b in blocks),
+        rms_norm_eps=eps,
+        hidden_act=hf.get("mamba_hidden_act", "silu"),
+        rotary_dim=0,  # no RoPE
+        attention_bias=False,  # HF NemotronHAttention builds its projections without bias
+        mamba_num_heads=int(hf["mamba_num_heads"]),
+        mamba_head_dim=int(hf["mamba_head_dim"]),
+        mamba_n_groups=int(hf.get("n_groups", hf.get("mamba_n_groups", 8))),
+        ssm_state_size=int(hf["ssm_state_size"]),
+        mamba_conv_kernel=int(hf.get("conv_kernel", hf.get("mamba_d_conv", 4))),
+        mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
+        mamba_proj_bias=use_bias,
+        mamba_dt_min=float(hf.get("time_step_min", 0.001)),  # HF NemotronH: (time_step_min, inf)
+        mamba_norm_eps=eps,
+        intermediate_size=int(hf.get("intermediate_size", 0)),
+        mlp_act="relu2",
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        **moe,
+    )
+
+
+def _time_step_limit(hf: dict[str, Any]) -> tuple[float, float]:
+    limit = hf.get("time_step_limit") or (0.0, float("inf"))
+    hi = limit[1]
+    hi = float(hi.get("__float__", "inf")) if isinstance(hi, dict) else float(hi)  # HF serialises inf as a dict
+    return float(limit[0]), hi
+
+
+def bamba(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
+    """Bamba: every layer is Mamba2 or attention (at `attn_layer_indices`; RoPE on the first half of each
+    head, HF hard-codes partial_rotary_factor 0.5) followed by a SwiGLU MLP, both pre-normed."""
+    common = _common(hf, "bamba")
+    num_layers = int(hf["num_hidden_layers"])
+    attn = set(hf.get("attn_layer_indices") or [])
+    hidden = common["hidden_size"]
+    heads = int(hf.get("mamba_n_heads", 128))
+    inner = int(hf.get("mamba_expand", 2)) * hidden
+    head_dim = hf.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+    if heads * head_dim != inner:
+        raise ValueError(f"bamba: mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must equal mamba_expand x hidden_size ({inner})")
+    rope = dict(hf.get("rope_scaling") or {}) | dict(hf.get("rope_parameters") or {})
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"bamba: unsupported rope_type {rope.get('rope_type')!r}; only 'default' is implemented")
+    dt_min, dt_max = _time_step_limit(hf)
+    eps = float(hf.get("rms_norm_eps", 1e-5))
+    return cls(
+        **common,
+        num_layers=num_layers,
+        layer_kinds=tuple("full_attention" if i in attn else "mamba2" for i in range(num_layers)),
+        mlp_kinds=("dense",) * num_layers,
+        rms_norm_eps=eps,
+        hidden_act=hf.get("hidden_act", "silu"),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rotary_dim=int(common["head_dim"] * 0.5) // 2 * 2,
+        mamba_num_heads=heads,
+        mamba_head_dim=head_dim,
+        mamba_n_groups=int(hf.get("mamba_n_groups", 1)),
+        ssm_state_size=int(hf.get("mamba_d_state", 256)),
+        mamba_conv_kernel=int(hf.get("mamba_d_conv", 4)),
+        mamba_conv_bias=bool(hf.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(hf.get("mamba_proj_bias", False)),
+        mamba_dt_min=dt_min,
+        mamba_dt_max=dt_max,
+        mamba_norm_eps=eps,
+        intermediate_size=int(hf["intermediate_size"]),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+    )
+
+
+FAMILY_PARSERS: dict[str, Callable[[type[ModelConfig], dict[str, Any]], ModelConfig]] = {
+    "minimax": minimax,
+    "nemotron_h": nemotron_h,
+    "bamba": bamba,
+}

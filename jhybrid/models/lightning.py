@@ -1,0 +1,56 @@
+"""MiniMax lightning attention (linear attention with a fixed per-head decay) over state slots."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from jhybrid.config import LIGHTNING_NORM_EPS, ModelConfig
+from jhybrid.models.batch import Batch
+from jhybrid.models.layers import rms_norm
+from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+
+def lightning_slopes(num_heads: int, layer_index: int, num_layers: int) -> np.ndarray:
+    """Per-head decay rates `[H]` (fp32), as HF `MiniMaxLightningAttention.get_slope_rate`:
+    `base^(h+1) * (1 - i / (L - 1 + 1e-5) + 1e-5)` with `base = 2^(-8/H)`; layer i of L decays slower the
+    deeper it sits (the last layer barely decays at all)."""
+    base = np.float32(1 / (2 ** (8 / num_heads)))
+    rate = base ** np.arange(1, num_heads + 1, dtype=np.float32)
+    factor = 1 - layer_index / (num_layers - 1 + 1e-5) + 1e-5
+    return (rate * np.float32(factor)).astype(np.float32)
+
+
+def lightning_attention_layer(
+    cfg: ModelConfig,
+    p: dict,
+    x: Float[Array, "T D"],
+    ssm_state: Array,
+    batch: Batch,
+    layer_index: int,
+    decode: bool,
+    kernels: dict | None = None,
+) -> tuple[Float[Array, "T D"], Array]:
+    """in_proj -> SiLU on q, k, v (no 1/sqrt(d), no RoPE) -> `S_t = exp(-slope) S_{t-1} + k_t^T v_t`,
+    `o_t = q_t S_t` (recurrent state `[S, H, hd, hd]`) -> RMSNorm over all heads -> sigmoid output gate ->
+    out_proj. `decode` (static) means one token per row. Returns (out, ssm_state)."""
+    num_tokens = x.shape[0]
+    h, hd = cfg.num_heads, cfg.head_dim
+    proj = x @ p["in_proj"]  # [T, 4*H*hd]: the packed qkv_proj, output_gate
+    qkv = jax.nn.silu(proj[:, : 3 * h * hd].astype(jnp.float32)).astype(x.dtype)
+    qkv = qkv.reshape(num_tokens, h, 3, hd)  # per head: hd q dims, hd k dims, hd v dims
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [T, H, hd] x3
+    gate = proj[:, 3 * h * hd :]  # [T, H*hd]
+    slopes = lightning_slopes(h, layer_index, cfg.num_layers)
+    g = jnp.broadcast_to(jnp.asarray(-slopes), (num_tokens, h))  # [T, H], constant in time
+    if decode:
+        o, ssm_state = fused_recurrent_simple_gla(q, k, v, g, ssm_state, batch.slot_ids, scale=1.0, **(kernels or {}))
+    else:
+        o, ssm_state = chunk_simple_gla(
+            q, k, v, g, batch.cu_seqlens, ssm_state, batch.slot_ids, scale=1.0, **(kernels or {})
+        )
+    o = rms_norm(o.reshape(num_tokens, h * hd).astype(x.dtype), p["norm"], LIGHTNING_NORM_EPS, False)
+    o = jax.nn.sigmoid(gate) * o
+    return o @ p["out_proj"], ssm_state

@@ -1,0 +1,61 @@
+"""Mamba2 (SSD) mixer of the NemotronH / Bamba / Granite-4.0-H hybrids over state slots."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from jhybrid.config import ModelConfig
+from jhybrid.models.batch import Batch
+from jhybrid.models.layers import causal_conv1d, grouped_gated_rms_norm
+from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+
+def mamba2_layer(
+    cfg: ModelConfig,
+    p: dict,
+    x: Float[Array, "T D"],
+    conv_state: Array,
+    ssm_state: Array,
+    batch: Batch,
+    decode: bool,
+    kernels: dict | None = None,
+) -> tuple[Float[Array, "T D"], Array, Array]:
+    """in_proj -> [z | x B C | dt] -> causal conv (+ bias) + SiLU over x, B, C (conv state) ->
+    dt = clip(softplus(dt + dt_bias), dt_min, dt_max), A = -exp(A_log) ->
+    `S_t = exp(dt_t A) S_{t-1} + B_t^T (dt_t x_t)`, `y_t = C_t S_t + D x_t` (recurrent state `[S, Hm, N, P]`;
+    head h reads B/C group `h // (Hm / G)`) -> grouped gated RMSNorm with z -> out_proj.
+
+    HF clamps dt only in its chunked (prefill) path, not in its one-token update; jhybrid clamps in both so
+    chunked prefill, one-shot prefill and decode compute one function (the clamp is inactive for any
+    realistic dt_bias: `time_step_min` is 1e-3 by default). Returns (out, conv_state, ssm_state).
+    """
+    num_tokens = x.shape[0]
+    h, hp, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups, cfg.ssm_state_size
+    inner, conv_dim = cfg.mamba_intermediate_size, cfg.mamba_conv_dim
+    proj = x @ p["in_proj"]  # [T, Im + Cm + Hm]
+    if "in_proj_bias" in p:
+        proj = proj + p["in_proj_bias"]
+    z, xbc, dt = proj[:, :inner], proj[:, inner : inner + conv_dim], proj[:, inner + conv_dim :]
+    xbc, conv_state = causal_conv1d(xbc, conv_state, p["conv_weight"], batch.cu_seqlens, batch.slot_ids, batch.token_seq)
+    if "conv_bias" in p:
+        xbc = xbc + p["conv_bias"]
+    xbc = jax.nn.silu(xbc.astype(jnp.float32))  # [T, Cm]
+    xs = xbc[:, :inner].reshape(num_tokens, h, hp)  # [T, Hm, P]
+    b = xbc[:, inner : inner + g * n].reshape(num_tokens, g, n)  # [T, G, N]: the keys
+    c = xbc[:, inner + g * n :].reshape(num_tokens, g, n)  # [T, G, N]: the queries
+    dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))  # [T, Hm]
+    dt = jnp.clip(dt, cfg.mamba_dt_min, cfg.mamba_dt_max)
+    decay = dt * -jnp.exp(p["A_log"].astype(jnp.float32))  # [T, Hm], log space
+    v = xs * dt[..., None]  # [T, Hm, P]
+    if decode:
+        y, ssm_state = fused_recurrent_simple_gla(c, b, v, decay, ssm_state, batch.slot_ids, scale=1.0, **(kernels or {}))
+    else:
+        y, ssm_state = chunk_simple_gla(c, b, v, decay, batch.cu_seqlens, ssm_state, batch.slot_ids, scale=1.0, **(kernels or {}))
+    y = y + xs * p["D"].astype(jnp.float32)[:, None]  # D skip
+    y = grouped_gated_rms_norm(y.reshape(num_tokens, inner).astype(x.dtype), z, p["norm"], inner // g, cfg.mamba_norm_eps)
+    out = y @ p["out_proj"]
+    if "out_bias" in p:
+        out = out + p["out_bias"]
+    return out, conv_state, ssm_state
