@@ -1,4 +1,4 @@
-"""The `jhybrid` command line: generate, convert, inspect.
+"""The `jhybrid` command line: generate, convert, inspect, serve.
 
 Every subcommand returns an exit status; user errors (bad paths, inconsistent checkpoints, bad options)
 print `error: ...` to stderr and return 2, without a traceback.
@@ -18,6 +18,7 @@ examples:
   jhybrid convert ./Qwen3-Next-80B-A3B ./qwen3-next-jh --dtype bfloat16
   jhybrid inspect ./qwen3-next-jh
   jhybrid generate --model ./qwen3-next-jh --prompt "The capital of France is" --max-tokens 32
+  jhybrid serve --model ./qwen3-next-jh --port 8000
 """
 
 
@@ -58,7 +59,40 @@ def _parser() -> argparse.ArgumentParser:
     insp.add_argument("dir", metavar="DIR")
     insp.add_argument("--json", action="store_true", help="print the summary as JSON")
     insp.set_defaults(func=_inspect)
+
+    srv = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over HTTP: POST /v1/completions and /v1/chat/completions (with \"stream\": true "
+        "as server-sent events), GET /v1/models, /health and /metrics (Prometheus). Binds to 127.0.0.1 unless "
+        "--host says otherwise.",
+    )
+    srv.add_argument("--model", required=True, metavar="DIR", help="HF or converted checkpoint directory")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--api-key", default=None, metavar="KEY",
+                     help="require `Authorization: Bearer KEY` on /v1 routes (default: $JHYBRID_API_KEY if set)")
+    srv.add_argument("--served-model-name", default=None, metavar="NAME", help="the model's name in the API (default: DIR)")
+    srv.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="a jinja chat template (file or text) instead of the checkpoint's")
+    srv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="largest request body (default 1 MiB)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _engine_options(srv)
+    srv.set_defaults(func=_serve)
     return parser
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--dtype", default=None, metavar="D", help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences running at once (default 64)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="longest prompt + output (default: min(model context, 4096))")
+    g.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, metavar="N", help="KV blocks (default: from --memory-fraction)")
+    g.add_argument("--memory-fraction", type=float, default=0.9, metavar="F",
+                   help="share of free device memory for the KV pool and state slots (default 0.9)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N", help="token budget of one step")
+    g.add_argument("--seed", type=int, default=0, help="seed of requests that give none (default 0)")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -74,15 +108,51 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    from jhybrid.engine.generate import generate
+    from jhybrid.engine.generate import _bucket, load
+    from jhybrid.engine.llm import LLM
+    from jhybrid.engine.sampling import SamplingParams
 
-    outputs = generate(args.model, prompts, max_tokens=args.max_tokens, temperature=args.temperature, dtype=args.dtype)
-    for i, out in enumerate(outputs):
-        if len(outputs) > 1:
-            print(f"--- [{i}]")
-        text = getattr(out, "text", None)
-        print(text if text else " ".join(str(t) for t in out.token_ids))
+    model = load(args.model, args.dtype)
+    lengths = [len(model.tokenizer.encode(p)) if isinstance(p, str) and model.tokenizer else len(p) for p in prompts]
+    context = model.cfg.max_position_embeddings
+    if max(lengths) + args.max_tokens > context:
+        raise ValueError(f"prompt ({max(lengths)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's context ({context})")
+    llm = LLM(model, dtype=None, max_num_seqs=1, max_model_len=min(context, _bucket(max(lengths) + args.max_tokens, minimum=64)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    for i, prompt in enumerate(prompts):
+        if len(prompts) > 1:
+            print(f"--- [{i}]", flush=True)
+        _stream_one(llm, prompt, params, as_text=model.tokenizer is not None)
     return 0
+
+
+def _stream_one(llm, prompt, params, *, as_text: bool) -> None:
+    """Prints one generation as it comes: text deltas, or token ids for tokenizer-less checkpoints."""
+    if as_text:
+        for delta in llm.stream(prompt, params):
+            print(delta, end="", flush=True)
+        print(flush=True)
+        return
+    engine = llm.engine
+    seq = engine.add_request(f"cli-{id(prompt)}", prompt, params)
+    if seq.error:
+        engine.release(seq.request_id)
+        raise ValueError(seq.error)
+    printed = 0
+    try:
+        while not seq.is_finished:
+            engine.step()
+            ids = seq.output_ids
+            if len(ids) > printed:
+                print(("" if printed == 0 else " ") + " ".join(str(t) for t in ids[printed:]), end="", flush=True)
+                printed = len(ids)
+        print(flush=True)
+    finally:
+        if not seq.is_finished:
+            engine.abort(seq.request_id)
+        while engine.has_unfinished():
+            engine.step()
+        engine.release(seq.request_id)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -98,6 +168,29 @@ def _inspect(args: argparse.Namespace) -> int:
 
     summary = summarize(args.dir)
     print(json.dumps(summary.to_json(), indent=2) if args.json else summary.format())
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    try:
+        from jhybrid.server import serve
+    except ImportError as e:
+        raise ValueError(f"serving needs fastapi, uvicorn, prometheus-client and jinja2 ({e}): pip install -e .") from None
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65536), got {args.port}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    serve(
+        args.model, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("JHYBRID_API_KEY") or None,
+        served_model_name=args.served_model_name, chat_template=args.chat_template, max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, memory_fraction=args.memory_fraction,
+        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+    )
     return 0
 
 

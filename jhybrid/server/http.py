@@ -1,0 +1,149 @@
+"""HTTP plumbing of the server: body limits, API keys, OpenAI-style error responses, server-sent events,
+client-disconnect detection and per-route HTTP counters."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.responses import StreamingResponse
+
+from jhybrid.server.protocol import APIError
+
+_DRAIN_LIMIT = 16 << 20  # read (and drop) at most this much of an oversized body so the client sees the 413
+
+
+def error_response(e: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def check_api_key(request: Request, api_key: str | None) -> None:
+    """401 unless `Authorization: Bearer <api_key>` (when a key is set)."""
+    if not api_key:
+        return
+    header = request.headers.get("authorization")
+    if header is None:
+        raise APIError(401, "missing API key: send the header `Authorization: Bearer <key>`", code="missing_api_key")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body; 413 when its Content-Length or its actual size exceeds `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, f"invalid Content-Length header {declared!r}", code="invalid_request")
+        if int(declared) > limit:
+            if int(declared) <= _DRAIN_LIMIT:
+                await _drain(request)
+            raise APIError(413, f"the request body ({int(declared)} bytes) exceeds the server's limit of {limit} bytes",
+                           code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            await _drain(request, size)
+            raise APIError(413, f"the request body exceeds the server's limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _drain(request: Request, size: int = 0) -> None:
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > _DRAIN_LIMIT:
+                return
+    except Exception:  # noqa: BLE001 - the client went away or the stream was consumed: nothing to drain
+        return
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, coro) -> Any:
+    """Awaits `coro`; if the client disconnects first, cancels it and raises ClientDisconnected."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        raise ClientDisconnected()
+    finally:
+        for task in (work, watcher):
+            task.cancel()
+        await asyncio.gather(work, watcher, return_exceptions=True)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A server-sent-event response that always closes its generator, so the generator's `finally` (which
+    aborts the request) runs whether the stream ends, the client disconnects, or the server cancels it."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, *, on_close=None, **kwargs):
+        self.on_close = on_close  # also runs when the generator never started
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **kwargs.pop("headers", {})}
+        super().__init__(content, headers=headers, **kwargs)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away while we wrote
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+            if self.on_close is not None:
+                self.on_close()
+
+
+class HTTPMetricsMiddleware:
+    """Counts responses by method, route (known routes only, to bound label cardinality) and status."""
+
+    def __init__(self, app, counter, routes: frozenset[str]):
+        self.app, self.counter, self.routes = app, counter, routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_and_record(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = scope["path"] if scope["path"] in self.routes else "other"
+            self.counter.labels(scope["method"], route, str(status)).inc()

@@ -1,0 +1,90 @@
+"""Prometheus metrics of one served engine, in a registry of their own (no global registry).
+
+Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
+
+| metric | kind | what |
+|---|---|---|
+| `jhybrid:time_to_first_token_seconds` | histogram | request arrival -> its first token reaches the host |
+| `jhybrid:inter_token_latency_seconds` | histogram | gap between a request's successive tokens |
+| `jhybrid:e2e_request_latency_seconds` | histogram | arrival -> finish (stop / length) |
+| `jhybrid:num_requests_running` / `_waiting` | gauge | scheduler queues |
+| `jhybrid:num_requests_preempted` | gauge | waiting requests that were preempted (and will re-prefill) |
+| `jhybrid:num_preemptions_total` | counter | preemptions so far |
+| `jhybrid:kv_blocks_used` / `_total`, `jhybrid:kv_cache_usage_perc` | gauge | paged KV pool (null block excluded) |
+| `jhybrid:state_slots_used` / `_total`, `jhybrid:state_slot_usage_perc` | gauge | linear-layer state slots (null slot excluded) |
+| `jhybrid:prompt_tokens_total`, `jhybrid:generation_tokens_total` | counter | tokens admitted / generated |
+| `jhybrid:request_success_total{finished_reason}` | counter | finished requests: stop, length, abort, error |
+| `jhybrid:http_requests_total{method,route,status}` | counter | HTTP responses (rejections included) |
+
+Engine-side metrics are written by the engine thread only; prometheus_client's metrics are thread-safe, so
+scrapes from the server thread read them directly.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r, label = self.registry, {"model_name": model_name}
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, ["model_name"], buckets=buckets, registry=r).labels(**label)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["model_name"], registry=r).labels(**label)
+
+        def counter(name, doc):
+            return Counter(name, doc, ["model_name"], registry=r).labels(**label)
+
+        self.ttft = hist("jhybrid:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS)
+        self.itl = hist("jhybrid:inter_token_latency_seconds", "Time between successive tokens of a request (s).", ITL_BUCKETS)
+        self.e2e = hist("jhybrid:e2e_request_latency_seconds", "Request latency from arrival to finish (s).", E2E_BUCKETS)
+        self.running = gauge("jhybrid:num_requests_running", "Requests being computed.")
+        self.waiting = gauge("jhybrid:num_requests_waiting", "Requests waiting for admission.")
+        self.preempted = gauge("jhybrid:num_requests_preempted", "Waiting requests that were preempted.")
+        self.preemptions = counter("jhybrid:num_preemptions", "Preemptions (recompute) so far.")
+        self.blocks_used = gauge("jhybrid:kv_blocks_used", "KV blocks in use.")
+        self.blocks_total = gauge("jhybrid:kv_blocks_total", "KV blocks in the pool.")
+        self.kv_usage = gauge("jhybrid:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
+        self.slots_used = gauge("jhybrid:state_slots_used", "Linear-state slots in use.")
+        self.slots_total = gauge("jhybrid:state_slots_total", "Linear-state slots in the pool.")
+        self.slot_usage = gauge("jhybrid:state_slot_usage_perc", "Fraction of state slots in use (0..1).")
+        self.prompt_tokens = counter("jhybrid:prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("jhybrid:generation_tokens", "Generated tokens.")
+        success = Counter("jhybrid:request_success", "Finished requests by finish reason.",
+                          ["model_name", "finished_reason"], registry=r)
+        self.finished = {reason: success.labels(model_name=model_name, finished_reason=reason) for reason in FINISH_REASONS}
+        self.http = Counter("jhybrid:http_requests", "HTTP responses by route and status.",
+                            ["method", "route", "status"], registry=r)
+        self._num_preemptions = 0
+
+    def observe_engine(self, engine) -> None:
+        """Sets the gauges from the engine's state (engine thread only)."""
+        sched = engine.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.preempted.set(sum(1 for s in sched.waiting if s.num_preemptions))
+        blocks_total, slots_total = engine.blocks.capacity - 1, engine.slots.capacity - 1
+        self.blocks_used.set(engine.blocks.num_used)
+        self.blocks_total.set(blocks_total)
+        self.kv_usage.set(engine.blocks.num_used / blocks_total)
+        self.slots_used.set(engine.slots.num_used)
+        self.slots_total.set(slots_total)
+        self.slot_usage.set(engine.slots.num_used / slots_total)
+        if engine.num_preemptions > self._num_preemptions:
+            self.preemptions.inc(engine.num_preemptions - self._num_preemptions)
+            self._num_preemptions = engine.num_preemptions
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,198 @@
+"""OpenAI request bodies (pydantic, strict types) and OpenAI-style errors.
+
+Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`; validation failures are 400
+with a message that starts with the offending field (`max_tokens: Input should be greater than 0`).
+Unknown fields are ignored, as OpenAI clients send vendor fields freely. Extensions beyond OpenAI's API,
+as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `chat_template_kwargs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: HTTP `status` with `{"error": {...}}`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first problem of a pydantic error as a 400 naming the field (`messages.0.role: ...`)."""
+    errors = e.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        detail = first["msg"].removeprefix("Invalid JSON: ")
+        return APIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
+    loc = [str(p) for p in first["loc"]]
+    if not loc or first["type"] == "model_type":
+        return APIError(400, "the request body must be a JSON object", code="invalid_request")
+    # union members add type tags to the location (`prompt.str`); keep the path into the body only
+    path = ".".join(p for p in loc if p.isdigit() or not any(c in p for c in "[]") and p not in _TYPE_TAGS)
+    msg = first["msg"].removeprefix("Value error, ")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 and first["type"] != "missing" else ""
+    if first["type"] == "missing":
+        msg = "this field is required"
+    return APIError(400, f"{path}: {msg}{more}", param=path, code="invalid_value")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, gt=0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**32)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, v):
+        if v is None:
+            return v
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("must be a string or a list of strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v):
+        if v:
+            raise ValueError("penalties are not supported; leave it 0 or unset")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v):
+        ok = isinstance(v, str) or (
+            isinstance(v, list) and v and (
+                all(isinstance(x, str) for x in v)
+                or all(type(x) is int for x in v)
+                or all(isinstance(x, list) and x and all(type(t) is int for t in x) for x in v)
+            )
+        )
+        if not ok:
+            raise ValueError("must be a string, a non-empty list of strings, a list of token ids or a list of "
+                             "non-empty token-id lists")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v is not None:
+            raise ValueError("logprobs are not supported by this server yet")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # tool_calls etc. pass through to the template
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, v):
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(p, dict) for p in v):
+            kinds = {p.get("type") for p in v} - {"text"}
+            if kinds:
+                raise ValueError(f"only text content parts are supported, got {sorted(map(str, kinds))}")
+            return v
+        raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
+
+    def for_template(self) -> dict[str, Any]:
+        """A plain dict, with text parts joined into one string (what text-only templates expect)."""
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            d["content"] = "".join(part.text for part in self.content)
+        return d
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, gt=0)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported by this server yet")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tool calling is not supported")
+        return v
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
