@@ -19,6 +19,8 @@ Three forms compute the same function:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -40,6 +42,39 @@ def _token_rows(cu_seqlens: Array, num_tokens: int) -> tuple[Array, Array]:
     rows = jnp.searchsorted(cu_seqlens[1:], t, side="right")
     valid = t < cu_seqlens[-1]
     return jnp.minimum(rows, cu_seqlens.shape[0] - 2), valid
+
+
+class ChunkLayout(NamedTuple):
+    """Where each packed token sits when every row is cut into chunks of C tokens starting at its first
+    token (a chunk never mixes rows); `N = ceil(T / C) + B` chunk buffers bound the count statically."""
+
+    chunk_size: int
+    num_chunks: int
+    valid: Array  # [T] the token is real (not trailing padding)
+    token_chunk: Array  # [T] chunk of each token; N (out of range, dropped) for padding
+    token_lane: Array  # [T] position inside its chunk
+    chunk_row: Array  # [N] row of each chunk
+    chunk_valid: Array  # [N] the chunk holds tokens
+
+    def to_chunks(self, x: Array) -> Array:
+        """[T, ...] -> [N, C, ...] in fp32, zeros in unused lanes."""
+        buf = jnp.zeros((self.num_chunks, self.chunk_size, *x.shape[1:]), jnp.float32)
+        return buf.at[self.token_chunk, self.token_lane].set(x.astype(jnp.float32), mode="drop")
+
+
+def chunk_layout(cu_seqlens: Array, num_tokens: int, chunk_size: int) -> ChunkLayout:
+    batch = cu_seqlens.shape[0] - 1
+    num_chunks = -(-num_tokens // chunk_size) + batch
+    rows, valid = _token_rows(cu_seqlens, num_tokens)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [B]
+    chunks_per_row = (lengths + chunk_size - 1) // chunk_size
+    chunk_end = jnp.cumsum(chunks_per_row)  # [B]
+    local = jnp.arange(num_tokens) - cu_seqlens[rows]
+    token_chunk = jnp.where(valid, chunk_end[rows] - chunks_per_row[rows] + local // chunk_size, num_chunks)
+    chunk_ids = jnp.arange(num_chunks)
+    chunk_row = jnp.minimum(jnp.searchsorted(chunk_end, chunk_ids, side="right"), batch - 1)
+    return ChunkLayout(chunk_size, num_chunks, valid, token_chunk, local % chunk_size, chunk_row,
+                       chunk_ids < chunk_end[-1])
 
 
 def _check(q, k, v, g, beta, cu_seqlens, state, slot_ids):
@@ -150,27 +185,11 @@ def chunk_gated_delta_rule_reference(
     _check(q, k, v, g, beta, cu_seqlens, state, slot_ids)
     num_tokens, _, key_dim = q.shape
     num_value_heads, value_dim = v.shape[-2:]
-    batch = slot_ids.shape[0]
     c = chunk_size
-    num_chunks = -(-num_tokens // c) + batch
     scale = key_dim**-0.5 if scale is None else scale
 
-    # --- where each token goes: chunk id and lane ---
-    rows, valid = _token_rows(cu_seqlens, num_tokens)
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [B]
-    chunks_per_row = (lengths + c - 1) // c
-    chunk_end = jnp.cumsum(chunks_per_row)  # [B]
-    chunk_start = chunk_end - chunks_per_row
-    local = jnp.arange(num_tokens) - cu_seqlens[rows]
-    token_chunk = jnp.where(valid, chunk_start[rows] + local // c, num_chunks)  # out of range: dropped
-    token_lane = local % c
-    chunk_ids = jnp.arange(num_chunks)
-    chunk_row = jnp.minimum(jnp.searchsorted(chunk_end, chunk_ids, side="right"), batch - 1)
-    chunk_valid = chunk_ids < chunk_end[-1]
-
-    def to_chunks(x):  # [T, ...] -> [N, C, ...], zeros in unused lanes
-        buf = jnp.zeros((num_chunks, c, *x.shape[1:]), jnp.float32)
-        return buf.at[token_chunk, token_lane].set(x.astype(jnp.float32), mode="drop")
+    lay = chunk_layout(cu_seqlens, num_tokens, c)
+    to_chunks = lay.to_chunks
 
     qc = to_chunks(_expand_heads(q, num_value_heads)) * scale  # [N, C, HV, K]
     kc = to_chunks(_expand_heads(k, num_value_heads))  # [N, C, HV, K]
@@ -204,8 +223,8 @@ def chunk_gated_delta_rule_reference(
         return h_all, o_n
 
     h_all = _load_initial(state, slot_ids)
-    xs = (u, w, attn, q_dec, k_dec, chunk_decay, chunk_row, chunk_valid)
+    xs = (u, w, attn, q_dec, k_dec, chunk_decay, lay.chunk_row, lay.chunk_valid)
     h_all, oc = jax.lax.scan(step, h_all, xs)  # oc: [N, HV, C, V]
-    o = oc.transpose(0, 2, 1, 3)[jnp.minimum(token_chunk, num_chunks - 1), token_lane]  # [T, HV, V]
-    o = jnp.where(valid[:, None, None], o, 0.0)
+    o = oc.transpose(0, 2, 1, 3)[jnp.minimum(lay.token_chunk, lay.num_chunks - 1), lay.token_lane]  # [T,HV,V]
+    o = jnp.where(lay.valid[:, None, None], o, 0.0)
     return o.astype(v.dtype), state.at[slot_ids].set(h_all.astype(state.dtype))

@@ -21,6 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.gated_delta_rule.reference import chunk_layout
+
 _WHOLE = pl.no_block_spec
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
@@ -95,24 +97,6 @@ def _prefill_kernel(
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def _tiles(cu_seqlens: Array, num_tokens: int, block_q: int):
-    """Tile of each packed token (and its lane), and the row, first token and length of each tile."""
-    batch = cu_seqlens.shape[0] - 1
-    num_tiles = -(-num_tokens // block_q) + batch
-    t = jnp.arange(num_tokens)
-    rows = jnp.minimum(jnp.searchsorted(cu_seqlens[1:], t, side="right"), batch - 1)
-    valid = t < cu_seqlens[-1]
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    tiles_per_row = (lengths + block_q - 1) // block_q
-    tile_end = jnp.cumsum(tiles_per_row)
-    local = t - cu_seqlens[rows]
-    token_tile = jnp.where(valid, tile_end[rows] - tiles_per_row[rows] + local // block_q, num_tiles)
-    token_lane = local % block_q
-    tile_ids = jnp.arange(num_tiles)
-    tile_row = jnp.minimum(jnp.searchsorted(tile_end, tile_ids, side="right"), batch - 1)
-    return num_tiles, token_tile, token_lane, tile_row.astype(jnp.int32)
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "sliding_window", "soft_cap", "return_lse", "block_q", "pages_per_block",
@@ -151,7 +135,9 @@ def paged_attention_prefill_pallas(
     if rows < 16:
         block_q, rows = 16 // gp, 16
     scale = head_dim**-0.5 if scale is None else scale
-    num_tiles, token_tile, token_lane, tile_row = _tiles(cu_seqlens, num_tokens, block_q)
+    tiles = chunk_layout(cu_seqlens, num_tokens, block_q)  # query tiles laid out as the recurrence's chunks
+    num_tiles, token_tile, token_lane = tiles.num_chunks, tiles.token_chunk, tiles.token_lane
+    tile_row = tiles.chunk_row.astype(jnp.int32)
     pages_per_block = min(pages_per_block, _next_pow2(block_tables.shape[1]))
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_block)))
 

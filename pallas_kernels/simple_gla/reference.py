@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.gated_delta_rule.reference import _expand_heads, _load_initial, _token_rows
+from pallas_kernels.gated_delta_rule.reference import _expand_heads, _load_initial, _token_rows, chunk_layout
 
 
 def _check(q, k, v, g, cu_seqlens, state, slot_ids):
@@ -130,26 +130,9 @@ def chunk_simple_gla_reference(
     _check(q, k, v, g, cu_seqlens, state, slot_ids)
     num_tokens = q.shape[0]
     num_value_heads = v.shape[1]
-    batch = slot_ids.shape[0]
     c = chunk_size
-    num_chunks = -(-num_tokens // c) + batch
-
-    # --- where each token goes: chunk id and lane ---
-    rows, valid = _token_rows(cu_seqlens, num_tokens)
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [B]
-    chunks_per_row = (lengths + c - 1) // c
-    chunk_end = jnp.cumsum(chunks_per_row)  # [B]
-    chunk_start = chunk_end - chunks_per_row
-    local = jnp.arange(num_tokens) - cu_seqlens[rows]
-    token_chunk = jnp.where(valid, chunk_start[rows] + local // c, num_chunks)  # out of range: dropped
-    token_lane = local % c
-    chunk_ids = jnp.arange(num_chunks)
-    chunk_row = jnp.minimum(jnp.searchsorted(chunk_end, chunk_ids, side="right"), batch - 1)
-    chunk_valid = chunk_ids < chunk_end[-1]
-
-    def to_chunks(x):  # [T, ...] -> [N, C, ...], zeros in unused lanes
-        buf = jnp.zeros((num_chunks, c, *x.shape[1:]), jnp.float32)
-        return buf.at[token_chunk, token_lane].set(x.astype(jnp.float32), mode="drop")
+    lay = chunk_layout(cu_seqlens, num_tokens, c)
+    to_chunks = lay.to_chunks
 
     qc = to_chunks(_expand_heads(q, num_value_heads)) * scale  # [N, C, HV, K]
     kc = to_chunks(_expand_heads(k, num_value_heads))  # [N, C, HV, K]
@@ -175,8 +158,8 @@ def chunk_simple_gla_reference(
         h_all = h_all.at[row].set(jnp.where(ok, h_next, h))
         return h_all, o_n
 
-    h_all, o_inter = jax.lax.scan(step, _load_initial(state, slot_ids), (q_dec, kv, chunk_decay, chunk_row, chunk_valid))
+    h_all, o_inter = jax.lax.scan(step, _load_initial(state, slot_ids), (q_dec, kv, chunk_decay, lay.chunk_row, lay.chunk_valid))
     oc = (o_intra + o_inter).transpose(0, 2, 1, 3)  # [N, C, HV, V]
-    o = oc[jnp.minimum(token_chunk, num_chunks - 1), token_lane]  # [T, HV, V]
-    o = jnp.where(valid[:, None, None], o, 0.0)
+    o = oc[jnp.minimum(lay.token_chunk, lay.num_chunks - 1), lay.token_lane]  # [T, HV, V]
+    o = jnp.where(lay.valid[:, None, None], o, 0.0)
     return o.astype(v.dtype), state.at[slot_ids].set(h_all.astype(state.dtype))
