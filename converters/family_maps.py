@@ -16,6 +16,13 @@ block's single norm is `input_norm` for a mixer block and `post_norm` for an MLP
 
 Bamba: `model.embed_tokens`, `model.final_layernorm`, per layer `input_layernorm`, `pre_ff_layernorm`,
 `mamba.*` (as NemotronH's Mamba2 mixer) or `self_attn.*`, and a SwiGLU `feed_forward.{gate,up,down}_proj`.
+
+Granite-4.0-H (GraniteMoeHybrid; `save_pretrained` writes the hub layout): as Bamba for the embeddings,
+`model.norm`, `input_layernorm`, `post_attention_layernorm`, `mamba.*` and `self_attn.*`; the MoE under
+`block_sparse_moe.`: `router.layer.weight [E, D]`, fused experts `input_linear.weight [E, 2*Ie, D]` (gate rows,
+then up rows) and `output_linear.weight [E, D, Ie]` (in-memory names `router.weight`, `experts.gate_up_proj`,
+`experts.down_proj` accepted too); the shared MLP `shared_mlp.input_linear.weight [2*Is, D]` (gate, then up)
+and `shared_mlp.output_linear.weight [D, Is]`, which is the whole MLP when the config has no experts.
 """
 
 from __future__ import annotations
@@ -159,4 +166,54 @@ def bamba_plan(cfg: ModelConfig, disk: set[str]) -> Plan:
     return plan
 
 
-FAMILY_PLANS = {"minimax": minimax_plan, "nemotron_h": nemotron_h_plan, "bamba": bamba_plan}
+def _granite_shared(d: int, i: int, p: str) -> dict[str, Rule]:
+    """`input_linear [2I, D]` (gate rows, then up rows) and `output_linear [D, I]` -> a SwiGLU MLP."""
+    gate_up = p + "input_linear.weight"
+    return {
+        "gate_proj": Rule((gate_up,), ((2 * i, d),), lambda w: w[:i].T),
+        "up_proj": Rule((gate_up,), ((2 * i, d),), lambda w: w[i:].T),
+        "down_proj": linear((i, d), p + "output_linear.weight"),
+    }
+
+
+def _granite_moe(cfg: ModelConfig, p: str, disk: set[str]) -> dict[str, Rule]:
+    d, e, ie = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    if p + "experts.gate_up_proj" in disk:  # fused in-memory names
+        router, gate_up, down = p + "router.weight", p + "experts.gate_up_proj", p + "experts.down_proj"
+    else:  # hub names
+        router, gate_up, down = p + "router.layer.weight", p + "input_linear.weight", p + "output_linear.weight"
+    return {
+        "router": linear((d, e), router),
+        "gate_proj": Rule((gate_up,), ((e, 2 * ie, d),), lambda w: w[:, :ie].transpose(0, 2, 1)),  # -> [E, D, Ie]
+        "up_proj": Rule((gate_up,), ((e, 2 * ie, d),), lambda w: w[:, ie:].transpose(0, 2, 1)),
+        "down_proj": Rule((down,), ((e, d, ie),), lambda w: w.transpose(0, 2, 1)),  # -> [E, Ie, D]
+    }
+
+
+def granitemoehybrid_plan(cfg: ModelConfig, disk: set[str]) -> Plan:
+    d = cfg.hidden_size
+    plan = embed_and_head(cfg)
+    for i, (kind, mlp_kind) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds)):
+        hf, jh = f"model.layers.{i}.", f"layers.{i}."
+        plan[jh + "input_norm"] = identity((d,), hf + "input_layernorm.weight")
+        plan[jh + "post_norm"] = identity((d,), hf + "post_attention_layernorm.weight")
+        if kind == "full_attention":
+            plan |= _prefixed(jh + "attn.", _attention(cfg, hf + "self_attn."))
+        else:
+            plan |= _prefixed(jh + "mamba.", _mamba2(cfg, hf + "mamba."))
+        if mlp_kind == "moe":
+            plan |= _prefixed(jh + "mlp.", _granite_moe(cfg, hf + "block_sparse_moe.", disk))
+            if cfg.shared_expert_intermediate_size:
+                shared = _granite_shared(d, cfg.shared_expert_intermediate_size, hf + "shared_mlp.")
+                plan |= _prefixed(jh + "mlp.shared.", shared)
+        else:
+            plan |= _prefixed(jh + "mlp.", _granite_shared(d, cfg.intermediate_size, hf + "shared_mlp."))
+    return plan
+
+
+FAMILY_PLANS = {
+    "minimax": minimax_plan,
+    "nemotron_h": nemotron_h_plan,
+    "bamba": bamba_plan,
+    "granitemoehybrid": granitemoehybrid_plan,
+}

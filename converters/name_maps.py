@@ -20,8 +20,9 @@ heads), `*.rotary_emb.inv_freq`, MiniMax's derived lightning-decay buffers (`*.s
 `*.query_decay`, `*.key_decay`, `*.diagonal_decay`: jhybrid recomputes the slopes from the layer index),
 and `lm_head.weight` when the embeddings are tied.
 
-The lightning-attention and Mamba2 families (MiniMax, NemotronH) have their maps in `family_maps.py`. Multimodal Qwen3.5
-checkpoints keep the text model under `model.language_model.`, read as `model.`.
+The lightning-attention and Mamba2 families (MiniMax, NemotronH, Bamba, Granite-4.0-H) have their maps in
+`family_maps.py`. Multimodal Qwen3.5 checkpoints keep the text model under `model.language_model.`, read as
+`model.`.
 """
 
 from __future__ import annotations

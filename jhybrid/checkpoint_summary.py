@@ -80,8 +80,10 @@ class Summary:
             f"({cfg.num_linear_layers} linear layers: "
             f"{', '.join(f'{n} {k}' for k, n in collections.Counter(cfg.linear_layer_kinds).items()) or 'none'}; "
             "conv + recurrent state in float32)",
-            "checkpoint OK",
         ]
+        if scalings := _scalings(cfg):
+            lines.append(f"scalings: {scalings}")
+        lines.append("checkpoint OK")
         return "\n".join(lines)
 
 
@@ -109,6 +111,22 @@ def summarize(path: str | os.PathLike) -> Summary:
         kv_bytes_per_token=cfg.kv_bytes_per_token(resolve_dtype(cfg.dtype).itemsize),
         state_bytes_per_sequence=cfg.state_bytes_per_sequence(),
     )
+
+
+def _scalings(cfg) -> str:
+    """Granite's non-neutral multipliers, e.g. "embeddings x12, attention scale 0.015, residual x0.22,
+    logits /6" ("" when every one is neutral, as in the other families)."""
+    parts = []
+    if cfg.embedding_multiplier != 1.0:
+        parts.append(f"embeddings x{cfg.embedding_multiplier:g}")
+    if cfg.attention_scale is not None:
+        parts.append(f"attention scale {cfg.attention_scale:g}")
+    betas = {cfg.full_attn_beta, cfg.linear_attn_beta, cfg.mlp_beta}
+    if len(betas) == 1 and betas != {1.0} and not cfg.residual_from_norm and cfg.mlp_alpha == 1.0:
+        parts.append(f"residual x{cfg.mlp_beta:g}")
+    if cfg.logits_scaling != 1.0:
+        parts.append(f"logits /{cfg.logits_scaling:g}")
+    return ", ".join(parts)
 
 
 def _layer_state(cfg, kind: str) -> tuple[str, int]:

@@ -24,7 +24,7 @@ MLP_ACTS = ("silu", "relu2")
 LIGHTNING_NORM_EPS = 1e-6  # HF MiniMaxLightningAttention's output RMSNorm uses the default eps, not rms_norm_eps
 
 # Families parsed in jhybrid/config_families.py (lightning attention, Mamba2 hybrids).
-_FAMILY_MODEL_TYPES = ("minimax", "nemotron_h", "bamba")
+_FAMILY_MODEL_TYPES = ("minimax", "nemotron_h", "bamba", "granitemoehybrid")
 MOE_ROUTERS = ("softmax", "sigmoid_group")
 SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3", "llama") + _FAMILY_MODEL_TYPES
 # Families whose RMSNorm weights are stored zero-centred: the norm multiplies by (1 + w).
@@ -42,6 +42,10 @@ class ModelConfig:
 
     Residuals: `x = alpha * r + beta * f(norm(x))` with `r = x`, or `r = norm(x)` when `residual_from_norm`
     (MiniMax); alpha/beta per sublayer kind (`*_alpha`, `*_beta`; 1 for most families).
+
+    Scalings (Granite; neutral for the other families): the embeddings are multiplied by
+    `embedding_multiplier`, attention scores by `attention_scale` (None: `head_dim ** -0.5`), and the logits
+    divided by `logits_scaling`.
     """
 
     model_type: str
@@ -56,6 +60,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
     dtype: str = "float32"
+    embedding_multiplier: float = 1.0
+    logits_scaling: float = 1.0  # logits = lm_head(x) / logits_scaling
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -66,6 +72,7 @@ class ModelConfig:
     attn_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate (Qwen3-Next / Qwen3.5)
     qk_norm: bool = False
     attention_bias: bool = False
+    attention_scale: float | None = None  # softmax scale of q.k; None: head_dim ** -0.5
     rope_theta: float = 10000.0
     rotary_dim: int = 0  # leading head dims that rotate; the rest pass through
     rope_type: str = "default"
@@ -168,6 +175,10 @@ class ModelConfig:
                 )
             if self.mamba_conv_kernel < 1:
                 raise ValueError(f"{self.mamba_conv_kernel=} must be >= 1")
+        if self.logits_scaling == 0 or self.embedding_multiplier == 0:
+            raise ValueError(f"{self.logits_scaling=} and {self.embedding_multiplier=} must be nonzero")
+        if self.attention_scale is not None and not self.attention_scale > 0:
+            raise ValueError(f"{self.attention_scale=} must be positive (or None for head_dim ** -0.5)")
         if self.hidden_act != "silu":
             raise ValueError(f"unsupported {self.hidden_act=}; only 'silu' is implemented")
         if self.mlp_act not in MLP_ACTS:

@@ -1,4 +1,5 @@
-"""`ModelConfig.from_hf` for the lightning-attention and Mamba2 hybrid families (MiniMax, NemotronH, Bamba).
+"""`ModelConfig.from_hf` for the lightning-attention and Mamba2 hybrid families (MiniMax, NemotronH, Bamba,
+Granite-4.0-H).
 
 Each parser reads an HF `config.json` dict into the one `ModelConfig`; the per-layer layout becomes the
 `layer_kinds` / `mlp_kinds` tuples. HF quirks are followed, not fixed (each is noted where it is read).
@@ -205,8 +206,102 @@ def bamba(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
     )
 
 
+# Granite `layer_types`: current HF names and the legacy ones of hub configs (HF remaps the same way)
+_GRANITE_LAYERS = {
+    "linear_attention": "mamba2", "mamba": "mamba2", "full_attention": "full_attention", "attention": "full_attention",
+}
+_GRANITE_POSITIONS = {"rope": True, "nope": False, None: False}
+
+
+def granitemoehybrid(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
+    """Granite-4.0-H (GraniteMoeHybrid): every layer is Mamba2 (as Bamba's) or attention, then a SwiGLU
+    MLP: with `num_local_experts > 0` a softmax top-k MoE (experts of `intermediate_size`, weights = softmax
+    over the top-k logits, i.e. renormalised) plus an ungated shared MLP of `shared_intermediate_size`;
+    with 0 experts the shared MLP alone (a dense MLP). Granite's scalings: embeddings times
+    `embedding_multiplier`, attention scores times `attention_multiplier` (instead of 1/sqrt(head_dim)),
+    each sublayer's output times `residual_multiplier` before its residual add, logits divided by
+    `logits_scaling`. RoPE over the whole head when `position_embedding_type == "rope"`, none otherwise.
+    HF clamps dt to `time_step_limit` only in its chunked prefill; jhybrid clamps in every step (mamba2.py).
+    """
+    common = _common(hf, "granitemoehybrid")
+    num_layers = int(hf["num_hidden_layers"])
+    _no_sliding_window(hf, "granitemoehybrid")
+    types = hf.get("layer_types") or hf.get("layers_block_type") or ["mamba"] * num_layers  # HF: all Mamba2
+    if len(types) != num_layers:
+        raise ValueError(f"granitemoehybrid: layer_types has {len(types)} entries but num_hidden_layers={num_layers}")
+    if unknown := set(types) - set(_GRANITE_LAYERS):
+        raise ValueError(f"granitemoehybrid: unknown layer_types {sorted(unknown)}; expected {sorted(_GRANITE_LAYERS)}")
+    position = hf.get("position_embedding_type")
+    if position not in _GRANITE_POSITIONS:
+        raise ValueError(
+            f"granitemoehybrid: unsupported position_embedding_type={position!r}; expected 'rope', 'nope' or null"
+        )
+    rope = dict(hf.get("rope_scaling") or {}) | dict(hf.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if _GRANITE_POSITIONS[position] and rope_type != "default":
+        raise ValueError(f"granitemoehybrid: unsupported {rope_type=}; only 'default' RoPE is implemented")
+    hidden = common["hidden_size"]
+    heads = int(hf.get("mamba_n_heads", 128))
+    inner = int(hf.get("mamba_expand", 2)) * hidden
+    head_dim = hf.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+    if heads * head_dim != inner:
+        raise ValueError(
+            f"granitemoehybrid: mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must equal mamba_expand x "
+            f"hidden_size ({inner})"
+        )
+    num_experts = int(hf.get("num_local_experts", 8) or 0)
+    inter, shared = int(hf.get("intermediate_size", 11008)), int(hf.get("shared_intermediate_size", 1024))
+    if num_experts:
+        mlp = dict(
+            intermediate_size=inter,
+            num_experts=num_experts,
+            num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+            moe_intermediate_size=inter,
+            shared_expert_intermediate_size=shared,
+            shared_expert_gate=False,
+            norm_topk_prob=True,  # softmax over the top-k logits == top-k of the softmax, renormalised
+        )
+    elif shared > 0:
+        mlp = dict(intermediate_size=shared)  # the shared MLP is the layer's whole MLP
+    else:
+        raise ValueError("granitemoehybrid: num_local_experts=0 and shared_intermediate_size=0 leave no MLP")
+    dt_min, dt_max = _time_step_limit(hf)
+    eps = float(hf.get("rms_norm_eps", 1e-6))
+    residual = float(hf.get("residual_multiplier", 1.0))
+    return cls(
+        **common,
+        num_layers=num_layers,
+        layer_kinds=tuple(_GRANITE_LAYERS[t] for t in types),
+        mlp_kinds=("moe" if num_experts else "dense",) * num_layers,
+        rms_norm_eps=eps,
+        hidden_act=hf.get("hidden_act", "silu"),
+        embedding_multiplier=float(hf.get("embedding_multiplier", 1.0)),
+        logits_scaling=float(hf.get("logits_scaling", 1.0)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        attention_scale=float(hf.get("attention_multiplier", 1.0)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rotary_dim=common["head_dim"] if _GRANITE_POSITIONS[position] else 0,
+        mamba_num_heads=heads,
+        mamba_head_dim=head_dim,
+        mamba_n_groups=int(hf.get("mamba_n_groups", 1)),
+        ssm_state_size=int(hf.get("mamba_d_state", 256)),
+        mamba_conv_kernel=int(hf.get("mamba_d_conv", 4)),
+        mamba_conv_bias=bool(hf.get("mamba_conv_bias", True)),
+        mamba_proj_bias=bool(hf.get("mamba_proj_bias", False)),
+        mamba_dt_min=dt_min,
+        mamba_dt_max=dt_max,
+        mamba_norm_eps=eps,  # HF's gated norm takes rms_norm_eps
+        full_attn_beta=residual,
+        linear_attn_beta=residual,
+        mlp_beta=residual,
+        **mlp,
+    )
+
+
 FAMILY_PARSERS: dict[str, Callable[[type[ModelConfig], dict[str, Any]], ModelConfig]] = {
     "minimax": minimax,
     "nemotron_h": nemotron_h,
     "bamba": bamba,
+    "granitemoehybrid": granitemoehybrid,
 }

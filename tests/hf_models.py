@@ -10,8 +10,8 @@ norm weights random around their neutral value; A_log = log(uniform(0.5, 4)); dt
 then the model is cast to `dtype` and saved (`path=None`: not saved). Sizes: vocab 128, hidden 32, 4 layers (3 linear : 1 full),
 4 query / 2 kv heads of dim 16, linear heads 2 key / 4 value of dims 8, 4 experts top-2.
 
-The lightning / Mamba2 hybrids (`make_minimax`, `make_nemotron_h`, `make_bamba`) are documented at their
-builders below.
+The lightning / Mamba2 hybrids (`make_minimax`, `make_nemotron_h`, `make_bamba`, `make_granitemoehybrid`) are
+documented at their builders below.
 """
 
 from __future__ import annotations
@@ -256,4 +256,50 @@ def make_bamba(path: Any, dtype: torch.dtype = torch.float32, seed: int = 0, max
     }
     model = BambaForCausalLM(BambaConfig(**kw))
     randomize_(model, seed)
+    return _save(model, path, dtype, max_shard_size)
+
+
+GRANITE_LAYERS = ["mamba", "attention", "mamba", "mamba"]
+
+
+def make_granitemoehybrid(path: Any, dtype: torch.dtype = torch.float32, seed: int = 0, max_shard_size: Any = None,
+                          **overrides):
+    """GraniteMoeHybridForCausalLM: 4 layers, attention at layer 1 (RoPE), Mamba2 elsewhere (4 heads of dim
+    16 in 2 groups, state 8, conv 4, HF chunk 16; conv and projection biases on), each MLP a 4-expert
+    top-2 MoE (experts of 16) plus a shared MLP of 24 (`num_local_experts=0`: the shared MLP alone).
+    Granite's scalings are far from neutral: embedding_multiplier 12, attention_multiplier 0.015,
+    residual_multiplier 0.22, logits_scaling 6. `layer_types` use the legacy hub names ("mamba",
+    "attention"); the default time_step_limit (0, inf) keeps HF's prefill-only dt clamp inactive."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    kw = {
+        **_COMMON,
+        "intermediate_size": 16,
+        "shared_intermediate_size": 24,
+        "layer_types": GRANITE_LAYERS,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "position_embedding_type": "rope",
+        "embedding_multiplier": 12.0,
+        "attention_multiplier": 0.015,
+        "residual_multiplier": 0.22,
+        "logits_scaling": 6.0,
+        "mamba_n_heads": 4,
+        "mamba_d_head": 16,
+        "mamba_n_groups": 2,
+        "mamba_d_state": 8,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 16,
+        "mamba_conv_bias": True,
+        "mamba_proj_bias": True,
+        "attention_bias": True,
+        **overrides,
+    }
+    model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**kw))
+    randomize_(model, seed)
+    with torch.no_grad():  # q/k 4x larger: scores x 16, so the attention pattern (scale, RoPE) is far from uniform
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
     return _save(model, path, dtype, max_shard_size)

@@ -2,8 +2,8 @@
 
 Per family (one module-scoped tiny model each): prefill logits against HF, 32 greedy tokens against HF
 `generate`, chunked prefill against one-shot prefill (and each chunk against HF with explicit positions),
-continuous batching with mixed prompt lengths against one-at-a-time runs, and `jhybrid inspect`'s layer
-kinds and state sizes.
+continuous batching with mixed prompt lengths against one-at-a-time runs, `jhybrid inspect`'s layer
+kinds and state sizes, and the round trip HF `save_pretrained` -> `jhybrid convert` -> `load_model`.
 
 HF quirks the tests step around (DESIGN.md §5):
   * HF `generate` infers an attention mask from `pad_token_id` when none is given, masking every prompt
@@ -13,6 +13,11 @@ HF quirks the tests step around (DESIGN.md §5):
   * NemotronH: HF clamps dt to [time_step_min, inf) in its chunked prefill but not in its one-token
     decode; the model's dt_bias keeps dt far above the clamp (tests/hf_models.py `make_nemotron_h`), and
     `test_nemotron_h_dt_clamp_is_inactive` checks that it stays so, so HF's prefill and decode agree.
+  * Mamba2 dt clamp (NemotronH, Bamba, Granite): HF clamps dt to `time_step_limit` in its chunked path
+    (prefill, and every forward without a cache) but not in its one-token cached update; jhybrid clamps in
+    every step. The Bamba and main Granite models keep HF's default limit (0, inf), where the clamp is the
+    identity, so HF's prefill and decode agree; `test_granitemoehybrid_dense_nope_active_dt_clamp` makes the
+    clamp bite and compares against HF's cache-free forward only (HF's chunked path, clamped at every token).
   * MiniMax: `MiniMaxCache.get_seq_length()` reads layer 0, which holds no KV when layer 0 is lightning
     attention, so a cached HF forward without explicit `position_ids` restarts RoPE at 0. The main MiniMax
     model puts full attention first; the lightning-first layout is compared through `generate()` only
@@ -21,24 +26,31 @@ HF quirks the tests step around (DESIGN.md §5):
 
 from __future__ import annotations
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import jhybrid
+from converters.safetensors_io import SafetensorsCheckpoint
 from jhybrid import LLM, SamplingParams
 from jhybrid.cache import CacheConfig, init_state
 from jhybrid.checkpoint import load_model
 from jhybrid.checkpoint_summary import summarize
+from jhybrid.cli import main as cli_main
 from jhybrid.engine.generate import LoadedModel, SequenceRunner
-from tests.hf_models import make_bamba, make_minimax, make_nemotron_h
+from jhybrid.models.params import flatten_params
+from tests.hf_models import make_bamba, make_granitemoehybrid, make_minimax, make_nemotron_h
 
 # name -> (builder, prefill tolerance: relative error of the logits against HF)
 FAMILIES = {
     "minimax": (lambda p: make_minimax(p, seed=1), 1e-5),
     "nemotron_h": (lambda p: make_nemotron_h(p, seed=1), 1e-4),
     "bamba": (lambda p: make_bamba(p, seed=2), 1e-4),
+    "granitemoehybrid": (lambda p: make_granitemoehybrid(p, seed=3), 1e-4),
 }
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -162,6 +174,28 @@ def test_inspect_reports_layer_kinds_and_state_sizes(family):
     assert f"{cfg.state_bytes_per_sequence():,} bytes per sequence" in text
 
 
+def test_convert_round_trip_logits_equal_hf(family, tmp_path, capsys):
+    """HF `save_pretrained` -> `jhybrid convert` (fp32) -> `load_model` of the converted directory: the same
+    config and bit-identical parameters as loading the HF directory, and prefill logits equal to HF's."""
+    name, path, hf_model, model, tol = family
+    out = tmp_path / "jh"
+    assert cli_main(["convert", str(path), str(out), "--dtype", "float32", "--no-progress"]) == 0
+    capsys.readouterr()
+    cfg, params = load_model(out)
+    assert cfg == model.cfg, f"{name}: converted config differs"
+    got, want = flatten_params(params), flatten_params(load_model(path)[1])
+    assert got.keys() == want.keys()
+    for k in got:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=f"{name}: {k}")
+    ids = prompt(4, 61)
+    runner = SequenceRunner(cfg, params, max_len=128)  # the prefill test's shapes: its compiled step is reused
+    table, slot = runner.start()
+    err = rel_err(runner.step(ids, 0, table, slot, all_logits=True), hf_logits(hf_model, ids))
+    print(f"{name}: converted checkpoint prefill logits relative error vs HF {err:.2e}")
+    assert err <= tol, f"{name}: converted checkpoint logits relative error {err:.2e} > {tol}"
+    assert [layer.kind for layer in summarize(out).layers] == list(cfg.layer_kinds)
+
+
 # ------------------------------------------------------------------------------- family specifics
 
 
@@ -242,3 +276,124 @@ def test_config_errors_name_the_problem():
         ModelConfig.from_hf(nemo | {"n_groups": 2, "moe_latent_size": 4})
     with pytest.raises(ValueError, match="cannot hold top-3"):
         ModelConfig.from_hf(nemo | {"n_groups": 2, "num_experts_per_tok": 3})
+
+
+# ------------------------------------------------------------------------------- Granite specifics
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid"], indirect=True)
+def test_granitemoehybrid_inspect_counts_from_hf(family):
+    """`jhybrid inspect` against numbers taken from the HF model itself: per-layer parameter counts, the
+    Mamba2 state shapes and bytes from the HF config, the KV bytes of the one attention layer."""
+    _, path, hf_model, _, _ = family
+    c = hf_model.config
+    summary = summarize(path)
+    conv = c.mamba_expand * c.hidden_size + 2 * c.mamba_n_groups * c.mamba_d_state  # x, B and C channels
+    ssm = (c.mamba_n_heads, c.mamba_d_state, c.mamba_d_head)
+    mamba_bytes = 4 * (conv * (c.mamba_d_conv - 1) + ssm[0] * ssm[1] * ssm[2])
+    for layer, hf_layer, hf_type in zip(summary.layers, hf_model.model.layers, c.layer_types):
+        assert layer.num_params == sum(p.numel() for p in hf_layer.parameters()), f"layer {layer.index}"
+        assert layer.mlp == "moe"
+        if hf_type == "linear_attention":
+            assert layer.kind == "mamba2"
+            assert layer.state == f"conv {conv}x{c.mamba_d_conv - 1} + ssm {'x'.join(map(str, ssm))}"
+            assert layer.state_bytes == mamba_bytes
+        else:
+            assert (layer.kind, layer.state, layer.state_bytes) == ("full_attention", "", 0)
+    assert summary.num_params == sum(p.numel() for p in hf_model.parameters())
+    num_mamba = c.layer_types.count("linear_attention")
+    assert summary.state_bytes_per_sequence == num_mamba * mamba_bytes
+    head_dim = hf_model.model.layers[c.layer_types.index("full_attention")].self_attn.head_dim
+    assert summary.kv_bytes_per_token == (c.num_hidden_layers - num_mamba) * 2 * c.num_key_value_heads * head_dim * 4
+    text = summary.format()
+    assert f"{num_mamba * mamba_bytes:,} bytes per sequence ({num_mamba} linear layers: {num_mamba} mamba2" in text
+    assert "scalings: embeddings x12, attention scale 0.015, residual x0.22, logits /6" in text
+
+
+@pytest.mark.parametrize("family", ["granitemoehybrid"], indirect=True)
+def test_granitemoehybrid_in_memory_names_equal_hub_names(family, tmp_path):
+    """HF's in-memory MoE names (`router.weight`, `experts.gate_up_proj`, `experts.down_proj`; the hub
+    checkpoint that `save_pretrained` writes has `router.layer.weight`, `input_linear`, `output_linear`)
+    convert to the same parameters."""
+    _, path, hf_model, _, _ = family
+    assert "model.layers.0.block_sparse_moe.input_linear.weight" in SafetensorsCheckpoint(path).names()
+    save_file({k: v.contiguous() for k, v in hf_model.state_dict().items()}, tmp_path / "model.safetensors")
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in SafetensorsCheckpoint(tmp_path).names()
+    got, want = flatten_params(load_model(tmp_path)[1]), flatten_params(load_model(path)[1])
+    assert got.keys() == want.keys()
+    for k in got:
+        np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
+
+
+def test_granitemoehybrid_dense_nope_active_dt_clamp(tmp_path):
+    """Granite's other layout: no experts (the shared MLP is the whole MLP), no RoPE
+    (`position_embedding_type="nope"`, as the Granite-4.0-H checkpoints ship), tied embeddings, attention
+    first, and a `time_step_limit` that clamps dt from both sides. HF clamps only in its chunked path
+    (module docstring), so the reference is HF's cache-free forward, greedy token by token: every HF token
+    goes through the clamped path, as every jhybrid step does."""
+    limit = (0.3, 1.0)
+    hf_model = make_granitemoehybrid(
+        tmp_path, seed=5, num_hidden_layers=3, layer_types=["attention", "mamba", "mamba"], num_local_experts=0,
+        position_embedding_type="nope", tie_word_embeddings=True, time_step_limit=limit,
+    )
+    cfg, params = load_model(tmp_path)
+    assert cfg.mlp_kinds == ("dense",) * 3 and cfg.rotary_dim == 0 and cfg.tie_word_embeddings
+    assert (cfg.mamba_dt_min, cfg.mamba_dt_max) == limit
+    assert cfg.intermediate_size == hf_model.config.shared_intermediate_size
+    ids = prompt(6, 40)
+    mambas = [layer.mamba for layer in hf_model.model.layers if layer.mamba is not None]
+    projected = []  # in_proj outputs [1, T, Im + Cm + Hm]: dt is the last Hm columns
+    hooks = [m.in_proj.register_forward_hook(lambda mod, inp, out: projected.append(out)) for m in mambas]
+    try:
+        want = hf_logits(hf_model, ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    dts = [torch.nn.functional.softplus(out[..., -m.num_heads :] + m.dt_bias).detach()
+           for m, out in zip(mambas, projected)]
+    assert all(float(dt.min()) < limit[0] and float(dt.max()) > limit[1] for dt in dts), "the clamp never acts"
+    runner = SequenceRunner(cfg, params, max_len=64)
+    table, slot = runner.start()
+    logits = np.asarray(runner.step(ids, 0, table, slot, all_logits=True))
+    err = rel_err(logits, want)
+    print(f"granitemoehybrid (dense, nope, dt clamped): prefill logits relative error vs HF {err:.2e}")
+    assert err <= 1e-4, f"prefill logits relative error {err:.2e}"
+    ours, last = [], logits[-1]
+    for _ in range(8):  # jhybrid's one-token decode steps (clamped)
+        ours.append(int(np.argmax(last)))
+        last = np.asarray(runner.step([ours[-1]], len(ids) + len(ours) - 1, table, slot))
+    cur = list(ids)
+    with torch.no_grad():
+        for _ in range(8):
+            cur.append(int(hf_model(torch.tensor([cur]), use_cache=False).logits[0, -1].argmax()))
+    assert ours == cur[len(ids):], "greedy decode differs from HF's cache-free (clamped) forward"
+
+
+def test_granitemoehybrid_config_errors_name_the_problem():
+    from jhybrid.config import ModelConfig
+
+    base = dict(model_type="granitemoehybrid", vocab_size=8, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=4, shared_intermediate_size=6, num_local_experts=4, mamba_n_heads=4, mamba_n_groups=2,
+                mamba_d_state=4, layer_types=["mamba", "attention"], position_embedding_type="rope",
+                embedding_multiplier=12, attention_multiplier=0.015, residual_multiplier=0.22, logits_scaling=6)
+    cfg = ModelConfig.from_hf(base)
+    assert cfg.layer_kinds == ("mamba2", "full_attention") and cfg.mlp_kinds == ("moe", "moe")
+    assert (cfg.embedding_multiplier, cfg.attention_scale, cfg.logits_scaling) == (12, 0.015, 6)
+    assert (cfg.full_attn_beta, cfg.linear_attn_beta, cfg.mlp_beta, cfg.mlp_alpha) == (0.22, 0.22, 0.22, 1.0)
+    assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.shared_expert_gate) == (4, 6, False)
+    assert cfg.mamba_head_dim == 4 and cfg.rotary_dim == 4  # mamba_d_head "auto": 2 * 8 / 4; RoPE: whole head
+    assert ModelConfig.from_hf(base | {"layer_types": ["linear_attention", "full_attention"]}) == cfg
+    assert ModelConfig.from_hf({k: v for k, v in base.items() if k != "layer_types"}).layer_kinds == ("mamba2",) * 2
+    with pytest.raises(ValueError, match="position_embedding_type='alibi'"):
+        ModelConfig.from_hf(base | {"position_embedding_type": "alibi"})
+    with pytest.raises(ValueError, match="unknown layer_types"):
+        ModelConfig.from_hf(base | {"layer_types": ["mamba", "mlp"]})
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        ModelConfig.from_hf(base | {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="leave no MLP"):
+        ModelConfig.from_hf(base | {"num_local_experts": 0, "shared_intermediate_size": 0})
+    with pytest.raises(ValueError, match="mamba_d_head"):
+        ModelConfig.from_hf(base | {"mamba_d_head": 3})
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        ModelConfig.from_hf(base | {"hidden_act": "gelu"})

@@ -1,4 +1,5 @@
-"""Full softmax attention over the paged KV cache (Qwen3-Next/3.5 gated variant, Qwen3, Llama)."""
+"""Full softmax attention over the paged KV cache (Qwen3-Next/3.5 gated variant, Qwen3, Llama, and the
+hybrids' attention layers; Granite sets its own softmax scale, `cfg.attention_scale`)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def attention_layer(
     k_pages, v_pages = write_kv_pages(k_pages, v_pages, k, v, batch.slot_mapping)
     o = paged_attention(
         q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions,
-        cu_seqlens=batch.cu_seqlens, decode=decode, **(kernels or {}),
+        cu_seqlens=batch.cu_seqlens, decode=decode, scale=cfg.attention_scale, **(kernels or {}),
     )
     o = o.reshape(num_tokens, h * hd)
     if gate is not None:

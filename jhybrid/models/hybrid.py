@@ -54,6 +54,8 @@ def forward(
         raise ValueError("forward runs on packed parameters: call jhybrid.models.params.pack_params(params) once")
     kernels = dict(impl=kernel_impl, interpret=interpret)
     x = params["embed"][batch.token_ids]  # [T, D]
+    if cfg.embedding_multiplier != 1.0:  # Granite
+        x = x * cfg.embedding_multiplier
     inv_freq = rope_inv_freq(cfg) if cfg.num_full_layers else None
     k_pages, v_pages = list(state.k_pages), list(state.v_pages)
     conv, ssm = list(state.conv), list(state.ssm)
@@ -88,6 +90,8 @@ def forward(
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     logits = (x @ head).astype(jnp.float32)
+    if cfg.logits_scaling != 1.0:  # Granite divides its logits
+        logits = logits / cfg.logits_scaling
     new_state = dataclasses.replace(state, k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
     return logits, new_state
 
