@@ -28,7 +28,11 @@ from pallas_kernels.gated_delta_rule import (
     fused_recurrent_gated_delta_rule_pallas,
     fused_recurrent_gated_delta_rule_reference,
 )
-from pallas_kernels.paged_attention import paged_attention_decode_pallas, paged_attention_reference
+from pallas_kernels.paged_attention import (
+    paged_attention_decode_pallas,
+    paged_attention_prefill_pallas,
+    paged_attention_reference,
+)
 
 try:
     import torch
@@ -212,6 +216,43 @@ def check_chunk(label, args, **kw):
     return max(e_o[0], e_s[0]), max(e_o[1], e_s[1])
 
 
+def stage_breakdown(args):
+    """Each stage of the chunked kernel timed alone on the B1 T32768 inputs (ms), so the table says where
+    the time goes."""
+    from pallas_kernels.gated_delta_rule import chunk as ck
+
+    q, k, v, g, beta, cu, state, slots = args
+    c, scale = 64, q.shape[-1] ** -0.5
+    qp, kp, vp, gp, bp, cup, lay = ck._prepare(q, k, v, g, beta, cu, slots, c, False)
+    rows = {}
+
+    def timed(name, fn, fargs):
+        try:
+            rows[name] = time_jax(jax.jit(fn), fargs, reps=10)[0]
+        except Exception as e:  # a variant that does not compile is reported, not fatal
+            print(f"  stage {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+    for wp, kd in (("input", True), ("input", False), ("tf32", False)):
+        timed(f"wy {wp} decayed_keys={kd}", functools.partial(
+            ck.wy_stage, layout=lay, chunk_size=c, wy_precision=wp, num_warps=4, decayed_keys=kd,
+            interpret=False), (kp, vp, gp, bp))
+    w, u, kd = ck.wy_stage(kp, vp, gp, bp, lay, chunk_size=c, wy_precision="input", num_warps=4,
+                           decayed_keys=True, interpret=False)
+    for bv, nw, ns in ((16, 4, 3), (16, 4, 2), (16, 2, 3)):
+        for keys, label in ((kd, "decayed keys"), (kp, "packed keys")):
+            timed(f"state pass bv={bv} warps={nw} stages={ns} {label}", functools.partial(
+                ck.state_stage, layout=lay, chunk_size=c, block_v=bv, num_warps=nw, num_stages=ns,
+                interpret=False), (keys, gp, w, u, cup, state, slots))
+    h, v_new, _ = ck.state_stage(kd, gp, w, u, cup, state, slots, lay, chunk_size=c, block_v=16, num_warps=4,
+                                 num_stages=3, interpret=False)
+    timed("output bv=128 warps=4", functools.partial(
+        ck.output_stage, layout=lay, chunk_size=c, scale=scale, block_v=128, num_warps=4, interpret=False),
+        (qp, kp, gp, h, v_new))
+    for name, ms in rows.items():
+        print(f"  stage {name}: {ms:.4f} ms", flush=True)
+    SWEEPS.append(dict(op="gdn_chunk_stages", stages=rows))
+
+
 def bench_gdn_chunk(quick):
     T, H, HV, K, V = 32768, 16, 16, 128, 128
     shape = f"B1 T{T} H{H} HV{HV} K{K} V{V} bf16"
@@ -220,19 +261,25 @@ def bench_gdn_chunk(quick):
     rq = (*rq[:-1], rq[-1].at[1].set(0))
     e_r = check_chunk("gdn chunk ragged", rq)
     args = gdn_chunk_inputs([T], H, HV, K, V, jnp.bfloat16, 2)
-    err, rel = check_chunk("gdn chunk B1 T32768", args)
+    err, rel = check_chunk("gdn chunk B1 T32768 split output", args, fused_output=False)
     e_f = check_chunk("gdn chunk B1 T32768 fused_output", args, fused_output=True)
     rel = max(rel, e_r[1], e_f[1])
 
+    # variants: the packed keys in the state pass, fp32 (TF32) WY dots; each is checked before it is timed
+    e_k = check_chunk("gdn chunk B1 T32768 packed keys", args, decayed_keys=False)
+    e_t = check_chunk("gdn chunk B1 T32768 wy tf32", args, wy_precision="tf32")
+    rel = max(rel, e_k[1], e_t[1])
+    stage_breakdown(args)
+
     def make(cfg):
-        bv, nw, ns, fused = cfg
+        bv, nw, ns, fused, kd, wp = cfg
         f = functools.partial(chunk_gated_delta_rule_pallas, block_v=bv, num_warps=nw, num_stages=ns,
-                              fused_output=fused)
+                              fused_output=fused, decayed_keys=kd, wy_precision=wp)
         return jax.jit(f)
 
-    configs = [(32, 4, 1, False)] if quick else [
-        (16, 4, 1, False), (32, 4, 1, False), (64, 4, 1, False), (32, 4, 2, False), (64, 8, 2, False),
-        (16, 4, 1, True), (32, 4, 2, True),
+    configs = [(16, 4, 3, False, True, "input")] if quick else [
+        (16, 4, 3, False, True, "input"), (16, 4, 3, False, False, "input"), (16, 4, 2, False, True, "input"),
+        (16, 4, 3, True, False, "input"), (16, 4, 3, False, True, "tf32"),
     ]
     cfg, ours = best_config("gdn_chunk", make, configs, lambda: args, reps=10)
     t_ref = time_jax(jax.jit(chunk_gated_delta_rule_reference), args, reps=5, inner=1)
@@ -299,8 +346,8 @@ def bench_paged_decode(quick, copy_bw):
                                          num_warps=nw, num_stages=st, per_page=pp))
 
     configs = [(4, 16, 4, 3, False)] if quick else [
-        (4, 16, 4, 3, False), (4, 16, 4, 3, True), (8, 16, 4, 3, True), (4, 8, 4, 2, True), (2, 16, 4, 3, True),
-        (4, 32, 4, 3, True), (8, 8, 8, 3, True), (4, 32, 4, 3, False),
+        (4, 8, 4, 2, True), (4, 8, 4, 3, True), (4, 8, 4, 4, True), (2, 8, 4, 3, True), (4, 16, 4, 2, True),
+        (4, 8, 8, 2, True), (4, 4, 4, 2, True), (2, 16, 4, 2, True), (8, 8, 4, 2, True), (4, 8, 2, 2, True),
     ]
     cfg, ours = best_config("paged_decode", make, configs, lambda: args)
     bw = kv_bytes / (ours[0] * 1e-3) / 1e12
@@ -321,6 +368,81 @@ def bench_paged_decode(quick, copy_bw):
     except Exception as e:
         print(f"  jax paged_attention baseline failed: {type(e).__name__}: {e}", flush=True)
     return bw
+
+
+def matmul_rate():
+    """bf16 dense matmul rate (TFLOP/s) of XLA on 8192^3, the ceiling prefill attention is compared with."""
+    key = jax.random.split(jax.random.PRNGKey(7), 2)
+    a = jax.random.normal(key[0], (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(key[1], (8192, 8192), jnp.bfloat16)
+    t = time_jax(jax.jit(jnp.dot), (a, b), reps=10, inner=3)
+    rate = 2 * 8192**3 / (t[0] * 1e-3) / 1e12
+    print(f"bf16 matmul 8192^3 (XLA): {t[0]:.3f} ms -> {rate:.1f} TFLOP/s", flush=True)
+    return rate
+
+
+def bench_paged_prefill(quick):
+    B, L, H, KVH, D, BS = 8, 2048, 16, 2, 256, 16
+    T, M = B * L, L // BS
+    shape = f"B{B} L{L} H{H} KVH{KVH} D{D} BS{BS} bf16"
+    key = jax.random.split(jax.random.PRNGKey(5), 3)
+    q = jax.random.normal(key[0], (T, H, D), jnp.bfloat16)
+    k = jax.random.normal(key[1], (B, L, KVH, D), jnp.bfloat16)
+    v = jax.random.normal(key[2], (B, L, KVH, D), jnp.bfloat16)
+    rng = np.random.default_rng(5)
+    page_of = 1 + rng.permutation(B * M).astype(np.int32)  # page 0 is the null page
+    tables = jnp.asarray(page_of.reshape(B, M))
+    k_pages = jnp.zeros((B * M + 1, BS, KVH, D), jnp.bfloat16).at[tables.reshape(-1)].set(k.reshape(B * M, BS, KVH, D))
+    v_pages = jnp.zeros((B * M + 1, BS, KVH, D), jnp.bfloat16).at[tables.reshape(-1)].set(v.reshape(B * M, BS, KVH, D))
+    token_seq = jnp.repeat(jnp.arange(B, dtype=jnp.int32), L)
+    positions = jnp.tile(jnp.arange(L, dtype=jnp.int32), B)
+    cu = jnp.arange(B + 1, dtype=jnp.int32) * L
+    args = (q, k_pages, v_pages, tables, token_seq, positions)
+    flops = 4 * H * D * B * (L * (L + 1) // 2)  # QK^T and PV over the causal triangle
+    mm = matmul_rate()
+
+    # correctness on a sample of query tokens (the reference gathers each token's whole context)
+    idx = jnp.asarray(np.sort(rng.choice(T, 384, replace=False)).astype(np.int32))
+    sub = (q[idx], k_pages, v_pages, tables, token_seq[idx], positions[idx])
+    want_o, want_lse = jax.jit(functools.partial(paged_attention_reference, return_lse=True))(*sub)
+
+    def make(cfg):
+        bq, npb, nw, ns, pp = cfg
+        return jax.jit(lambda *a: paged_attention_prefill_pallas(*a[:4], cu, a[5], block_q=bq, pages_per_block=npb,
+                                                                   num_warps=nw, num_stages=ns, per_page=pp))
+
+    configs = [(8, 4, 4, 2, False)] if quick else [
+        (8, 2, 4, 2, True), (8, 4, 4, 2, False), (8, 2, 4, 2, False), (8, 4, 8, 2, False), (16, 4, 8, 2, False),
+        (8, 8, 8, 2, False), (16, 2, 8, 2, False), (8, 4, 4, 3, False),
+    ]
+    checked = []
+    for cfg in configs:  # every config is checked, not only the fastest
+        got_o, got_lse = jax.jit(lambda *a: paged_attention_prefill_pallas(
+            *a[:4], cu, a[5], block_q=cfg[0], pages_per_block=cfg[1], num_warps=cfg[2], num_stages=cfg[3],
+            per_page=cfg[4], return_lse=True))(*args)
+        e_o = errors(np.asarray(got_o[idx], np.float32), np.asarray(want_o, np.float32))
+        e_l = errors(np.asarray(got_lse[idx]), np.asarray(want_lse))
+        checked.append((cfg, e_o, e_l))
+        print(f"paged prefill check {cfg}: out {e_o} lse {e_l}", flush=True)
+    err = max(max(c[1][0], c[2][0]) for c in checked)
+    rel = max(max(c[1][1], c[2][1]) for c in checked)
+    cfg, ours = best_config("paged_prefill", make, configs, lambda: args, reps=10)
+    tflops = flops / (ours[0] * 1e-3) / 1e12
+    note = (f"cfg={cfg}; {flops / 1e9:.0f} GFLOP causal -> {tflops:.1f} TFLOP/s = {tflops / mm:.0%} of the bf16 "
+            f"matmul rate {mm:.1f} TFLOP/s")
+    try:  # the same attention unpaged, by cuDNN's fused kernel under XLA
+        qd = q.reshape(B, L, H, D)
+        dense = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn"))
+        o_d = dense(qd, k, v)
+        e_d = errors(np.asarray(o_d.reshape(T, H, D)[idx], np.float32), np.asarray(want_o, np.float32))
+        t_d = time_jax(dense, (qd, k, v), reps=10)
+        record("paged_prefill", shape, ours, "cuDNN attention, unpaged (XLA)", t_d, err, rel, 2e-2,
+               f"{note}; cuDNN {flops / (t_d[0] * 1e-3) / 1e12:.1f} TFLOP/s, rel err {e_d[1]:.2e}")
+    except Exception as e:
+        print(f"  cuDNN attention baseline failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        xla = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla"))
+        t_x = time_jax(xla, (q.reshape(B, L, H, D), k, v), reps=10)
+        record("paged_prefill", shape, ours, "XLA attention, unpaged", t_x, err, rel, 2e-2, note)
 
 
 def copy_bandwidth():
@@ -345,7 +467,7 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="one config per kernel, no sweeps")
     parser.add_argument("--commit", default=os.environ.get("JHYBRID_COMMIT"))
-    parser.add_argument("--only", default="copy,decode,paged,chunk")
+    parser.add_argument("--only", default="copy,decode,paged,chunk,prefill")
     a = parser.parse_args()
     commit = a.commit
     if commit is None:
@@ -360,7 +482,7 @@ def main():
     info["copy"] = bwinfo
     copy_bw = bwinfo.get("torch_tbps", bwinfo.get("jnp_tbps", 4.0))
     for name, fn in (("decode", bench_gdn_decode), ("paged", lambda q: bench_paged_decode(q, copy_bw)),
-                     ("chunk", bench_gdn_chunk)):
+                     ("chunk", bench_gdn_chunk), ("prefill", bench_paged_prefill)):
         if name in only:
             try:
                 fn(a.quick)

@@ -203,9 +203,17 @@ CHUNK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fused_output", [False, True])
+CHUNK_VARIANTS = {  # the default (output fused into the state pass, input-dtype WY dots) and the others
+    "default": {},
+    "split_output": dict(fused_output=False),
+    "decayed_keys": dict(fused_output=False, decayed_keys=True),
+    "wy_tf32": dict(wy_precision="tf32"),
+}
+
+
+@pytest.mark.parametrize("variant", list(CHUNK_VARIANTS))
 @pytest.mark.parametrize("lengths,h,hv,dk,dv,c,dtype", CHUNK_CASES)
-def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, fused_output):
+def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, variant):
     rng = np.random.default_rng(sum(lengths) + dk)
     num_slots = len(lengths) + 3
     q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, lengths, h, hv, dk, dv, num_slots, dtype)
@@ -218,7 +226,7 @@ def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, fused_
     args = (q, k, v, g, beta, cu, jnp.asarray(state), jnp.asarray(slots))
     want_o, want_state = chunk_gated_delta_rule_reference(*args, chunk_size=c)
     got_o, got_state = chunk_gated_delta_rule(*args, impl="pallas", interpret=True, chunk_size=c, block_v=16,
-                                            fused_output=fused_output)
+                                            **CHUNK_VARIANTS[variant])
     rtol = 1e-5 if dtype == jnp.float32 else 1e-2
     assert_close("chunk output", np.asarray(got_o, np.float32), np.asarray(want_o, np.float32), rtol)
     assert np.all(np.asarray(got_o, np.float32)[int(cu[-1]):] == 0), "padding tokens must produce zeros"
@@ -228,11 +236,12 @@ def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, fused_
     np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
 
 
-@pytest.mark.parametrize("hv,dk,dv,fused_output", [(2, 128, 128, False), (2, 128, 128, True), (4, 64, 128, False)])
-def test_chunk_lowers_for_h200(hv, dk, dv, fused_output):
+@pytest.mark.parametrize("hv,dk,dv,variant", [(2, 128, 128, "default"), (2, 128, 128, "split_output"),
+                                               (4, 64, 128, "default"), (2, 128, 128, "decayed_keys")])
+def test_chunk_lowers_for_h200(hv, dk, dv, variant):
     rng = np.random.default_rng(2)
     q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, [100, 30], 2, hv, dk, dv, 4, jnp.bfloat16)
-    fn = functools.partial(chunk_gated_delta_rule, impl="pallas", fused_output=fused_output)
+    fn = functools.partial(chunk_gated_delta_rule, impl="pallas", **CHUNK_VARIANTS[variant])
     lower_for_h200(fn, q, k, v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32))
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  the model passes fp32 q/k (l2-normed) with bf16 v
     lower_for_h200(fn, f32(q), f32(k), v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32))

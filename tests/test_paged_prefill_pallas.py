@@ -29,7 +29,7 @@ def _with_padding(args, lengths, new, pad=3):
 
 
 @pytest.mark.parametrize("lengths,new,h,kvh,d,bs", PREFILL_CASES)
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
+@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "gathered"])
 def test_paged_prefill_pallas_matches_reference(lengths, new, h, kvh, d, bs, variant):
     rng = np.random.default_rng(sum(lengths) + d + len(variant))
     args, cu = _with_padding(_paged_inputs(rng, lengths, new, h, kvh, d, bs, jnp.float32), lengths, new)
@@ -37,7 +37,8 @@ def test_paged_prefill_pallas_matches_reference(lengths, new, h, kvh, d, bs, var
     real = int(cu[-1])
     want_o, want_lse = paged_attention_reference(*args, return_lse=True, **kw)
     got_o, got_lse = paged_attention(*args, cu_seqlens=cu, decode=False, impl="pallas", interpret=True,
-                                     return_lse=True, block_q=4, pages_per_block=2, **kw)
+                                     return_lse=True, block_q=4, pages_per_block=2,
+                                     per_page=variant != "gathered", **kw)  # gathered: one [NP*BS, D] key tile
     assert_close("prefill attention output", got_o[:real], want_o[:real], 1e-5)
     assert_close("prefill attention lse", got_lse[:real], want_lse[:real], 1e-5)
     assert np.all(np.asarray(got_o)[real:] == 0), "padding tokens must produce zeros"
@@ -51,3 +52,7 @@ def test_paged_prefill_lowers_for_h200(h, kvh, d):
                                     sliding_window=64)
     lower_for_h200(fn, *args)
     lower_for_h200(fn, args[0].astype(jnp.float32), *args[1:])  # fp32 queries over bf16 pages
+    for per_page in (True, False):  # no window (the models' case) and gathered page tiles
+        plain = lambda *a: paged_attention(*a, cu_seqlens=cu, decode=False, impl="pallas",  # noqa: E731
+                                           per_page=per_page, pages_per_block=4)
+        lower_for_h200(plain, *args)

@@ -7,23 +7,29 @@ token), so nothing is gathered into chunk buffers.
 
 1. `_wy_kernel`, grid `(N, HV)`, all chunks in parallel: the in-chunk cumulative decay G, the strictly
    lower `A = beta_i k_i.k_j exp(G_i - G_j)`, `W = (I + A)^-1` by the product form
-   `(I - A)(I + A^2)(I + A^4)...` (A is nilpotent, so log2(C) squarings are exact), and the
-   pseudo-values `u = W (beta v)` and read-outs `w = W (beta exp(G) k)`, stored per chunk.
+   `(I - A)(I + A^2)(I + A^4)...` (A is nilpotent, so log2(C) squarings are exact; fp32 dots), and the
+   pseudo-values `u = W (beta v)`, read-outs `w = W (beta exp(G) k)` and decayed keys
+   `k_dec = k exp(G_last - G)`, stored per chunk. By default (`wy_precision="input"`) `k k^T` and the
+   products with W take the input dtype, as fla's kkt and w/u kernels do.
 2. The state pass, grid `(B, HV, V // BV)`, sequential over each sequence's chunks from
    `state[slot_ids[b]]` (zeros on the null slot 0), final state written back into the slot (aliased, in
-   place under jit with a donated state). Per chunk: `v_new = u - w S`,
-   `S' = exp(G_last) S + (k exp(G_last - G))^T v_new`, and the output
-   `o = (q exp(G)) S + lower(q.k exp(G_i - G_j)) v_new`, either inside the pass (`fused_output=True`,
-   `_state_kernel`, the default) or, as in fla, by a parallel `_output_kernel` over all chunks from the
-   per-chunk states and `v_new` that `_state_only_kernel` stores (`fused_output=False`).
+   place under jit with a donated state). Per chunk: `v_new = u - w S`, `S' = exp(G_last) S + k_dec^T v_new`.
+   By default (`fused_output=True`, `_state_kernel`) the pass also computes the output
+   `o = (q exp(G)) S + lower(q.k exp(G_i - G_j)) v_new`; with `fused_output=False`
+   (`_state_only_kernel`) it stores the state entering each chunk and `v_new` (and can take `k_dec` from
+   the WY stage, `decayed_keys`), and
+3. `_output_kernel`, grid `(N, HV, V // BV')`, computes the output over all chunks in parallel, as in fla.
 Dot operands are in v's dtype (bf16 tensor cores for bf16 inputs; q and k are cast), accumulation, the
-decays and the state are fp32; w and u are stored in v's dtype.
+decays and the state are fp32; w, u, k_dec, the per-chunk states and v_new are stored in v's dtype.
 Tokens past a chunk's end are masked to zero on load, so their g = 0 keeps `G_last = G[C - 1]` right.
+On the H200 (B1 T32768 H16 K=V=128 bf16): WY 0.42 ms, state pass 0.89 ms, output 0.40 ms; fused state
+pass + output 1.18 ms; whole kernel 1.58 ms (fla 1.25 ms) — benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +59,11 @@ def _wy_kernel(
     beta_ref,  # [T, HV] (whole)
     w_ref,  # [C, K] of chunk n, value head j
     u_ref,  # [C, V]
-    *,
+    *kd_ref,  # optional [C, K]: k exp(G_last - G), the keys as the state update uses them
     chunk_size: int,
     group: int,
     precision,
+    input_dots: bool,
 ):
     n, j = pl.program_id(0), pl.program_id(1)
     start, length = chunk_start_ref[n], chunk_len_ref[n]
@@ -70,7 +77,12 @@ def _wy_kernel(
     strict = lane[:, None] > lane[None, :]
     decay = jnp.exp(jnp.where(strict, cum[:, None] - cum[None, :], -jnp.inf))  # [C, C], 0 on/above diag
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-    a = dot(k * beta[:, None], k, _DOT_T) * decay  # [C, C] strictly lower
+    # input_dots: k k^T and the products with the inverse take the input dtype (bf16 tensor cores, as fla's
+    # kkt and w/u kernels); the inverse itself stays in fp32 dots
+    dt = v_ref.dtype if input_dots else jnp.float32
+    io_dot = dot if dt == jnp.float32 else functools.partial(
+        jax.lax.dot_general, preferred_element_type=jnp.float32)
+    a = io_dot((k * beta[:, None]).astype(dt), k.astype(dt), _DOT_T) * decay  # [C, C] strictly lower
     eye = (lane[:, None] == lane[None, :]).astype(jnp.float32)
     x = -a
     inv = eye + x  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
@@ -78,8 +90,11 @@ def _wy_kernel(
     for _ in range(steps):
         x = dot(x, x, _DOT)
         inv = inv + dot(inv, x, _DOT)
-    u_ref[...] = dot(inv, v * beta[:, None], _DOT).astype(u_ref.dtype)
-    w_ref[...] = dot(inv, k * (beta * jnp.exp(cum))[:, None], _DOT).astype(w_ref.dtype)
+    inv = inv.astype(dt)
+    u_ref[...] = io_dot(inv, (v * beta[:, None]).astype(dt), _DOT).astype(u_ref.dtype)
+    w_ref[...] = io_dot(inv, (k * (beta * jnp.exp(cum))[:, None]).astype(dt), _DOT).astype(w_ref.dtype)
+    if kd_ref:
+        kd_ref[0][...] = (k * jnp.exp(jnp.sum(g) - cum)[:, None]).astype(kd_ref[0].dtype)
 
 
 def _state_kernel(
@@ -143,7 +158,7 @@ def _state_only_kernel(
     row_chunks_ref,  # [B + 1]
     slot_ids_ref,  # [B]
     cu_seqlens_ref,  # [B + 1]
-    k_ref,  # [T, H, K] (whole)
+    k_ref,  # [T, H, K] (whole), or k_dec [N, C, HV, K] with decayed_keys
     g_ref,  # [T, HV] (whole)
     w_ref,  # [N, C, HV, K] (whole)
     u_ref,  # [N, C, HV, V] (whole)
@@ -156,8 +171,12 @@ def _state_only_kernel(
     group: int,
     block_v: int,
     precision,
+    decayed_keys: bool,
 ):
-    """The sequential part only: per chunk, snapshot S, v_new = u - w S, S' = decay S + k_dec^T v_new."""
+    """The sequential part only: per chunk, snapshot S, v_new = u - w S, S' = decay S + k_dec^T v_new.
+
+    With `decayed_keys`, k_ref is the WY stage's `[N, C, HV, K]` k_dec, so the loop does no decay math
+    beyond the chunk's total decay."""
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ids_ref[b]
     v_slice = pl.ds(i * block_v, block_v)
@@ -173,14 +192,16 @@ def _state_only_kernel(
         start = seq_start + c * chunk_size
         valid = lane < seq_end - start
         n = first_chunk + c
-        k = _load_chunk(k_ref, start, valid, j // group, slice(None))  # [C, K] fp32
         g = _load_chunk(g_ref, start, valid, j)  # [C]
-        cum = jnp.cumsum(g)
         cum_last = jnp.sum(g)
+        if decayed_keys:
+            k_dec = k_ref[n, :, j, :]  # [C, K], zero past the chunk's end
+        else:
+            k = _load_chunk(k_ref, start, valid, j // group, slice(None))  # [C, K] fp32
+            k_dec = (k * jnp.exp(cum_last - jnp.cumsum(g))[:, None]).astype(dt)
         h_ref[n, j, :, v_slice] = h.astype(h_ref.dtype)
         v_new = u_ref[n, :, j, v_slice].astype(jnp.float32) - dot(w_ref[n, :, j, :], h.astype(dt), _DOT)
         v_new_ref[n, :, j, v_slice] = v_new.astype(v_new_ref.dtype)
-        k_dec = (k * jnp.exp(cum_last - cum)[:, None]).astype(dt)
         return jnp.exp(cum_last) * h + dot(k_dec, v_new.astype(dt), _T_DOT)
 
     num_chunks = (seq_end - seq_start + chunk_size - 1) // chunk_size
@@ -226,10 +247,152 @@ def _output_kernel(
               mask=valid[:, None])
 
 
+class _Layout(NamedTuple):
+    row_chunks: Array  # [B + 1] first chunk slot of each row (cumulative)
+    chunk_start: Array  # [N] first packed token of each chunk
+    chunk_len: Array  # [N] tokens in each chunk, 0 for unused slots
+    num_chunks: int
+
+
+def _layout(cu_seqlens, num_tokens: int, batch: int, c: int) -> _Layout:
+    cu = cu_seqlens.astype(jnp.int32)
+    num_chunks = -(-num_tokens // c) + batch
+    chunks_per_row = (cu[1:] - cu[:-1] + c - 1) // c  # [B]
+    row_chunks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(chunks_per_row)])
+    ids = jnp.arange(num_chunks, dtype=jnp.int32)
+    chunk_row = jnp.clip(jnp.searchsorted(row_chunks[1:], ids, side="right"), 0, batch - 1)
+    chunk_start = cu[chunk_row] + (ids - row_chunks[chunk_row]) * c
+    chunk_len = jnp.where(ids < row_chunks[-1], jnp.minimum(c, cu[chunk_row + 1] - chunk_start), 0)
+    chunk_start = jnp.where(chunk_len > 0, chunk_start, 0)
+    return _Layout(row_chunks, chunk_start, chunk_len, num_chunks)
+
+
+# the WY stage's fp32 dots on the GPU: 3xTF32 or one TF32 pass; "input": TF32 for the inverse, and the
+# k k^T and inverse products in the input dtype (bf16 inputs: bf16 tensor cores)
+_PRECISIONS = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "tf32": None, "input": None}
+
+
+def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: str, num_warps: int,
+             decayed_keys: bool, interpret: bool):
+    """w, u `[N, C, HV, K|V]` (v's dtype) for every chunk, all in parallel (and k_dec with `decayed_keys`)."""
+    num_value_heads, value_dim = v.shape[1:]
+    key_dim = k.shape[-1]
+    group = num_value_heads // k.shape[1]
+    c, n = chunk_size, layout.num_chunks
+    # fp32 dots: exact (IEEE) in the interpreter; on the GPU 3xTF32 or one TF32 pass
+    precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[wy_precision]
+    kernel = functools.partial(_wy_kernel, chunk_size=c, group=group, precision=precision,
+                               input_dots=wy_precision == "input")
+    key_spec = pl.BlockSpec((None, c, None, key_dim), lambda n, j: (n, 0, j, 0))
+    key_shape = jax.ShapeDtypeStruct((n, c, num_value_heads, key_dim), v.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(n, num_value_heads),
+        in_specs=[_WHOLE] * 6,
+        out_specs=[key_spec, pl.BlockSpec((None, c, None, value_dim), lambda n, j: (n, 0, j, 0))]
+        + [key_spec] * decayed_keys,
+        out_shape=[key_shape, jax.ShapeDtypeStruct((n, c, num_value_heads, value_dim), v.dtype)]
+        + [key_shape] * decayed_keys,
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"gdn_chunk_wy_c{c}_{wy_precision}_w{num_warps}{'_kd' if decayed_keys else ''}",
+    )(layout.chunk_start, layout.chunk_len, k, v, g, beta)
+
+
+def fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int,
+                      block_v: int, scale: float, num_warps: int, num_stages: int, interpret: bool):
+    """The sequential pass with the output computed inside it: (o [T', HV, V], new state)."""
+    num_value_heads, value_dim = v.shape[1:]
+    group = num_value_heads // k.shape[1]
+    kernel = functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
+                               precision=jax.lax.Precision.HIGHEST if interpret else None)
+    zeros_o = jnp.zeros(v.shape, v.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(slot_ids.shape[0], num_value_heads, value_dim // block_v),
+        in_specs=[_WHOLE] * 10,
+        out_specs=[_WHOLE, _WHOLE],
+        out_shape=[
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(state.shape, state.dtype),
+        ],
+        input_output_aliases={9: 0, 8: 1},
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"gdn_chunk_fused_c{chunk_size}_bv{block_v}_w{num_warps}_s{num_stages}",
+    )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, q, k, g, w, u, state, zeros_o)
+
+
+def state_stage(k, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int, block_v: int,
+                num_warps: int, num_stages: int, interpret: bool):
+    """The sequential pass alone: (h [N, HV, K, V] entering each chunk, v_new [N, C, HV, V], new state).
+
+    `k` is either the packed keys `[T, H, K]` or the WY stage's decayed keys `[N, C, HV, K]`."""
+    num_value_heads, key_dim, value_dim = state.shape[1:]
+    decayed_keys = k.ndim == 4
+    group = 1 if decayed_keys else num_value_heads // k.shape[1]
+    kernel = functools.partial(_state_only_kernel, chunk_size=chunk_size, group=group, block_v=block_v,
+                               precision=jax.lax.Precision.HIGHEST if interpret else None,
+                               decayed_keys=decayed_keys)
+    n, c = layout.num_chunks, chunk_size
+    return pl.pallas_call(
+        kernel,
+        grid=(slot_ids.shape[0], num_value_heads, value_dim // block_v),
+        in_specs=[_WHOLE] * 8,
+        out_specs=[_WHOLE, _WHOLE, _WHOLE],
+        out_shape=[
+            jax.ShapeDtypeStruct((n, num_value_heads, key_dim, value_dim), u.dtype),
+            jax.ShapeDtypeStruct((n, c, num_value_heads, value_dim), u.dtype),
+            jax.ShapeDtypeStruct(state.shape, state.dtype),
+        ],
+        input_output_aliases={7: 2},
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"gdn_chunk_state_c{c}_bv{block_v}_w{num_warps}_s{num_stages}{'_kd' if decayed_keys else ''}",
+    )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, k, g, w, u, state)
+
+
+def output_stage(q, k, g, h, v_new, layout: _Layout, *, chunk_size: int, scale: float, block_v: int,
+                 num_warps: int, interpret: bool):
+    """All chunks in parallel: o [T', HV, V] from the per-chunk states and corrected values."""
+    num_value_heads, key_dim, value_dim = h.shape[1:]
+    group = num_value_heads // k.shape[1]
+    c, out_bv = chunk_size, min(block_v, value_dim)
+    kernel = functools.partial(_output_kernel, chunk_size=c, group=group, block_v=out_bv, scale=scale,
+                               precision=jax.lax.Precision.HIGHEST if interpret else None)
+    zeros_o = jnp.zeros((q.shape[0], num_value_heads, value_dim), v_new.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(layout.num_chunks, num_value_heads, value_dim // out_bv),
+        in_specs=[_WHOLE] * 5 + [
+            pl.BlockSpec((None, None, key_dim, out_bv), lambda n, j, i: (n, j, 0, i)),  # h
+            pl.BlockSpec((None, c, None, out_bv), lambda n, j, i: (n, 0, j, i)),  # v_new
+            _WHOLE,
+        ],
+        out_specs=_WHOLE,
+        out_shape=jax.ShapeDtypeStruct(zeros_o.shape, zeros_o.dtype),
+        input_output_aliases={7: 0},
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
+        name=f"gdn_chunk_output_c{c}_bv{out_bv}_w{num_warps}",
+    )(layout.chunk_start, layout.chunk_len, q, k, g, h, v_new, zeros_o)
+
+
+def _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, chunk_size, interpret):
+    """Dot operands in one dtype, the chunk layout, and interpreter padding."""
+    q, k = q.astype(v.dtype), k.astype(v.dtype)  # the model passes fp32 q/k with bf16 v
+    layout = _layout(cu_seqlens, q.shape[0], slot_ids.shape[0], chunk_size)
+    if interpret:  # the interpreter clamps windows that run past the end: pad instead (GPU loads are masked)
+        pad = lambda x: jnp.pad(x, ((0, chunk_size),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
+        q, k, v, g, beta = map(pad, (q, k, v, g, beta))
+    return q, k, v, g, beta, cu_seqlens.astype(jnp.int32), layout
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "chunk_size", "block_v", "num_warps", "num_stages", "wy_num_warps", "fused_output", "interpret",
+        "scale", "chunk_size", "block_v", "num_warps", "num_stages", "wy_num_warps", "wy_precision",
+        "decayed_keys", "fused_output", "out_block_v", "interpret",
     ),
 )
 def chunk_gated_delta_rule_pallas(
@@ -244,121 +407,46 @@ def chunk_gated_delta_rule_pallas(
     *,
     scale: float | None = None,
     chunk_size: int = 64,
-    block_v: int = 32,
+    block_v: int = 16,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
     wy_num_warps: int = 4,
+    wy_precision: str = "input",
+    decayed_keys: bool = False,
     fused_output: bool = True,
+    out_block_v: int = 128,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T HV V"], Float[Array, "S HV K V"]]:
     """Same arguments and results as `chunk_gated_delta_rule_reference`.
 
     K, V and `chunk_size` must be powers of two (>= 16); `block_v` is clipped to V. q and k are cast to
-    v's dtype (the dot operand dtype; accumulation and the state are fp32). `fused_output`
-    computes the output inside the sequential state pass; otherwise the pass stores the state entering
-    each chunk and the corrected values, and a parallel kernel over all chunks computes the output.
+    v's dtype (the dot operand dtype; accumulation and the state are fp32). `wy_precision` picks the WY
+    stage's dots on the GPU: "input" (k k^T and the products with the inverse in the input dtype, the
+    inverse in TF32), "tf32" or "tf32x3" (all fp32 dots in one or three TF32 passes). `decayed_keys`: the WY
+    stage also stores `k exp(G_last - G)` for the state pass (split output only). `fused_output` computes
+    the output inside the sequential state pass; otherwise the pass stores the state entering each chunk and
+    the corrected values, and a parallel kernel over all chunks (`out_block_v` values per program) computes
+    the output. The defaults are the fastest checked configuration on the H200 (benchmarks/RESULTS.md).
     """
-    num_tokens, num_heads, key_dim = q.shape
-    num_value_heads, value_dim = v.shape[1:]
-    batch = slot_ids.shape[0]
-    group = num_value_heads // num_heads
+    if wy_precision not in _PRECISIONS:
+        raise ValueError(f"unknown {wy_precision=}; choose one of {tuple(_PRECISIONS)}")
+    num_tokens, _, key_dim = q.shape
+    value_dim = v.shape[-1]
     c = chunk_size
     block_v = min(block_v, value_dim)
-    num_chunks = -(-num_tokens // c) + batch
     scale = key_dim**-0.5 if scale is None else scale
-    # fp32 dots: exact (IEEE) in the interpreter; 3xTF32 on the GPU for the inverse, TF32 for the rest.
-    wy_precision = jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    state_precision = jax.lax.Precision.HIGHEST if interpret else None
-
-    # one dtype for every dot operand: q and k take v's (the model passes fp32 q/k with bf16 v)
-    q, k = q.astype(v.dtype), k.astype(v.dtype)
-    cu = cu_seqlens.astype(jnp.int32)
-    chunks_per_row = (cu[1:] - cu[:-1] + c - 1) // c  # [B]
-    row_chunks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(chunks_per_row)])  # [B + 1]
-    ids = jnp.arange(num_chunks, dtype=jnp.int32)
-    chunk_row = jnp.clip(jnp.searchsorted(row_chunks[1:], ids, side="right"), 0, batch - 1)
-    chunk_start = cu[chunk_row] + (ids - row_chunks[chunk_row]) * c
-    chunk_len = jnp.where(ids < row_chunks[-1], jnp.minimum(c, cu[chunk_row + 1] - chunk_start), 0)
-    chunk_start = jnp.where(chunk_len > 0, chunk_start, 0)
-
-    if interpret:  # the interpreter clamps windows that run past the end: pad instead (GPU loads are masked)
-        pad = lambda x: jnp.pad(x, ((0, c),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
-        q, k, v, g, beta = map(pad, (q, k, v, g, beta))
-    padded_tokens = q.shape[0]
-
-    wy = functools.partial(_wy_kernel, chunk_size=c, group=group, precision=wy_precision)
-    w, u = pl.pallas_call(
-        wy,
-        grid=(num_chunks, num_value_heads),
-        in_specs=[_WHOLE] * 6,
-        out_specs=[
-            pl.BlockSpec((None, c, None, key_dim), lambda n, j: (n, 0, j, 0)),
-            pl.BlockSpec((None, c, None, value_dim), lambda n, j: (n, 0, j, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_chunks, c, num_value_heads, key_dim), v.dtype),
-            jax.ShapeDtypeStruct((num_chunks, c, num_value_heads, value_dim), v.dtype),
-        ],
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=wy_num_warps, num_stages=1),
-        name=f"gdn_chunk_wy_c{c}_w{wy_num_warps}",
-    )(chunk_start, chunk_len, k, v, g, beta)
-
-    zeros_o = jnp.zeros((padded_tokens, num_value_heads, value_dim), v.dtype)
+    decayed_keys = decayed_keys and not fused_output
+    q, k, v, g, beta, cu, layout = _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, c, interpret)
+    w, u, *kd = wy_stage(k, v, g, beta, layout, chunk_size=c, wy_precision=wy_precision, num_warps=wy_num_warps,
+                         decayed_keys=decayed_keys, interpret=interpret)
     if fused_output:
-        kernel = functools.partial(
-            _state_kernel, chunk_size=c, group=group, block_v=block_v, scale=scale, precision=state_precision
-        )
-        o, new_state = pl.pallas_call(
-            kernel,
-            grid=(batch, num_value_heads, value_dim // block_v),
-            in_specs=[_WHOLE] * 10,
-            out_specs=[_WHOLE, _WHOLE],
-            out_shape=[
-                jax.ShapeDtypeStruct((padded_tokens, num_value_heads, value_dim), v.dtype),
-                jax.ShapeDtypeStruct(state.shape, state.dtype),
-            ],
-            input_output_aliases={9: 0, 8: 1},
-            interpret=interpret,
-            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-            name=f"gdn_chunk_fused_c{c}_bv{block_v}_w{num_warps}_s{num_stages}",
-        )(row_chunks, slot_ids.astype(jnp.int32), cu, q, k, g, w, u, state, zeros_o)
+        o, new_state = fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout, chunk_size=c,
+                                         block_v=block_v, scale=scale, num_warps=num_warps,
+                                         num_stages=num_stages, interpret=interpret)
         return o[:num_tokens], new_state
-
-    kernel = functools.partial(_state_only_kernel, chunk_size=c, group=group, block_v=block_v,
-                               precision=state_precision)
-    h, v_new, new_state = pl.pallas_call(
-        kernel,
-        grid=(batch, num_value_heads, value_dim // block_v),
-        in_specs=[_WHOLE] * 8,
-        out_specs=[_WHOLE, _WHOLE, _WHOLE],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_chunks, num_value_heads, key_dim, value_dim), v.dtype),
-            jax.ShapeDtypeStruct((num_chunks, c, num_value_heads, value_dim), v.dtype),
-            jax.ShapeDtypeStruct(state.shape, state.dtype),
-        ],
-        input_output_aliases={7: 2},
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"gdn_chunk_state_c{c}_bv{block_v}_w{num_warps}_s{num_stages}",
-    )(row_chunks, slot_ids.astype(jnp.int32), cu, k, g, w, u, state)
-
-    out_bv = min(64, value_dim)
-    kernel = functools.partial(_output_kernel, chunk_size=c, group=group, block_v=out_bv, scale=scale,
-                               precision=state_precision)
-    o = pl.pallas_call(
-        kernel,
-        grid=(num_chunks, num_value_heads, value_dim // out_bv),
-        in_specs=[_WHOLE] * 5 + [
-            pl.BlockSpec((None, None, key_dim, out_bv), lambda n, j, i: (n, j, 0, i)),  # h
-            pl.BlockSpec((None, c, None, out_bv), lambda n, j, i: (n, 0, j, i)),  # v_new
-            _WHOLE,
-        ],
-        out_specs=_WHOLE,
-        out_shape=jax.ShapeDtypeStruct((padded_tokens, num_value_heads, value_dim), v.dtype),
-        input_output_aliases={7: 0},
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=wy_num_warps, num_stages=2),
-        name=f"gdn_chunk_output_c{c}_bv{out_bv}_w{wy_num_warps}",
-    )(chunk_start, chunk_len, q, k, g, h, v_new, zeros_o)
+    h, v_new, new_state = state_stage(kd[0] if kd else k, g, w, u, cu, state, slot_ids, layout, chunk_size=c,
+                                      block_v=block_v, num_warps=num_warps, num_stages=num_stages,
+                                      interpret=interpret)
+    o = output_stage(q, k, g, h, v_new, layout, chunk_size=c, scale=scale, block_v=out_block_v,
+                     num_warps=wy_num_warps, interpret=interpret)
     return o[:num_tokens], new_state

@@ -5,9 +5,9 @@
   * "pallas": the Pallas kernels: `decode.py` (one program per (query token, kv head, KV split), split-KV
     with an LSE merge) for `decode=True`, `prefill.py` (ragged query tiles per row, needs `cu_seqlens`)
     otherwise; `interpret=True` runs them in the Pallas interpreter (CPU tests);
-  * "auto": the Pallas decode kernel on GPU for decode batches whose shapes it supports, else the
-    reference. Prefill goes to the Pallas prefill kernel only when `AUTO_PALLAS_PREFILL` is set (after its
-    check on the H200; not yet done).
+  * "auto": on GPU, for shapes they support, the Pallas decode kernel for decode batches and the Pallas
+    prefill kernel for ragged prefill batches (`AUTO_PALLAS_PREFILL`, set since its check on the H200,
+    benchmarks/RESULTS.md); else the reference.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from pallas_kernels.paged_attention.reference import paged_attention_reference, 
 
 _IMPLS = ("auto", "reference", "pallas")
 _TUNING = ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page", "block_q")
-_PREFILL_TUNING = ("pages_per_block", "num_warps", "num_stages", "block_q")
-# "auto" routes prefill (many queries per row) to the ragged Pallas kernel only once it has been checked
-# on the H200; until then it uses the reference.
-AUTO_PALLAS_PREFILL = False
+_PREFILL_TUNING = ("pages_per_block", "num_warps", "num_stages", "block_q", "per_page")
+# "auto" routes prefill (many queries per row) to the ragged Pallas kernel: checked against the reference on
+# the H200 (benchmarks/kernels.py, 2026-11-30 session 2). Set False to fall back to the reference.
+AUTO_PALLAS_PREFILL = True
 
 
 def _pow2(x: int) -> bool:

@@ -125,7 +125,7 @@ def paged_attention_decode_pallas(
     pages_per_block: int = 4,
     num_splits: int = 8,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 4,
     per_page: bool = True,
     interpret: bool = False,
 ):

@@ -46,6 +46,7 @@ def _prefill_kernel(
     pages_per_block: int,
     sliding_window: int | None,
     soft_cap: float | None,
+    per_page: bool,
 ):
     n = pl.program_id(0)
     block_size, head_dim = k_pages_ref.shape[1], k_pages_ref.shape[2]
@@ -54,10 +55,11 @@ def _prefill_kernel(
     valid = qpos >= 0
     last = qpos.max()  # the tile's last query position (-1: empty tile)
     first = jnp.where(valid, qpos, jnp.iinfo(jnp.int32).max).min()
-    lo_tok = 0 if sliding_window is None else jnp.maximum(first - sliding_window + 1, 0)
-    lo_page = jnp.where(last >= 0, lo_tok // block_size, 0)
-    hi_page = jnp.where(last >= 0, last // block_size + 1, 0)
-    first_it = lo_page // pages_per_block
+    hi_page = jnp.where(last >= 0, last // block_size + 1, 0)  # an empty tile iterates nothing
+    if sliding_window is None:
+        first_it = 0  # (a traced select of two constants here would not lower for Triton)
+    else:
+        first_it = jnp.maximum(first - sliding_window + 1, 0) // block_size // pages_per_block
     last_it = (hi_page + pages_per_block - 1) // pages_per_block
     q = q_ref[...]
 
@@ -81,11 +83,16 @@ def _prefill_kernel(
 
     def body(it, carry):
         first_page = it * pages_per_block
-        for i in range(pages_per_block):
-            page = block_tables_ref[row, first_page + i]
-            key_pos = (first_page + i) * block_size + jnp.arange(block_size)
-            carry = update(carry, k_pages_ref[page], v_pages_ref[page], key_pos)
-        return carry
+        if per_page:  # NP scalar-indexed page loads: contiguous [BS, D] tiles, one online-softmax step each
+            for i in range(pages_per_block):
+                page = block_tables_ref[row, first_page + i]
+                key_pos = (first_page + i) * block_size + jnp.arange(block_size)
+                carry = update(carry, k_pages_ref[page], v_pages_ref[page], key_pos)
+            return carry
+        pages = block_tables_ref[row, pl.ds(first_page, pages_per_block)]  # [NP]
+        k = k_pages_ref[pages].reshape(pages_per_block * block_size, head_dim)  # one gathered [NP*BS, D] tile
+        v = v_pages_ref[pages].reshape(pages_per_block * block_size, head_dim)
+        return update(carry, k, v, first_page * block_size + jnp.arange(pages_per_block * block_size))
 
     rows = q.shape[0]
     o = jnp.zeros((rows, head_dim), jnp.float32)
@@ -100,7 +107,7 @@ def _prefill_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "sliding_window", "soft_cap", "return_lse", "block_q", "pages_per_block",
-                     "num_warps", "num_stages", "interpret"),
+                     "num_warps", "num_stages", "per_page", "interpret"),
 )
 def paged_attention_prefill_pallas(
     q: Float[Array, "T H D"],
@@ -115,22 +122,24 @@ def paged_attention_prefill_pallas(
     soft_cap: float | None = None,
     return_lse: bool = False,
     block_q: int | None = None,
-    pages_per_block: int = 2,
-    num_warps: int = 4,
+    pages_per_block: int = 4,
+    num_warps: int = 8,
     num_stages: int = 2,
+    per_page: bool = False,
     interpret: bool = False,
 ):
     """Ragged prefill: the same result as `paged_attention_reference` for packed rows given by
     `cu_seqlens` (tokens at or after `cu_seqlens[B]` are padding and get zeros).
 
     q is cast to the pages' dtype for the dots (fp32 accumulation). D and BS must be powers of two.
-    `block_q` query tokens per tile (default: 64 query rows per program, at least one token).
+    `block_q` query tokens per tile (default: 128 query rows per program, at least one token). Each loop
+    step reads `pages_per_block` pages: page by page (`per_page`) or as one gathered `[NP*BS, D]` tile.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     gp = _next_pow2(group)
-    block_q = block_q or max(1, 64 // gp)
+    block_q = block_q or max(1, 128 // gp)
     rows = block_q * gp
     if rows < 16:
         block_q, rows = 16 // gp, 16
@@ -151,7 +160,8 @@ def paged_attention_prefill_pallas(
     pos = jnp.repeat(pos, gp, axis=1)  # [N, BQ*GP]: lane-major, GP rows per token
 
     kernel = functools.partial(
-        _prefill_kernel, scale=scale, pages_per_block=pages_per_block, sliding_window=sliding_window, soft_cap=soft_cap
+        _prefill_kernel, scale=scale, pages_per_block=pages_per_block, sliding_window=sliding_window, soft_cap=soft_cap,
+        per_page=per_page,
     )
     pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda n, h: (0, 0, h, 0))
     o, lse = pl.pallas_call(
@@ -173,7 +183,8 @@ def paged_attention_prefill_pallas(
         ],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_prefill_bq{block_q}_gp{gp}_np{pages_per_block}_w{num_warps}_s{num_stages}",
+        name=(f"paged_prefill_bq{block_q}_gp{gp}_{'pp' if per_page else 'np'}{pages_per_block}_w{num_warps}"
+              f"_s{num_stages}"),
     )(tile_row, block_tables, qt, pos, k_pages, v_pages)
     # back to packed tokens: [N, KVH, BQ, GP, D] -> token t's (tile, lane) -> [KVH, G, D]
     o = o.reshape(num_tiles, num_kv_heads, block_q, gp, head_dim)[:, :, :, :group]
