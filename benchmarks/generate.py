@@ -148,7 +148,7 @@ def bench_jhybrid(path: str, batches: list[int], results: list, hf_model=None, j
     del params
     extra["weight_bytes"] = weight_bytes
     raw = decode_device_ms(cfg, model.params)
-    log(f"jhybrid batch-1 decode step, back-to-back dispatch: {raw:.3f} ms")
+    log(f"SequenceRunner (single-sequence helper, host-built batch, full logits) batch-1 step: {raw:.3f} ms")
     results.append({"engine": "jhybrid-raw-step", "batch": 1, "decode_step_ms": raw})
     llm = jhybrid.LLM(model, dtype=None, max_num_seqs=max(batches), max_model_len=PROMPT + NEW + 16,
                       max_num_batched_tokens=8192)
