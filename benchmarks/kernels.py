@@ -304,6 +304,21 @@ def bench_gdn_chunk(quick):
             print(f"  fla chunk baseline failed: {type(e).__name__}: {e}", flush=True)
 
 
+def bench_gdn_chunk_ab(quick):
+    """A short A/B of the chunked kernel's default against `decay_values` (each checked first)."""
+    T, H, HV, K, V = 32768, 16, 16, 128, 128
+    shape = f"B1 T{T} H{H} HV{HV} K{K} V{V} bf16"
+    args = gdn_chunk_inputs([T], H, HV, K, V, jnp.bfloat16, 2)
+    variants = {"default": {}, "decay_values": dict(decay_values=True),
+                "decay_values bv32": dict(decay_values=True, block_v=32)}
+    errs = {name: check_chunk(f"gdn chunk {name}", args, **kw) for name, kw in variants.items()}
+    for name, kw in variants.items():
+        t = time_jax(jax.jit(functools.partial(chunk_gated_delta_rule_pallas, **kw)), args, reps=10)
+        SWEEPS.append(dict(op="gdn_chunk_ab", cfg=name, ms=t, err=errs[name]))
+        print(f"  gdn_chunk {shape} {name}: {t[0]:.4f} ms (p20 {t[1]:.4f}, p80 {t[2]:.4f}); rel err "
+              f"{errs[name][1]:.2e}", flush=True)
+
+
 # ---------------------------------------------------------------- paged decode attention
 
 
@@ -482,7 +497,7 @@ def main():
     info["copy"] = bwinfo
     copy_bw = bwinfo.get("torch_tbps", bwinfo.get("jnp_tbps", 4.0))
     for name, fn in (("decode", bench_gdn_decode), ("paged", lambda q: bench_paged_decode(q, copy_bw)),
-                     ("chunk", bench_gdn_chunk), ("prefill", bench_paged_prefill)):
+                     ("chunk", bench_gdn_chunk), ("prefill", bench_paged_prefill), ("chunk_ab", bench_gdn_chunk_ab)):
         if name in only:
             try:
                 fn(a.quick)

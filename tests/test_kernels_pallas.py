@@ -208,6 +208,7 @@ CHUNK_VARIANTS = {  # the default (output fused into the state pass, input-dtype
     "split_output": dict(fused_output=False),
     "decayed_keys": dict(fused_output=False, decayed_keys=True),
     "wy_tf32": dict(wy_precision="tf32"),
+    "decay_values": dict(decay_values=True),
 }
 
 

@@ -116,6 +116,7 @@ def _state_kernel(
     block_v: int,
     scale: float,
     precision,
+    decay_values: bool,
 ):
     del o_in_ref
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -143,9 +144,15 @@ def _state_kernel(
         v_new = u - dot(w, h.astype(w.dtype), _DOT)  # [C, BV]
         decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], -jnp.inf))
         attn = (dot(q, k, _DOT_T) * (decay * scale)).astype(dt)  # [C, C]
-        q_dec = (q.astype(jnp.float32) * (jnp.exp(cum) * scale)[:, None]).astype(dt)
-        o = dot(q_dec, h.astype(dt), _DOT) + dot(attn, v_new.astype(dt), _DOT)  # [C, BV]
+        if decay_values:  # the decays scale [C, BV] tiles (the dot outputs / v_new), not [C, K] ones
+            o = dot(q, h.astype(dt), _DOT) * (jnp.exp(cum) * scale)[:, None] + dot(attn, v_new.astype(dt), _DOT)
+        else:
+            q_dec = (q.astype(jnp.float32) * (jnp.exp(cum) * scale)[:, None]).astype(dt)
+            o = dot(q_dec, h.astype(dt), _DOT) + dot(attn, v_new.astype(dt), _DOT)  # [C, BV]
         plt.store(o_ref.at[pl.ds(start, chunk_size), j, v_slice], o.astype(o_ref.dtype), mask=valid[:, None])
+        if decay_values:
+            v_dec = (v_new * jnp.exp(cum_last - cum)[:, None]).astype(dt)
+            return jnp.exp(cum_last) * h + dot(k, v_dec, _T_DOT)
         k_dec = (k.astype(jnp.float32) * jnp.exp(cum_last - cum)[:, None]).astype(dt)
         return jnp.exp(cum_last) * h + dot(k_dec, v_new.astype(dt), _T_DOT)
 
@@ -300,12 +307,14 @@ def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: s
 
 
 def fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int,
-                      block_v: int, scale: float, num_warps: int, num_stages: int, interpret: bool):
+                      block_v: int, scale: float, num_warps: int, num_stages: int, interpret: bool,
+                      decay_values: bool = False):
     """The sequential pass with the output computed inside it: (o [T', HV, V], new state)."""
     num_value_heads, value_dim = v.shape[1:]
     group = num_value_heads // k.shape[1]
     kernel = functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
-                               precision=jax.lax.Precision.HIGHEST if interpret else None)
+                               precision=jax.lax.Precision.HIGHEST if interpret else None,
+                               decay_values=decay_values)
     zeros_o = jnp.zeros(v.shape, v.dtype)
     return pl.pallas_call(
         kernel,
@@ -319,7 +328,7 @@ def fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout: _Layout, *,
         input_output_aliases={9: 0, 8: 1},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"gdn_chunk_fused_c{chunk_size}_bv{block_v}_w{num_warps}_s{num_stages}",
+        name=f"gdn_chunk_fused_c{chunk_size}_bv{block_v}_w{num_warps}_s{num_stages}{'_dv' if decay_values else ''}",
     )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, q, k, g, w, u, state, zeros_o)
 
 
@@ -392,7 +401,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, chunk_size, interpret):
     jax.jit,
     static_argnames=(
         "scale", "chunk_size", "block_v", "num_warps", "num_stages", "wy_num_warps", "wy_precision",
-        "decayed_keys", "fused_output", "out_block_v", "interpret",
+        "decayed_keys", "decay_values", "fused_output", "out_block_v", "interpret",
     ),
 )
 def chunk_gated_delta_rule_pallas(
@@ -413,6 +422,7 @@ def chunk_gated_delta_rule_pallas(
     wy_num_warps: int = 4,
     wy_precision: str = "input",
     decayed_keys: bool = False,
+    decay_values: bool = False,
     fused_output: bool = True,
     out_block_v: int = 128,
     interpret: bool = False,
@@ -423,7 +433,8 @@ def chunk_gated_delta_rule_pallas(
     v's dtype (the dot operand dtype; accumulation and the state are fp32). `wy_precision` picks the WY
     stage's dots on the GPU: "input" (k k^T and the products with the inverse in the input dtype, the
     inverse in TF32), "tf32" or "tf32x3" (all fp32 dots in one or three TF32 passes). `decayed_keys`: the WY
-    stage also stores `k exp(G_last - G)` for the state pass (split output only). `fused_output` computes
+    stage also stores `k exp(G_last - G)` for the state pass (split output only). `decay_values` (fused
+    output only): the fused pass scales its `[C, BV]` tiles by the decays instead of q and k. `fused_output` computes
     the output inside the sequential state pass; otherwise the pass stores the state entering each chunk and
     the corrected values, and a parallel kernel over all chunks (`out_block_v` values per program) computes
     the output. The defaults are the fastest checked configuration on the H200 (benchmarks/RESULTS.md).
@@ -442,7 +453,7 @@ def chunk_gated_delta_rule_pallas(
     if fused_output:
         o, new_state = fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout, chunk_size=c,
                                          block_v=block_v, scale=scale, num_warps=num_warps,
-                                         num_stages=num_stages, interpret=interpret)
+                                         num_stages=num_stages, interpret=interpret, decay_values=decay_values)
         return o[:num_tokens], new_state
     h, v_new, new_state = state_stage(kd[0] if kd else k, g, w, u, cu, state, slot_ids, layout, chunk_size=c,
                                       block_v=block_v, num_warps=num_warps, num_stages=num_stages,
