@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens per prompt (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default 0)")
     gen.add_argument("--dtype", default=None, metavar="D", help="float32 | bfloat16 | float16 (default: the checkpoint's)")
+    _parallel_options(gen, multi_process=True)
     gen.set_defaults(func=_generate)
 
     conv = sub.add_parser(
@@ -77,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="largest request body (default 1 MiB)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _engine_options(srv)
+    _parallel_options(srv, multi_process=False)
     srv.set_defaults(func=_serve)
     return parser
 
@@ -95,7 +97,24 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of requests that give none (default 0)")
 
 
+def _parallel_options(parser: argparse.ArgumentParser, *, multi_process: bool) -> None:
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N devices (a tensor-parallel mesh; N must divide the head counts)")
+    if multi_process:
+        g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                       help="multi-process run: address of process 0 (default: $JHYBRID_COORDINATOR); every process "
+                       "runs the same command with its own --process-id")
+        g.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run ($JHYBRID_NUM_PROCESSES)")
+        g.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0..N-1 ($JHYBRID_PROCESS_ID)")
+
+
 def _generate(args: argparse.Namespace) -> int:
+    from jhybrid.parallel import init_distributed
+
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    init_distributed(args.coordinator, args.num_processes, args.process_id)  # no-op without a coordinator
     if not args.model:
         raise ValueError("the bundled default model is not available yet; pass --model DIR (an HF or converted checkpoint)")
     prompts: list = list(args.prompt)
@@ -117,7 +136,8 @@ def _generate(args: argparse.Namespace) -> int:
     context = model.cfg.max_position_embeddings
     if max(lengths) + args.max_tokens > context:
         raise ValueError(f"prompt ({max(lengths)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's context ({context})")
-    llm = LLM(model, dtype=None, max_num_seqs=1, max_model_len=min(context, _bucket(max(lengths) + args.max_tokens, minimum=64)))
+    llm = LLM(model, dtype=None, max_num_seqs=1, max_model_len=min(context, _bucket(max(lengths) + args.max_tokens, minimum=64)),
+              tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     for i, prompt in enumerate(prompts):
         if len(prompts) > 1:
@@ -190,6 +210,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, memory_fraction=args.memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return 0
 

@@ -50,17 +50,21 @@ class LLM:
       memory_fraction: share of free device memory for the KV pool and the state slots.
       seed: seeds requests that give none.
       max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
+      tensor_parallel_size: devices to shard the model over (a "tp" mesh over the first N of
+        `jax.devices()`; `jhybrid.parallel`); N must divide the head counts.
     """
 
     def __init__(self, model: str | os.PathLike | Any, *, dtype: str | None = "bfloat16", max_num_seqs: int = 16,
                  max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 memory_fraction: float = 0.9, seed: int = 0, max_num_batched_tokens: int | None = None):
+                 memory_fraction: float = 0.9, seed: int = 0, max_num_batched_tokens: int | None = None,
+                 tensor_parallel_size: int = 1):
         from jhybrid.engine.generate import load
 
         self.model = load(model, dtype)
         self.engine = LLMEngine(self.model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 block_size=block_size, num_kv_blocks=num_kv_blocks, memory_fraction=memory_fraction,
-                                seed=seed, max_num_batched_tokens=max_num_batched_tokens)
+                                seed=seed, max_num_batched_tokens=max_num_batched_tokens,
+                                tensor_parallel_size=tensor_parallel_size)
         self._ids = itertools.count()
 
     @property

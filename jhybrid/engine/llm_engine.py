@@ -22,11 +22,26 @@ from jhybrid.engine.sequence import Sequence
 log = logging.getLogger("jhybrid.engine")
 
 
+def _tp_free_bytes(tensor_parallel_size: int) -> int | None:
+    """Under tensor parallelism each device holds 1/N of the KV pool and of the state slots: the budget
+    is N devices' free memory (None: the planner measures one device)."""
+    if tensor_parallel_size == 1:
+        return None
+    from jhybrid.cache.planner import device_memory_bytes
+
+    return device_memory_bytes() * tensor_parallel_size
+
+
 class LLMEngine:
     def __init__(self, model, *, max_num_seqs: int = 16, max_model_len: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, memory_fraction: float = 0.9, seed: int = 0,
+                 tensor_parallel_size: int = 1,
                  max_num_batched_tokens: int | None = None):
         cfg = model.cfg
+        from jhybrid.parallel import make_mesh, validate_tensor_parallel
+
+        validate_tensor_parallel(cfg, tensor_parallel_size)  # before any planning: a bad N names the counts
+        self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         self.model = model
         self.tokenizer = model.tokenizer
         self.eos_token_ids = frozenset(model.eos_token_ids)
@@ -39,13 +54,14 @@ class LLMEngine:
         max_num_batched_tokens = max_num_batched_tokens or max(512, min(2048, max_model_len))
         kv_dtype = np.dtype(model.params["embed"].dtype).name
         self.cache = plan_cache(cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-                                kv_dtype=kv_dtype, num_kv_blocks=num_kv_blocks, memory_fraction=memory_fraction)
+                                kv_dtype=kv_dtype, num_kv_blocks=num_kv_blocks, memory_fraction=memory_fraction,
+                                free_bytes=_tp_free_bytes(tensor_parallel_size))
         self.blocks = BlockAllocator(self.cache.num_blocks, block_size)
         self.slots = SlotAllocator(self.cache.num_slots)
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.runner = ModelRunner(cfg, model.params, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  max_num_batched_tokens=max_num_batched_tokens, seed=seed)
+                                  max_num_batched_tokens=max_num_batched_tokens, seed=seed, mesh=self.mesh)
         self.requests: dict[Any, Sequence] = {}
         self._prev: StepResult | None = None
         self._arrivals = 0

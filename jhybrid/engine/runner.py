@@ -7,6 +7,10 @@ the jitted step), and the sampled tokens with their log-probabilities come back 
 
 Rows whose last fed token was sampled by the previous step (not yet read on the host) take it from that
 step's device output (`token_src`), so step n+1 is dispatched before step n's tokens reach the host.
+
+With a tensor-parallel `mesh` (`jhybrid.parallel`) the parameters and the state are sharded over its
+devices, the step is jitted with them (XLA SPMD inserts the collectives) and sampling runs on gathered
+logits; the outputs are replicated, so every process of a multi-process run reads them locally.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from jhybrid.engine.sampling import MAX_LOGPROBS, SamplingArrays, sample
 from jhybrid.engine.scheduler import SchedulerOutput
 from jhybrid.models.batch import Batch
 from jhybrid.models.hybrid import forward
+from jhybrid import parallel
 
 # the packed metadata: (name, length as a function of T, B, M); float fields travel bit-cast to int32
 _FIELDS = (
@@ -54,12 +59,12 @@ def _unpack(meta: jax.Array, t: int, b: int, m: int) -> dict[str, jax.Array]:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "layout", "decode", "all_greedy", "filtered", "num_logprobs", "max_rows"),
+    static_argnames=("cfg", "layout", "decode", "all_greedy", "filtered", "num_logprobs", "max_rows", "mesh"),
     donate_argnames=("state",),
 )
 def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array, *,
                 layout: tuple[int, int, int], decode: bool, all_greedy: bool, filtered: bool, num_logprobs: int,
-                max_rows: int):
+                max_rows: int, mesh=None):
     """One step. `meta` is the packed int32 metadata of `layout = (T, B, M)`; `prev_out [2, R]` the previous
     step's output (row 0: its sampled tokens). Returns (`[2, R]` int32: tokens and their bit-cast fp32 logprobs, top logprobs,
     top ids, state)."""
@@ -73,13 +78,17 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
                   slot_ids=f["slot_ids"], logits_index=f["logits_index"])
     sampling = SamplingArrays(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
                               seeds=f["seeds"], counters=f["counters"])
-    logits, state = forward(cfg, params, state, batch, decode=decode)
+    logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh)
+    if mesh is not None:  # sample on the gathered logits; keep the state in its shards
+        logits, state = parallel.replicated(logits, mesh), parallel.constrain_state(state, cfg, mesh)
     tokens, token_logp, top_lp, top_ids = sample(
         logits, sampling, all_greedy=all_greedy, filtered=filtered, num_logprobs=num_logprobs
     )
     packed = jnp.zeros((2, max_rows), jnp.int32)
     packed = packed.at[0, : tokens.shape[0]].set(tokens)
     packed = packed.at[1, : tokens.shape[0]].set(jax.lax.bitcast_convert_type(token_logp, jnp.int32))
+    if mesh is not None:
+        packed, top_lp, top_ids = (parallel.replicated(x, mesh) if x is not None else None for x in (packed, top_lp, top_ids))
     return packed, top_lp, top_ids, state
 
 
@@ -91,22 +100,33 @@ class StepResult:
     top_ids: jax.Array | None
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-        out = np.asarray(self.out)  # one transfer; waits for this step only
-        top_lp = np.asarray(self.top_logp) if self.top_logp is not None else None
-        top_ids = np.asarray(self.top_ids) if self.top_ids is not None else None
+        out = _local(self.out)  # one transfer; waits for this step only
+        top_lp = _local(self.top_logp) if self.top_logp is not None else None
+        top_ids = _local(self.top_ids) if self.top_ids is not None else None
         return out[0], out[1].view(np.float32), top_lp, top_ids
 
 
+def _local(x: jax.Array) -> np.ndarray:
+    """A replicated output on the host (across processes: this process's copy)."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
 class ModelRunner:
+    """`mesh`: a tensor-parallel mesh (`jhybrid.parallel.make_mesh`); the packed `params` are then
+    re-laid out shard-major and sharded over it, and the state is created in its shards."""
+
     def __init__(self, cfg: ModelConfig, params, cache: CacheConfig, *, max_num_seqs: int, max_model_len: int,
-                 max_num_batched_tokens: int, seed: int = 0):
+                 max_num_batched_tokens: int, seed: int = 0, mesh=None):
+        self.mesh = mesh if parallel.num_shards(mesh) > 1 else None
+        if self.mesh is not None:
+            params = parallel.shard_params(cfg, params, self.mesh)
         self.cfg, self.params, self.cache = cfg, params, cache
-        self.state = init_state(cfg, cache)
+        self.state = init_state(cfg, cache) if self.mesh is None else parallel.init_sharded_state(cfg, cache, self.mesh)
         self.max_blocks = -(-max_model_len // cache.block_size)
         self.max_rows = _pow2(max_num_seqs, 1)
         self.max_tokens_bucket = _pow2(max_num_batched_tokens, 16)
         self.seed = seed
-        self._no_prev = jnp.zeros((2, self.max_rows), jnp.int32)
+        self._no_prev = np.zeros((2, self.max_rows), np.int32)  # host: valid input on any mesh, any process
         # block table of the sequence in each state slot, kept in sync incrementally
         self._tables = np.zeros((cache.num_slots, self.max_blocks), np.int32)
         self._table_len = np.zeros(cache.num_slots, np.int64)
@@ -116,7 +136,7 @@ class ModelRunner:
     def zero_slots(self, slots: list[int]) -> None:
         if slots:
             padded = slots + [0] * (_pow2(len(slots), 4) - len(slots))  # bucketed; slot 0 is the null slot
-            self.state = zero_slots(self.state, jnp.asarray(padded, jnp.int32))
+            self.state = zero_slots(self.state, np.asarray(padded, np.int32))
 
     def _sync_table(self, seq) -> None:
         slot, table = seq.slot, seq.block_table
@@ -189,6 +209,7 @@ class ModelRunner:
             filtered=any(p.filtered for p in params),
             num_logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else 0,
             max_rows=self.max_rows,
+            mesh=self.mesh,
         )
         self.compiled_shapes.add(tuple(statics.values()))
         prev_out = prev.out if prev is not None else self._no_prev

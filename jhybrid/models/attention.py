@@ -9,6 +9,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import apply_rope, rms_norm
+from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import paged_attention, write_kv_pages
 
 
@@ -31,7 +32,8 @@ def attention_layer(
     qkv = x @ p["qkv_proj"]  # [T, Q + 2*KVH*hd]: the packed q, k, v projections
     if cfg.attention_bias:
         qkv = qkv + p["qkv_bias"]
-    q, k, v = qkv[:, :q_out], qkv[:, q_out : q_out + kvh * hd], qkv[:, q_out + kvh * hd :]
+    shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
+    q, k, v = split_packed(qkv, (q_out, kvh * hd, kvh * hd), shards)
     gate = None
     if cfg.attn_output_gate:
         q = q.reshape(num_tokens, h, 2, hd)  # per head: hd query dims, then hd gate dims

@@ -9,6 +9,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import causal_conv1d, gated_rms_norm, l2_normalize
+from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
 
@@ -30,17 +31,15 @@ def gated_deltanet_layer(
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     c = cfg.conv_dim  # 2*HK*K + HV*V
     proj = x @ p["in_proj"]  # [T, C + HV*V + 2*HV]: the packed qkv, z, b, a projections
-    qkv = proj[:, :c]
-    z = proj[:, c : c + hv * dv].reshape(num_tokens, hv, dv)
-    b = proj[:, c + hv * dv : c + hv * dv + hv]  # [T, HV]
-    a = proj[:, c + hv * dv + hv :]  # [T, HV]
+    shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
+    qkv, z, b, a = split_packed(proj, (c, hv * dv, hv, hv), shards)  # [T, C] (shard-major), [T, HV*V], [T, HV] x2
+    z = z.reshape(num_tokens, hv, dv)
     qkv, conv_state = causal_conv1d(
         qkv, conv_state, p["conv_weight"], batch.cu_seqlens, batch.slot_ids, batch.token_seq
     )
     qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
-    q = qkv[:, : hk * dk].reshape(num_tokens, hk, dk)
-    k = qkv[:, hk * dk : 2 * hk * dk].reshape(num_tokens, hk, dk)
-    v = qkv[:, 2 * hk * dk :].reshape(num_tokens, hv, dv)
+    q, k, v = split_packed(qkv, (hk * dk, hk * dk, hv * dv), shards)
+    q, k, v = q.reshape(num_tokens, hk, dk), k.reshape(num_tokens, hk, dk), v.reshape(num_tokens, hv, dv)
     q, k = l2_normalize(q).astype(x.dtype), l2_normalize(k).astype(x.dtype)  # normalised in fp32, fed as x.dtype
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(

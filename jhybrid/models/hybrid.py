@@ -22,6 +22,7 @@ from jhybrid.models.layers import dense_mlp, moe, rms_norm, rope_inv_freq
 from jhybrid.models.lightning import lightning_attention_layer
 from jhybrid.models.mamba2 import mamba2_layer
 from jhybrid.models.params import is_packed
+from jhybrid.parallel.layout import num_shards
 
 
 def forward(
@@ -34,6 +35,7 @@ def forward(
     all_logits: bool = False,
     kernel_impl: str = "auto",
     interpret: bool = False,
+    mesh=None,
 ) -> tuple[Float[Array, "B V"] | Float[Array, "T V"], HybridState]:
     """Runs one step over a ragged batch.
 
@@ -46,13 +48,16 @@ def forward(
       all_logits: return logits for every packed token `[T, V]` instead of each row's last `[B, V]`.
       kernel_impl: the kernels' `impl` ("auto": Pallas on GPU where supported, the references on CPU;
         "reference"; "pallas"), with `interpret` to run Pallas in interpret mode (CPU tests).
+      mesh: the tensor-parallel mesh (`jhybrid.parallel`) when the parameters are sharded over several
+        devices (their packed projections then shard-major); the Pallas kernels then run per shard.
 
     Returns:
       fp32 logits and the updated state.
     """
     if not is_packed(params):
         raise ValueError("forward runs on packed parameters: call jhybrid.models.params.pack_params(params) once")
-    kernels = dict(impl=kernel_impl, interpret=interpret)
+    kernels = dict(impl=kernel_impl, interpret=interpret, mesh=mesh)
+    shards = num_shards(mesh)
     x = params["embed"][batch.token_ids]  # [T, D]
     if cfg.embedding_multiplier != 1.0:  # Granite
         x = x * cfg.embedding_multiplier
@@ -81,9 +86,9 @@ def forward(
             if mlp_kind == "moe":
                 h = moe(p["mlp"], normed, cfg.num_experts_per_tok, cfg.norm_topk_prob, act=cfg.mlp_act,
                         router=cfg.moe_router, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
-                        scaling=cfg.routed_scaling_factor)
+                        scaling=cfg.routed_scaling_factor, num_shards=shards)
             else:
-                h = dense_mlp(p["mlp"], normed, cfg.mlp_act)
+                h = dense_mlp(p["mlp"], normed, cfg.mlp_act, shards)
             x = _residual(normed if cfg.residual_from_norm else x, h, cfg.mlp_alpha, cfg.mlp_beta)
     if not all_logits:
         x = x[batch.logits_index]  # [B, D]

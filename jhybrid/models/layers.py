@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jhybrid.parallel.layout import split_packed
+
 
 def rms_norm(x: Float[Array, "... D"], w: Float[Array, "D"], eps: float, zero_centred: bool) -> Array:
     """RMSNorm in fp32. `zero_centred` (Qwen3-Next/3.5) scales by `1 + w` before casting back; otherwise
@@ -62,8 +64,9 @@ def apply_rope(x: Float[Array, "T NH D"], positions: Int[Array, "T"], inv_freq: 
     return jnp.concatenate([x_rot * cos + rotated * sin, x_pass], axis=-1)
 
 
-def dense_mlp(p: dict, x: Float[Array, "T D"], act: str = "silu") -> Array:
-    """`act="silu"`: SwiGLU `down(silu(gate(x)) * up(x))` with gate and up packed in `gate_up_proj [D, 2I]`;
+def dense_mlp(p: dict, x: Float[Array, "T D"], act: str = "silu", num_shards: int = 1) -> Array:
+    """`act="silu"`: SwiGLU `down(silu(gate(x)) * up(x))` with gate and up packed in `gate_up_proj [D, 2I]`
+    (shard-major over `num_shards` under tensor parallelism, `jhybrid.parallel.layout`);
     `act="relu2"` (NemotronH): `down(relu(up(x))^2)`, no gate."""
     if act == "relu2":
         up = x @ p["up_proj"]
@@ -74,13 +77,15 @@ def dense_mlp(p: dict, x: Float[Array, "T D"], act: str = "silu") -> Array:
     gate_up = x @ p["gate_up_proj"]
     if "gate_up_bias" in p:
         gate_up = gate_up + p["gate_up_bias"]
-    gate, up = jnp.split(gate_up, 2, axis=-1)
+    half = gate_up.shape[-1] // 2
+    gate, up = split_packed(gate_up, (half, half), num_shards)
     out = (jax.nn.silu(gate) * up) @ p["down_proj"]
     return out + p["down_bias"] if "down_bias" in p else out
 
 
 def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, act: str = "silu",
-        router: str = "softmax", n_group: int = 1, topk_group: int = 1, scaling: float = 1.0) -> Array:
+        router: str = "softmax", n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
+        num_shards: int = 1) -> Array:
     """Top-k routed experts plus an optional shared expert (sigmoid-gated when `shared_gate` is present).
 
     router "softmax" (Qwen3-Next, MiniMax): weights = top-k of softmax(logits), optionally renormalised.
@@ -121,7 +126,7 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
         h = jax.nn.silu(gate) * up
     out = jnp.einsum("tei,eid,te->td", h, p["down_proj"], combine)  # [T, D]
     if "shared" in p:
-        shared = dense_mlp(p["shared"], x, act)
+        shared = dense_mlp(p["shared"], x, act, num_shards)
         out = out + (jax.nn.sigmoid(x @ p["shared_gate"]) * shared if "shared_gate" in p else shared)
     return out
 

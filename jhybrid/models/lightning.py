@@ -10,6 +10,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import LIGHTNING_NORM_EPS, ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import rms_norm
+from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
 
@@ -39,10 +40,10 @@ def lightning_attention_layer(
     num_tokens = x.shape[0]
     h, hd = cfg.num_heads, cfg.head_dim
     proj = x @ p["in_proj"]  # [T, 4*H*hd]: the packed qkv_proj, output_gate
-    qkv = jax.nn.silu(proj[:, : 3 * h * hd].astype(jnp.float32)).astype(x.dtype)
+    qkv, gate = split_packed(proj, (3 * h * hd, h * hd), num_shards((kernels or {}).get("mesh")))  # [T, 3*H*hd], [T, H*hd]
+    qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
     qkv = qkv.reshape(num_tokens, h, 3, hd)  # per head: hd q dims, hd k dims, hd v dims
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [T, H, hd] x3
-    gate = proj[:, 3 * h * hd :]  # [T, H*hd]
     slopes = lightning_slopes(h, layer_index, cfg.num_layers)
     g = jnp.broadcast_to(jnp.asarray(-slopes), (num_tokens, h))  # [T, H], constant in time
     if decode:

@@ -9,6 +9,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import causal_conv1d, grouped_gated_rms_norm
+from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
 
@@ -37,14 +38,16 @@ def mamba2_layer(
     proj = x @ p["in_proj"]  # [T, Im + Cm + Hm]
     if "in_proj_bias" in p:
         proj = proj + p["in_proj_bias"]
-    z, xbc, dt = proj[:, :inner], proj[:, inner : inner + conv_dim], proj[:, inner + conv_dim :]
+    shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
+    z, xbc, dt = split_packed(proj, (inner, conv_dim, h), shards)
     xbc, conv_state = causal_conv1d(xbc, conv_state, p["conv_weight"], batch.cu_seqlens, batch.slot_ids, batch.token_seq)
     if "conv_bias" in p:
         xbc = xbc + p["conv_bias"]
     xbc = jax.nn.silu(xbc.astype(jnp.float32))  # [T, Cm]
-    xs = xbc[:, :inner].reshape(num_tokens, h, hp)  # [T, Hm, P]
-    b = xbc[:, inner : inner + g * n].reshape(num_tokens, g, n)  # [T, G, N]: the keys
-    c = xbc[:, inner + g * n :].reshape(num_tokens, g, n)  # [T, G, N]: the queries
+    xs, b, c = split_packed(xbc, (inner, g * n, g * n), shards)
+    xs = xs.reshape(num_tokens, h, hp)  # [T, Hm, P]
+    b = b.reshape(num_tokens, g, n)  # [T, G, N]: the keys
+    c = c.reshape(num_tokens, g, n)  # [T, G, N]: the queries
     dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))  # [T, Hm]
     dt = jnp.clip(dt, cfg.mamba_dt_min, cfg.mamba_dt_max)
     decay = dt * -jnp.exp(p["A_log"].astype(jnp.float32))  # [T, Hm], log space

@@ -5,6 +5,9 @@
   * "reference": the pure-jnp references; "recurrent" (chunk form only): the token-by-token scan;
   * "pallas": the Pallas kernels (`fused_recurrent.py`, `chunk.py`); `interpret=True` runs them in the
     Pallas interpreter (CPU tests);
+  * with `mesh` (a 1-D device mesh whose axis splits the heads: tensor parallelism) the Pallas kernels run
+    per shard under `jax.shard_map` (q/k heads, value heads and state slots' heads split alike); the
+    references need no wrapping (XLA SPMD partitions them);
   * "auto": the Pallas kernel on GPU where its shapes are supported (power-of-two K and V), else the
     reference.
 """
@@ -12,6 +15,7 @@
 from __future__ import annotations
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_pallas
@@ -50,9 +54,18 @@ def _pick(impl: str, kind: str, q, v) -> str:
     return impl
 
 
+def _per_head_shard(kernel, mesh, specs):
+    """`kernel(*args)` run per shard of a 1-D mesh whose axis splits the heads (`specs`: one letter per
+    argument: "h" [T, H, ...] heads on axis 1, "s" state [S, HV, K, V], "r" replicated)."""
+    (axis,) = mesh.axis_names
+    spec = {"h": P(None, axis), "s": P(None, axis, None, None), "r": P()}
+    return jax.shard_map(kernel, mesh=mesh, in_specs=tuple(spec[c] for c in specs),
+                         out_specs=(P(None, axis, None), spec["s"]), check_vma=False)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, slot_ids, *, impl: str = "auto",
                            interpret: bool = False, scale: float | None = None, chunk_size: int = 64,
-                           **tuning):
+                           mesh=None, **tuning):
     """Same signature and result as `chunk_gated_delta_rule_reference`.
 
     impl: "auto", "reference" (chunked WY form), "recurrent" (token-by-token scan, the definition) or
@@ -65,11 +78,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, slot_ids, *, imp
         return recurrent_gated_delta_rule_reference(*args, scale=scale)
     if impl == "reference":
         return chunk_gated_delta_rule_reference(*args, scale=scale, chunk_size=chunk_size)
-    return chunk_gated_delta_rule_pallas(*args, scale=scale, chunk_size=chunk_size, interpret=interpret, **tuning)
+    kernel = lambda *a: chunk_gated_delta_rule_pallas(  # noqa: E731
+        *a, scale=scale, chunk_size=chunk_size, interpret=interpret, **tuning
+    )
+    if mesh is not None and mesh.size > 1:
+        kernel = _per_head_shard(kernel, mesh, "hhhhhrsr")
+    return kernel(*args)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, slot_ids, *, impl: str = "auto",
-                                     interpret: bool = False, scale: float | None = None, **tuning):
+                                     interpret: bool = False, scale: float | None = None, mesh=None,
+                                     **tuning):
     """Same signature and result as `fused_recurrent_gated_delta_rule_reference` (one decode step).
 
     With impl "pallas" the state is aliased in place (donate it under jit to avoid a copy); `tuning`
@@ -80,9 +99,12 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, slot_ids, *, impl:
         raise ValueError("impl='recurrent' is for chunk_gated_delta_rule; decode is already recurrent")
     if impl == "reference":
         return fused_recurrent_gated_delta_rule_reference(q, k, v, g, beta, state, slot_ids, scale=scale)
-    return fused_recurrent_gated_delta_rule_pallas(
-        q, k, v, g, beta, state, slot_ids, scale=scale, interpret=interpret, **tuning
+    kernel = lambda *a: fused_recurrent_gated_delta_rule_pallas(  # noqa: E731
+        *a, scale=scale, interpret=interpret, **tuning
     )
+    if mesh is not None and mesh.size > 1:
+        kernel = _per_head_shard(kernel, mesh, "hhhhhsr")
+    return kernel(q, k, v, g, beta, state, slot_ids)
 
 
 __all__ = [

@@ -5,6 +5,9 @@
   * "pallas": the Pallas kernels: `decode.py` (one program per (query token, kv head, KV split), split-KV
     with an LSE merge) for `decode=True`, `prefill.py` (ragged query tiles per row, needs `cu_seqlens`)
     otherwise; `interpret=True` runs them in the Pallas interpreter (CPU tests);
+  * with `mesh` (a 1-D device mesh whose axis splits the heads: tensor parallelism) the Pallas kernels run
+    per shard under `jax.shard_map` (q heads and kv heads split alike, block tables replicated); the
+    reference needs no wrapping (XLA SPMD partitions it);
   * "auto": on GPU, for shapes they support, the Pallas decode kernel for decode batches and the Pallas
     prefill kernel for ragged prefill batches (`AUTO_PALLAS_PREFILL`, set since its check on the H200,
     benchmarks/RESULTS.md); else the reference.
@@ -13,8 +16,10 @@
 from __future__ import annotations
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.paged_attention.decode import paged_attention_decode_pallas
+from pallas_kernels.paged_attention.merge import merge_attention
 from pallas_kernels.paged_attention.prefill import paged_attention_prefill_pallas
 from pallas_kernels.paged_attention.reference import paged_attention_reference, write_kv_pages
 
@@ -40,7 +45,7 @@ def paged_attention(
     q, k_pages, v_pages, block_tables, token_seq, positions, *,
     impl: str = "auto", interpret: bool = False, cu_seqlens=None, decode: bool = False,
     scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None,
-    return_lse: bool = False, **tuning,
+    return_lse: bool = False, mesh=None, **tuning,
 ):
     """Same arguments and result as `paged_attention_reference`; `impl` picks the implementation.
 
@@ -66,17 +71,33 @@ def paged_attention(
         )
     if not decode and cu_seqlens is not None:  # ragged prefill: query tiles per row
         tuning = {k: v for k, v in tuning.items() if k in _PREFILL_TUNING}
-        return paged_attention_prefill_pallas(
-            q, k_pages, v_pages, block_tables, cu_seqlens, positions, interpret=interpret, **kw, **tuning
+        kernel = lambda q, kp, vp, bt, rows, pos: paged_attention_prefill_pallas(  # noqa: E731
+            q, kp, vp, bt, rows, pos, interpret=interpret, **kw, **tuning
         )
-    tuning = {k: v for k, v in tuning.items() if k != "block_q"}
-    return paged_attention_decode_pallas(
-        q, k_pages, v_pages, block_tables, token_seq, positions, interpret=interpret, **kw, **tuning
-    )
+        rows = cu_seqlens
+    else:
+        tuning = {k: v for k, v in tuning.items() if k != "block_q"}
+        kernel = lambda q, kp, vp, bt, rows, pos: paged_attention_decode_pallas(  # noqa: E731
+            q, kp, vp, bt, rows, pos, interpret=interpret, **kw, **tuning
+        )
+        rows = token_seq
+    if mesh is not None and mesh.size > 1:
+        kernel = _per_head_shard(kernel, mesh, return_lse)
+    return kernel(q, k_pages, v_pages, block_tables, rows, positions)
+
+
+def _per_head_shard(kernel, mesh, return_lse: bool):
+    """`kernel` run per shard of a 1-D mesh: each device attends with its q heads over its kv heads."""
+    (axis,) = mesh.axis_names
+    heads, pages, rep = P(None, axis, None), P(None, None, axis, None), P()
+    out_specs = (heads, P(None, axis)) if return_lse else heads
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(heads, pages, pages, rep, rep, rep), out_specs=out_specs,
+                         check_vma=False)
 
 
 __all__ = [
     "AUTO_PALLAS_PREFILL",
+    "merge_attention",
     "paged_attention",
     "paged_attention_decode_pallas",
     "paged_attention_prefill_pallas",

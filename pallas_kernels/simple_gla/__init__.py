@@ -29,10 +29,11 @@ def _pick(impl: str) -> str:
 
 
 def chunk_simple_gla(q, k, v, g, cu_seqlens, state, slot_ids, *, impl: str = "auto", interpret: bool = False,
-                     scale: float = 1.0, chunk_size: int = 64):
-    """Same signature and result as `chunk_simple_gla_reference`; `interpret` is accepted for symmetry
-    with the other ops (no kernel to interpret yet)."""
-    del interpret
+                     scale: float = 1.0, chunk_size: int = 64, mesh=None):
+    """Same signature and result as `chunk_simple_gla_reference`; `interpret` and `mesh` are accepted for
+    symmetry with the other ops (no kernel to interpret or run per shard yet: XLA SPMD partitions the
+    reference)."""
+    del interpret, mesh
     args = (q, k, v, g, cu_seqlens, state, slot_ids)
     if _pick(impl) == "recurrent":
         return recurrent_simple_gla_reference(*args, scale=scale)
@@ -40,9 +41,9 @@ def chunk_simple_gla(q, k, v, g, cu_seqlens, state, slot_ids, *, impl: str = "au
 
 
 def fused_recurrent_simple_gla(q, k, v, g, state, slot_ids, *, impl: str = "auto", interpret: bool = False,
-                               scale: float = 1.0):
+                               scale: float = 1.0, mesh=None):
     """Same signature and result as `fused_recurrent_simple_gla_reference` (one decode step)."""
-    del interpret
+    del interpret, mesh
     if _pick(impl) == "recurrent":
         raise ValueError("impl='recurrent' is for chunk_simple_gla; decode is already recurrent")
     return fused_recurrent_simple_gla_reference(q, k, v, g, state, slot_ids, scale=scale)

@@ -1,0 +1,242 @@
+"""Tensor-parallel (Megatron-style) sharding of the packed parameters and of the state pytree.
+
+Over a 1-D mesh of N devices (axis "tp"):
+
+  * column-parallel in: the packed input projections (attention `qkv_proj`, Gated DeltaNet / lightning /
+    Mamba2 `in_proj`, MLP `gate_up_proj` / `up_proj`) are split along their output axis, stored
+    shard-major (`jhybrid.parallel.layout`) so shard i holds whole heads (q, k, v of the same heads; the
+    gate and up halves of the same intermediate channels);
+  * row-parallel out: `o_proj`, `out_proj`, `down_proj` are split along their input axis; XLA SPMD inserts
+    the all-reduce after them;
+  * per-head vectors (`dt_bias`, `A_log`, Mamba2 `D` and norm, lightning norm) and the causal conv weights
+    are split with their heads / channels;
+  * routed experts are split along the expert axis when N divides their number, else replicated;
+  * the embedding and the LM head are split along the vocabulary when N divides it, else replicated;
+    sampling runs on gathered logits;
+  * norms, routers and the remaining biases are replicated;
+  * state: KV pages `[P, BS, KVH, hd]` on the kv-head axis, conv state `[S, C, W-1]` on the (shard-major)
+    channel axis, recurrent state `[S, H, K, V]` on the head axis.
+
+N must divide every head count it splits (query and kv heads, linear key heads, Mamba2 heads and groups)
+and the dense MLP intermediate sizes; `validate_tensor_parallel` raises a ValueError naming the counts
+otherwise. Replicating kv heads when there are fewer than N (as vLLM does) is not implemented: pick an N
+that divides the kv heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jhybrid.cache.state import CacheConfig, HybridState, init_state
+from jhybrid.config import ModelConfig
+from jhybrid.parallel.layout import TP_AXIS, interleave, num_shards
+
+_COL, _ROW, _VEC, _REP = P(None, TP_AXIS), P(TP_AXIS, None), P(TP_AXIS), P()
+_EXPERT = P(TP_AXIS, None, None)
+
+# mixer key -> {packed parameter: spec}; anything not listed is replicated
+_MIXER_SPECS = {
+    "attn": {"qkv_proj": _COL, "qkv_bias": _VEC, "o_proj": _ROW},
+    "gdn": {"in_proj": _COL, "conv_weight": _ROW, "dt_bias": _VEC, "A_log": _VEC, "out_proj": _ROW},
+    "lightning": {"in_proj": _COL, "norm": _VEC, "out_proj": _ROW},
+    "mamba": {"in_proj": _COL, "in_proj_bias": _VEC, "conv_weight": _ROW, "conv_bias": _VEC, "dt_bias": _VEC,
+              "A_log": _VEC, "D": _VEC, "norm": _VEC, "out_proj": _ROW},
+}
+_DENSE_SPECS = {"gate_up_proj": _COL, "gate_up_bias": _VEC, "up_proj": _COL, "up_bias": _VEC, "down_proj": _ROW}
+_EXPERT_SPECS = {"gate_up_proj": _EXPERT, "up_proj": _EXPERT, "down_proj": _EXPERT}
+
+
+def validate_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raises ValueError unless `tensor_parallel_size` divides every count it splits."""
+    n = tensor_parallel_size
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+    counts: dict[str, int] = {}
+    kinds = set(cfg.layer_kinds)
+    if "full_attention" in kinds:
+        counts |= {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads}
+    if "lightning_attention" in kinds:
+        counts["num_attention_heads"] = cfg.num_heads
+    if "linear_attention" in kinds:
+        counts |= {"linear_num_key_heads": cfg.linear_num_key_heads,
+                   "linear_num_value_heads": cfg.linear_num_value_heads}
+    if "mamba2" in kinds:
+        counts |= {"mamba_num_heads": cfg.mamba_num_heads, "mamba_n_groups": cfg.mamba_n_groups}
+    if "dense" in cfg.mlp_kinds:
+        counts["intermediate_size"] = cfg.intermediate_size
+    if "moe" in cfg.mlp_kinds and cfg.shared_expert_intermediate_size:
+        counts["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    bad = {k: v for k, v in counts.items() if v % n}
+    if bad:
+        shown = ", ".join(f"{k}={v}" for k, v in counts.items())
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide {', '.join(bad)} of this {cfg.model_type} model ({shown}); "
+            f"choose a tensor_parallel_size that divides all of them"
+        )
+
+
+# ----------------------------------------------------------------------------- the packed segments
+def _segments(cfg: ModelConfig, key: str, name: str, size: int) -> tuple[tuple[int, ...], int] | None:
+    """(segment sizes, axis) of a packed parameter whose shard-major layout differs from the single-device
+    one; None for parameters split as they are. `size`: the parameter's packed-axis length (MLPs)."""
+    if key == "attn" and name in ("qkv_proj", "qkv_bias"):
+        kv = cfg.num_kv_heads * cfg.head_dim
+        return (cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1), kv, kv), -1
+    if key == "gdn":
+        qk, v, hv = cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_num_value_heads
+        if name == "in_proj":
+            return (qk, qk, v, v, hv, hv), -1  # q, k, v | z | b | a
+        if name == "conv_weight":
+            return (qk, qk, v), 0
+    if key == "lightning" and name == "in_proj":
+        hd = cfg.num_heads * cfg.head_dim
+        return (3 * hd, hd), -1  # qkv (per head q, k, v) | output gate
+    if key == "mamba":
+        inner, gn, h = cfg.mamba_intermediate_size, cfg.mamba_n_groups * cfg.ssm_state_size, cfg.mamba_num_heads
+        if name in ("in_proj", "in_proj_bias"):
+            return (inner, inner, gn, gn, h), -1  # z | x, B, C | dt
+        if name in ("conv_weight", "conv_bias"):
+            return (inner, gn, gn), 0
+    if key == "mlp" and name in ("gate_up_proj", "gate_up_bias"):
+        return (size // 2, size // 2), -1  # gate | up
+    return None
+
+
+def _walk(cfg: ModelConfig, params: dict, n: int, leaf_fn) -> dict:
+    """Maps `leaf_fn(value, spec, segments)` over the packed parameter pytree."""
+    vocab_spec = lambda axis: P(*([None] * axis), TP_AXIS) if cfg.vocab_size % n == 0 else _REP  # noqa: E731
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        if name == "embed":
+            out[name] = leaf_fn(value, vocab_spec(0), None)
+        elif name == "lm_head":
+            out[name] = leaf_fn(value, vocab_spec(1), None)
+        elif name == "layers":
+            out[name] = tuple(_walk_layer(cfg, layer, n, leaf_fn) for layer in value)
+        else:
+            out[name] = leaf_fn(value, _REP, None)
+    return out
+
+
+def _walk_layer(cfg: ModelConfig, layer: dict, n: int, leaf_fn) -> dict:
+    out: dict[str, Any] = {}
+    for key, value in layer.items():
+        if key in _MIXER_SPECS:
+            specs = _MIXER_SPECS[key]
+            out[key] = {k: leaf_fn(v, specs.get(k, _REP), _segments(cfg, key, k, v.shape[-1])) for k, v in value.items()}
+        elif key == "mlp":
+            out[key] = _walk_mlp(cfg, value, n, leaf_fn)
+        else:
+            out[key] = leaf_fn(value, _REP, None)
+    return out
+
+
+def _walk_mlp(cfg: ModelConfig, p: dict, n: int, leaf_fn) -> dict:
+    experts = "router" in p
+    out: dict[str, Any] = {}
+    for k, v in p.items():
+        if k == "shared":
+            out[k] = {kk: leaf_fn(vv, _DENSE_SPECS.get(kk, _REP), _segments(cfg, "mlp", kk, vv.shape[-1]))
+                      for kk, vv in v.items()}
+        elif experts:  # routed experts: split along the expert axis, never permuted
+            spec = _EXPERT_SPECS.get(k, _REP) if cfg.num_experts % n == 0 else _REP
+            out[k] = leaf_fn(v, spec, None)
+        else:
+            out[k] = leaf_fn(v, _DENSE_SPECS.get(k, _REP), _segments(cfg, "mlp", k, v.shape[-1]))
+    return out
+
+
+def param_specs(cfg: ModelConfig, params: dict, tensor_parallel_size: int) -> dict:
+    """A PartitionSpec for every leaf of the packed parameter pytree."""
+    return _walk(cfg, params, tensor_parallel_size, lambda value, spec, seg: spec)
+
+
+def to_shard_major(cfg: ModelConfig, params: dict, tensor_parallel_size: int) -> dict:
+    """The packed (single-device) parameters in the shard-major layout of `tensor_parallel_size` shards."""
+    n = tensor_parallel_size
+
+    def leaf(value, spec, seg):
+        return value if seg is None or n == 1 else interleave(value, seg[0], n, seg[1])
+
+    return _walk(cfg, params, n, leaf)
+
+
+def _put(x, sharding: NamedSharding):
+    """Places a host or single-device array with `sharding` (also across processes: every process passes
+    the same value and contributes its own devices' blocks)."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
+    """Packed parameters -> shard-major layout, placed on `mesh` with their NamedShardings."""
+    n = num_shards(mesh)
+    validate_tensor_parallel(cfg, n)
+
+    def leaf(value, spec, seg):
+        value = value if seg is None or n == 1 else interleave(value, seg[0], n, seg[1])
+        return _put(value, NamedSharding(mesh, spec))
+
+    return _walk(cfg, params, n, leaf)
+
+
+# ----------------------------------------------------------------------------- state
+def state_specs(cfg: ModelConfig) -> HybridState:
+    """PartitionSpecs of the state pytree (lightning attention's empty conv state is replicated)."""
+    kv = P(None, None, TP_AXIS, None)
+    kinds = cfg.linear_layer_kinds
+    return HybridState(
+        k_pages=(kv,) * cfg.num_full_layers,
+        v_pages=(kv,) * cfg.num_full_layers,
+        conv=tuple(_REP if kind == "lightning_attention" else P(None, TP_AXIS, None) for kind in kinds),
+        ssm=(P(None, TP_AXIS, None, None),) * len(kinds),
+    )
+
+
+def state_shardings(cfg: ModelConfig, mesh: Mesh) -> HybridState:
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(cfg), is_leaf=lambda x: isinstance(x, P))
+
+
+def init_sharded_state(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh) -> HybridState:
+    """Zeroed caches created directly in their shards (no device ever holds the whole pool)."""
+    validate_tensor_parallel(cfg, num_shards(mesh))
+    make = jax.jit(lambda: init_state(cfg, cache), out_shardings=state_shardings(cfg, mesh))
+    return make()
+
+
+def replicated(x, mesh: Mesh):
+    """Inside a jitted function: asks XLA to gather `x` onto every device (e.g. logits for sampling)."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _REP))
+
+
+def constrain_state(state: HybridState, cfg: ModelConfig, mesh: Mesh) -> HybridState:
+    """Inside a jitted function: keeps the new state in the state's shardings."""
+    return jax.lax.with_sharding_constraint(state, state_shardings(cfg, mesh))
+
+
+def shard_fraction(x: jax.Array) -> float:
+    """The share of `x`'s elements each device holds (1/N when fully split over N devices, 1 when
+    replicated): for tests and reports."""
+    shard = x.sharding.shard_shape(x.shape)
+    return float(np.prod(shard) / max(np.prod(x.shape), 1)) if x.size else 1.0
+
+
+__all__ = [
+    "constrain_state",
+    "init_sharded_state",
+    "param_specs",
+    "replicated",
+    "shard_fraction",
+    "shard_params",
+    "state_shardings",
+    "state_specs",
+    "to_shard_major",
+    "validate_tensor_parallel",
+]

@@ -1,0 +1,245 @@
+"""Tensor parallelism (jhybrid.parallel) on forced host devices.
+
+The forced device count must be set before JAX starts, so the multi-device checks run in subprocesses
+(`tests/tp_worker.py`, one for every family and TP size, one pair for the two-process run); this test
+process keeps its single CPU device. In-process tests cover the layout helpers, the validation and a
+CUDA lowering of the per-shard Pallas kernels under an abstract two-H200 mesh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, PartitionSpec
+
+from jhybrid.models.params import init_params, pack_params
+from jhybrid.parallel import (
+    deinterleave,
+    interleave,
+    make_mesh,
+    param_specs,
+    split_packed,
+    state_specs,
+    validate_tensor_parallel,
+)
+from tests.tp_worker import FAMILIES, family_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TP_SIZES = (2, 4)
+
+
+def _env(num_devices: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+    return env
+
+
+def _parse(stdout: str, stderr: str) -> dict:
+    lines = [line for line in stdout.strip().splitlines() if line.startswith("{")]
+    assert lines, f"worker printed no result; stderr tail:\n{stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def worker():
+    """One subprocess with 4 host devices runs every family at TP 1, 2, 4 and the other checks."""
+    proc = subprocess.run([sys.executable, "-m", "tests.tp_worker", "--tp", "1,2,4"], cwd=ROOT, env=_env(4),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = _parse(proc.stdout, proc.stderr)
+    assert result["devices"] == 4
+    return result
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_equal_single_device(worker, family):
+    tokens = worker["tokens"][family]
+    for tp in TP_SIZES:
+        assert tokens[str(tp)] == tokens["1"], f"{family}: TP={tp} tokens {tokens[str(tp)]} != TP=1 {tokens['1']}"
+    assert all(len(t) == 5 for t in tokens["1"])
+
+
+def test_parameters_and_state_are_sharded(worker):
+    for family in FAMILIES:
+        for tp in TP_SIZES:
+            fractions = worker["fractions"][f"{family}/{tp}"]
+            assert any(k.endswith(("qkv_proj", "in_proj")) for k in fractions), fractions
+            for name, share in fractions.items():
+                if name == "state.conv" and family == "minimax":
+                    continue  # lightning attention's conv state is the empty [S, 0, 0], replicated
+                assert share == pytest.approx(1 / tp), f"{family} TP={tp}: {name} holds {share} per device"
+
+
+def test_bad_tensor_parallel_size_names_the_counts(worker):
+    msg = worker["bad_n"]
+    assert msg is not None, "tensor_parallel_size=3 was accepted"
+    assert "tensor_parallel_size=3" in msg and "num_attention_heads=8" in msg and "num_key_value_heads=4" in msg
+    assert "linear_num_key_heads=4" in msg
+
+
+def test_layout_without_shard_major_permutation_is_caught(worker):
+    """The negative control: the right PartitionSpecs on the unpermuted packed layout give wrong logits
+    (XLA keeps the math of whatever layout it is given), so the permutation is what the equality tests
+    check."""
+    assert worker["unpermuted"]["right"] < 1e-5
+    assert worker["unpermuted"]["wrong"] > 1e-2
+
+
+def test_pallas_kernels_per_shard_equal_one_device(worker):
+    pallas = worker["pallas"]
+    assert pallas["tp"] == 4
+    assert pallas["vs_one_device"] < 1e-5, pallas
+    assert pallas["vs_reference"] < 1e-4, pallas
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_over_loopback_equal_single_device(worker):
+    """Two processes with two host devices each form one 4-device mesh (gloo collectives over loopback)."""
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.tp_worker", "--families", "qwen3_5", "--tp", "4", "--checks", "tokens",
+             "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(i)],
+            cwd=ROOT, env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, err[-3000:]
+        results.append(_parse(out, err))
+    for r in results:
+        assert r["processes"] == 2 and r["devices"] == 4
+        assert r["tokens"]["qwen3_5"]["4"] == worker["tokens"]["qwen3_5"]["1"]
+
+
+# ----------------------------------------------------------------------------- in-process
+def test_interleave_round_trip_and_split():
+    sizes = (8, 4, 4)
+    w = jnp.arange(3 * 16, dtype=jnp.float32).reshape(3, 16)
+    for n in (1, 2, 4):
+        major = interleave(w, sizes, n)
+        np.testing.assert_array_equal(deinterleave(major, sizes, n), w)
+        parts = split_packed(major, sizes, n)
+        np.testing.assert_array_equal(jnp.concatenate(parts, axis=-1), w)
+    # shard 0 of 2 holds the first half of every segment
+    major = interleave(w, sizes, 2)
+    np.testing.assert_array_equal(major[:, :8], jnp.concatenate([w[:, 0:4], w[:, 8:10], w[:, 12:14]], axis=-1))
+    with pytest.raises(ValueError, match="segments"):
+        split_packed(w, (6, 5, 5), 2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_specs_cover_every_parameter(family):
+    cfg = family_config(family)
+    params = pack_params(init_params(cfg))
+    specs = param_specs(cfg, params, 2)
+    flat_p = jax.tree.leaves(params)
+    flat_s = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    assert len(flat_p) == len(flat_s)
+    sharded = 0
+    for x, spec in zip(flat_p, flat_s):
+        assert len(spec) <= x.ndim
+        for dim, axis in zip(x.shape, spec):
+            if axis is not None:
+                assert dim % 2 == 0
+                sharded += 1
+    assert sharded >= 4
+    assert len(jax.tree.leaves(state_specs(cfg), is_leaf=lambda x: isinstance(x, PartitionSpec))) == (
+        2 * cfg.num_full_layers + 2 * cfg.num_linear_layers
+    )
+
+
+@pytest.mark.parametrize(
+    "family,n,names",
+    [
+        ("qwen3_next", 3, ("num_attention_heads=8", "num_key_value_heads=4", "linear_num_key_heads=4")),
+        ("qwen3_next", 8, ("num_key_value_heads=4", "linear_num_key_heads=4")),
+        ("nemotron_h", 8, ("mamba_n_groups=4",)),
+        ("minimax", 16, ("num_attention_heads=8",)),
+        ("llama", 64, ("intermediate_size=32",)),
+    ],
+)
+def test_validation_names_the_counts(family, n, names):
+    with pytest.raises(ValueError) as info:
+        validate_tensor_parallel(family_config(family), n)
+    for name in names:
+        assert name in str(info.value)
+    assert f"tensor_parallel_size={n}" in str(info.value)
+
+
+def test_valid_sizes_pass_and_bad_values_fail():
+    for family in FAMILIES:
+        for n in (1, 2, 4):
+            validate_tensor_parallel(family_config(family), n)
+    with pytest.raises(ValueError, match="positive integer"):
+        validate_tensor_parallel(family_config("llama"), 0)
+    with pytest.raises(ValueError, match="needs that many devices"):
+        make_mesh(len(jax.devices()) + 1)
+
+
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+
+
+def test_per_shard_pallas_kernels_lower_for_two_h200s():
+    """The shard_map-wrapped Pallas paged attention (decode, ragged prefill) and gated delta rule (chunk,
+    fused recurrent) lower for CUDA under an abstract 2-GPU mesh (Triton lowering errors raise here), each
+    as a manual (per-shard) region over half the heads."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, paged_attention
+
+    mesh = AbstractMesh((2,), ("tp",), abstract_device=H200)
+
+    def sds(shape, dtype, spec=P()):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    def lower(fn, *shapes, local: str):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text, "no Triton kernel in the lowered program"
+        manual = [line for line in text.splitlines() if "manual_computation" in line]
+        assert manual and 'manual_axes={"tp"}' in manual[0], "no per-shard region"
+        assert local in manual[0], f"per-shard operand {local} not in {manual[0][:400]}"
+
+    t, b, h, kvh, d, p, bs, m, s = 64, 4, 8, 2, 64, 32, 16, 8, 5
+    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    heads, pages_spec = P(None, "tp", None), P(None, None, "tp", None)
+    pages = sds((p, bs, kvh, d), bf, pages_spec)
+    lower(lambda q, kp, vp, bt, ts, pos: paged_attention(q, kp, vp, bt, ts, pos, impl="pallas", decode=True, mesh=mesh),
+          sds((b, h, d), bf, heads), pages, pages, sds((b, m), i32), sds((b,), i32), sds((b,), i32),
+          local="tensor<4x4x64xbf16>")
+    lower(lambda q, kp, vp, bt, ts, pos, cu: paged_attention(q, kp, vp, bt, ts, pos, impl="pallas", cu_seqlens=cu,
+                                                             mesh=mesh),
+          sds((t, h, d), bf, heads), pages, pages, sds((b, m), i32), sds((t,), i32), sds((t,), i32),
+          sds((b + 1,), i32), local="tensor<32x16x1x64xbf16>")
+    hk, hv, k, v = 4, 8, 64, 64
+    state = sds((s, hv, k, v), f32, P(None, "tp", None, None))
+    qk, vv, gg = sds((t, hk, k), bf, heads), sds((t, hv, v), bf, heads), sds((t, hv), f32, P(None, "tp"))
+    lower(lambda q, kk, v_, g, be, cu, st, sl: chunk_gated_delta_rule(q, kk, v_, g, be, cu, st, sl, impl="pallas",
+                                                                       mesh=mesh),
+          qk, qk, vv, gg, gg, sds((b + 1,), i32), state, sds((b,), i32), local="tensor<5x4x64x64xf32>")
+    qd, vd, gd = sds((b, hk, k), bf, heads), sds((b, hv, v), bf, heads), sds((b, hv), f32, P(None, "tp"))
+    lower(lambda q, kk, v_, g, be, st, sl: fused_recurrent_gated_delta_rule(q, kk, v_, g, be, st, sl, impl="pallas",
+                                                                             mesh=mesh),
+          qd, qd, vd, gd, gd, state, sds((b,), i32), local="tensor<4x2x64xbf16>")

@@ -1,0 +1,247 @@
+"""Tensor-parallel checks run in a subprocess with forced host devices (tests/test_tensor_parallel.py).
+
+XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts, so the test spawns
+`python -m tests.tp_worker ...`; this prints one JSON object on its last stdout line. Checks:
+  * `tokens`: greedy tokens of a few mixed-length prompts through `jhybrid.LLM` at each TP size
+    (chunked prefill and decode), per family;
+  * `fractions`: each device's share of a few parameters and state arrays under TP;
+  * `bad_n`: the ValueError message for a tensor_parallel_size that does not divide the head counts;
+  * `unpermuted`: logit error when the packed projections are sharded without the shard-major layout
+    (the negative control: it must be large);
+  * `pallas`: prefill + decode logits of the Pallas path (interpret mode) per shard under shard_map vs
+    one device.
+With `--coordinator/--num-processes/--process-id` it first joins a multi-process job (gloo on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3", "llama", "minimax", "nemotron_h", "bamba", "granitemoehybrid")
+PROMPT_LENGTHS = (3, 21, 30)
+
+
+def family_config(name: str):
+    """A tiny config of `name` whose head counts, groups and intermediate sizes all divide by 4."""
+    from jhybrid.config import ModelConfig
+
+    common = dict(model_type=name, vocab_size=128, hidden_size=32, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  num_heads=8, num_kv_heads=4, head_dim=16, rotary_dim=16, intermediate_size=32)
+    gdn = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16)
+    mamba = dict(mamba_num_heads=8, mamba_head_dim=8, mamba_n_groups=4, ssm_state_size=8)
+    lin, full, mam, none = "linear_attention", "full_attention", "mamba2", "none"
+    if name == "qwen3_next":
+        return ModelConfig(**{**common, "rotary_dim": 4}, **gdn, num_layers=2, layer_kinds=(lin, full),
+                           mlp_kinds=("moe",) * 2, norm_zero_centred=True, attn_output_gate=True, qk_norm=True, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    if name == "qwen3_5":
+        return ModelConfig(**{**common, "rotary_dim": 4}, **gdn, num_layers=2, layer_kinds=(lin, full),
+                           mlp_kinds=("dense",) * 2, norm_zero_centred=True, attn_output_gate=True, qk_norm=True,
+                           tie_word_embeddings=True)
+    if name == "qwen3":
+        return ModelConfig(**common, num_layers=1, layer_kinds=(full,), mlp_kinds=("dense",), qk_norm=True)
+    if name == "llama":
+        return ModelConfig(**common, num_layers=1, layer_kinds=(full,), mlp_kinds=("dense",),
+                           attention_bias=True, mlp_bias=True)
+    if name == "minimax":
+        return ModelConfig(**common, num_layers=2, layer_kinds=(full, "lightning_attention"),
+                           mlp_kinds=("moe",) * 2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                           full_attn_alpha=1.25, full_attn_beta=0.75, linear_attn_alpha=0.9, linear_attn_beta=1.1,
+                           mlp_alpha=1.2, mlp_beta=0.8)
+    if name == "nemotron_h":
+        return ModelConfig(**{**common, "rotary_dim": 0}, **mamba, num_layers=3, layer_kinds=(mam, none, full),
+                           mlp_kinds=(none, "moe", "dense"), mlp_act="relu2", num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                           shared_expert_gate=False, moe_router="sigmoid_group", moe_n_group=2, moe_topk_group=1,
+                           routed_scaling_factor=1.5, mamba_norm_eps=1e-5)
+    if name == "bamba":
+        return ModelConfig(**{**common, "rotary_dim": 8}, **mamba, num_layers=2, layer_kinds=(mam, full),
+                           mlp_kinds=("dense",) * 2, mamba_proj_bias=True, attention_bias=True)
+    if name == "granitemoehybrid":
+        return ModelConfig(**common, **mamba, num_layers=2, layer_kinds=(mam, full), mlp_kinds=("moe",) * 2,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                           shared_expert_intermediate_size=24, shared_expert_gate=False, mamba_proj_bias=True,
+                           attention_bias=True, embedding_multiplier=12.0, attention_scale=0.015,
+                           full_attn_beta=0.22, linear_attn_beta=0.22, mlp_beta=0.22, logits_scaling=6.0)
+    raise ValueError(f"unknown family {name!r}; known: {FAMILIES}")
+
+
+def _model(name: str, seed: int = 0):
+    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.models.params import init_params
+
+    cfg = family_config(name)
+    return LoadedModel(cfg=cfg, params=init_params(cfg, seed=seed, scale=0.3))
+
+
+def greedy_tokens(model, tp: int) -> tuple[list[list[int]], dict]:
+    import numpy as np
+
+    from jhybrid import LLM, SamplingParams
+    from jhybrid.parallel import shard_fraction
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model.cfg.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
+    llm = LLM(model, dtype=None, max_num_seqs=4, max_model_len=64, num_kv_blocks=24, block_size=8,
+              max_num_batched_tokens=64, tensor_parallel_size=tp)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    runner = llm.engine.runner
+    fractions = {}
+    if tp > 1:
+        layers = runner.params["layers"]
+        for i, layer in enumerate(layers):
+            for key, p in layer.items():
+                if isinstance(p, dict):
+                    for k in ("qkv_proj", "in_proj", "o_proj", "out_proj", "gate_up_proj", "up_proj", "down_proj"):
+                        if k in p and f"{key}.{k}" not in fractions:
+                            fractions[f"{key}.{k}"] = shard_fraction(p[k])
+        fractions["embed"] = shard_fraction(runner.params["embed"])
+        state = runner.state  # after the run: still sharded
+        if state.k_pages:
+            fractions["state.k_pages"] = shard_fraction(state.k_pages[0])
+        if state.ssm:
+            fractions["state.ssm"] = shard_fraction(state.ssm[0])
+            fractions["state.conv"] = shard_fraction(state.conv[-1])
+    return [o.token_ids for o in outs], fractions
+
+
+def _prefill_batch(cfg, lengths, block_size=16, max_blocks=4, seed=2):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jhybrid.models.batch import RowSpec, make_batch
+
+    rng = np.random.default_rng(seed)
+    rows = [RowSpec(rng.integers(0, cfg.vocab_size, n).tolist(), 0, list(range(1 + i * max_blocks, 1 + (i + 1) * max_blocks)), i + 1)
+            for i, n in enumerate(lengths)]
+    batch = make_batch(rows, block_size=block_size, max_blocks_per_seq=max_blocks, num_tokens=64, num_rows=len(rows))
+    return jax_tree_map(jnp.asarray, batch), rows
+
+
+def jax_tree_map(fn, tree):
+    import jax
+
+    return jax.tree.map(fn, tree)
+
+
+def forward_logits(cfg, packed, tp: int, *, permute: bool = True, kernel_impl="reference", interpret=False,
+                   lengths=(5, 37), decode_steps: int = 2):
+    """Prefill logits [B, V] then `decode_steps` decode logits, through `forward` on a `tp` mesh."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from jhybrid import parallel
+    from jhybrid.cache.state import CacheConfig, init_state
+    from jhybrid.models.batch import RowSpec, make_batch
+    from jhybrid.models.hybrid import forward
+
+    cache = CacheConfig(num_blocks=1 + 4 * len(lengths), block_size=16, num_slots=len(lengths) + 1, kv_dtype="float32")
+    mesh = parallel.make_mesh(tp) if tp > 1 else None
+    if mesh is None:
+        params, state = packed, init_state(cfg, cache)
+    elif permute:
+        params, state = parallel.shard_params(cfg, packed, mesh), parallel.init_sharded_state(cfg, cache, mesh)
+    else:  # negative control: the right specs on the single-device packed layout
+        specs = parallel.param_specs(cfg, packed, tp)
+        params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), packed, specs,
+                              is_leaf=lambda x: isinstance(x, jax.Array))
+        state = parallel.init_sharded_state(cfg, cache, mesh)
+    step = jax.jit(functools.partial(forward, kernel_impl=kernel_impl, interpret=interpret, mesh=mesh),
+                   static_argnames=("cfg", "decode"))
+    rng = np.random.default_rng(2)
+    tokens = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+    tables = [list(range(1 + i * 4, 1 + (i + 1) * 4)) for i in range(len(lengths))]
+    out = []
+    rows = [RowSpec(t, 0, tables[i], i + 1) for i, t in enumerate(tokens)]
+    batch = jax.tree.map(jnp.asarray, make_batch(rows, block_size=16, max_blocks_per_seq=4, num_tokens=64,
+                                                 num_rows=len(rows)))
+    logits, state = step(cfg, params, state, batch, decode=False)
+    out.append(np.asarray(logits))
+    for s in range(decode_steps):
+        rows = [RowSpec([int(rng.integers(0, cfg.vocab_size))], len(t) + s, tables[i], i + 1) for i, t in enumerate(tokens)]
+        batch = jax.tree.map(jnp.asarray, make_batch(rows, block_size=16, max_blocks_per_seq=4, num_tokens=len(rows),
+                                                     num_rows=len(rows)))
+        logits, state = step(cfg, params, state, batch, decode=True)
+        out.append(np.asarray(logits))
+    return np.stack(out)
+
+
+def _rel(a, b) -> float:
+    import numpy as np
+
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--tp", default="1,2,4")
+    ap.add_argument("--checks", default="tokens,bad_n,unpermuted,pallas")
+    ap.add_argument("--coordinator")
+    ap.add_argument("--num-processes", type=int)
+    ap.add_argument("--process-id", type=int)
+    args = ap.parse_args(argv)
+
+    from jhybrid.parallel import init_distributed
+
+    init_distributed(args.coordinator, args.num_processes, args.process_id)
+    import jax
+
+    jax.config.update("jax_enable_x64", False)
+    result: dict = {"devices": jax.device_count(), "processes": jax.process_count(), "timings": {}}
+    checks = set(args.checks.split(","))
+    sizes = [int(t) for t in args.tp.split(",")]
+    if "tokens" in checks:
+        result["tokens"], result["fractions"] = {}, {}
+        for name in args.families.split(","):
+            t0 = time.perf_counter()
+            model = _model(name)
+            result["tokens"][name] = {}
+            for tp in sizes:
+                toks, fractions = greedy_tokens(model, tp)
+                result["tokens"][name][str(tp)] = toks
+                if fractions:
+                    result["fractions"][f"{name}/{tp}"] = fractions
+            result["timings"][name] = round(time.perf_counter() - t0, 2)
+            jax.clear_caches()
+    if "bad_n" in checks:
+        from jhybrid import LLM
+
+        try:
+            LLM(_model("qwen3_next"), dtype=None, max_num_seqs=2, max_model_len=32, num_kv_blocks=8,
+                tensor_parallel_size=3)
+            result["bad_n"] = None
+        except ValueError as e:
+            result["bad_n"] = str(e)
+    if "unpermuted" in checks:
+        t0 = time.perf_counter()
+        model = _model("qwen3_next")
+        want = forward_logits(model.cfg, model.params, 1, decode_steps=0)
+        right = forward_logits(model.cfg, model.params, 2, decode_steps=0)
+        wrong = forward_logits(model.cfg, model.params, 2, permute=False, decode_steps=0)
+        result["unpermuted"] = {"right": _rel(right, want), "wrong": _rel(wrong, want)}
+        result["timings"]["unpermuted"] = round(time.perf_counter() - t0, 2)
+    if "pallas" in checks:
+        t0 = time.perf_counter()
+        model = _model("qwen3_next")
+        tp = max(sizes)
+        want = forward_logits(model.cfg, model.params, 1, kernel_impl="pallas", interpret=True)
+        got = forward_logits(model.cfg, model.params, tp, kernel_impl="pallas", interpret=True)
+        ref = forward_logits(model.cfg, model.params, 1)
+        result["pallas"] = {"tp": tp, "vs_one_device": _rel(got, want), "vs_reference": _rel(got, ref)}
+        result["timings"]["pallas"] = round(time.perf_counter() - t0, 2)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.exit(main())
