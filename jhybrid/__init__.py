@@ -1,7 +1,8 @@
 """jhybrid: a JAX/Pallas inference engine for hybrid (linear + full attention) LLMs."""
 
+from jhybrid.assets import default_model_path
 from jhybrid.config import ModelConfig
 from jhybrid.engine import LLM, RequestOutput, SamplingParams, generate
 
-__all__ = ["LLM", "ModelConfig", "RequestOutput", "SamplingParams", "generate"]
+__all__ = ["LLM", "ModelConfig", "RequestOutput", "SamplingParams", "default_model_path", "generate"]
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@ _DESCRIPTION = """\
 jhybrid: a JAX inference engine for hybrid LLMs (full attention + Gated DeltaNet layers).
 
 examples:
+  jhybrid generate --prompt "And God said"          # the bundled 4.5 M-parameter model (KJV Bible)
   jhybrid convert ./Qwen3-Next-80B-A3B ./qwen3-next-jh --dtype bfloat16
   jhybrid inspect ./qwen3-next-jh
   jhybrid generate --model ./qwen3-next-jh --prompt "The capital of France is" --max-tokens 32
@@ -116,7 +117,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     init_distributed(args.coordinator, args.num_processes, args.process_id)  # no-op without a coordinator
     if not args.model:
-        raise ValueError("the bundled default model is not available yet; pass --model DIR (an HF or converted checkpoint)")
+        from jhybrid.assets import default_model_path
+
+        args.model = default_model_path()
     prompts: list = list(args.prompt)
     for text in args.prompt_ids:
         try:

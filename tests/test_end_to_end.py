@@ -52,8 +52,8 @@ def test_cli_generate_and_converted_checkpoint(tiny_dir, tmp_path, capsys):
 
 
 def test_cli_generate_errors(tiny_dir, capsys):
-    assert main(["generate", "--prompt", "hi"]) == 2
-    assert "--model" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tiny_dir) + "-missing", "--prompt", "hi"]) == 2
+    assert "error:" in capsys.readouterr().err
     assert main(["generate", "--model", tiny_dir, "--prompt-ids", "1,x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
 
@@ -92,3 +92,5 @@ def test_readme_starts_with_two_commands_and_ci_runs_the_test_one():
     assert len(commands) == 2, f"the README's first block must hold exactly two commands, got {commands}"
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     assert commands[1].strip() in ci, ".ci/run must run the README's test command verbatim"
+    assert "examples/quickstart.py" in commands[0], "the first command runs the quickstart on the bundled model"
+    assert os.path.isfile(os.path.join(ROOT, "examples", "quickstart.py"))
