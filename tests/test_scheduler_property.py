@@ -4,7 +4,9 @@ Hypothesis drives synthetic arrivals, engine steps (read one step behind, as the
 aborts and the preemptions a small pool forces, and checks the invariants after every step: no block or
 slot held twice, used counts equal what sequences hold, every fed token has KV room, every row's tokens
 are known on the host or sampled by the previous step, and in the end every request finished (with a
-reason) and everything is free.
+reason) and everything is free. With a host tier (swap preemption), also: a swapped-out sequence holds
+exactly one host entry (slot + blocks for the tokens it had computed) and no device memory, resumes at the
+position it stopped, and the host allocators agree with the entries.
 """
 
 from __future__ import annotations
@@ -13,13 +15,28 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
+from jhybrid.cache.host_tier import HostAllocator, SwapCostModel
 from jhybrid.engine.sampling import SamplingParams
 from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence, Status
 
 
-def check_invariants(sched: Scheduler, blocks: BlockAllocator, slots: SlotAllocator, all_seqs: list[Sequence]):
+def check_invariants(sched: Scheduler, blocks: BlockAllocator, slots: SlotAllocator, all_seqs: list[Sequence],
+                     host: HostAllocator | None = None):
     held_blocks, held_slots = [], []
+    if host is not None:
+        assert set(host.entries) == {e.slot for e in sched.swapped.values()}, "host entries != swapped sequences"
+        host_blocks = [b for e in host.entries.values() for b in e.blocks]
+        assert len(host_blocks) == len(set(host_blocks)) == host.blocks.num_used, "a host block is held twice or leaked"
+        assert len(host.entries) == host.slots.num_used, "a host slot leaked"
+        assert host.blocks.num_used + host.blocks.num_free == host.blocks.capacity - 1
+    for seq in all_seqs:
+        entry = sched.swapped.get(seq.seq_id)
+        if entry is not None:
+            assert seq.status is Status.WAITING and seq in sched.waiting, f"{seq} swapped but not waiting"
+            assert entry.num_tokens == seq.num_computed > 0 and len(entry.blocks) == blocks.blocks_needed(seq.num_computed)
+        elif seq.status is Status.WAITING:
+            assert seq.num_computed == 0, f"{seq} waits to be recomputed but claims computed tokens"
     for seq in all_seqs:
         if seq.status is Status.RUNNING:
             assert seq in sched.running
@@ -63,16 +80,21 @@ def read(prev, sched: Scheduler, rng, max_model_len: int):
     events=st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "step", "step", "step", "abort"]), st.integers(0, 10**6)),
                     min_size=20, max_size=120),
     seed=st.integers(0, 2**16),
+    mode=st.sampled_from(["recompute", "swap", "swap", "auto"]),
+    host_blocks=st.integers(2, 24),
+    host_slots=st.integers(2, 5),
 )
-def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, events, seed):
+def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, events, seed, mode, host_blocks, host_slots):
     import random
 
     rng = random.Random(seed)
     max_model_len = 4 * block_size + rng.randrange(1, 40)
     num_blocks = -(-max_model_len // block_size) + 1 + extra_blocks  # always fits one full sequence
     blocks, slots = BlockAllocator(num_blocks, block_size), SlotAllocator(num_slots)
+    host = None if mode == "recompute" else HostAllocator(host_blocks, host_slots, block_size, block_bytes=100, slot_bytes=300)
+    cost = SwapCostModel(h2d_bytes_per_s=1e3, d2h_bytes_per_s=1e3, prefill_tokens_per_s=rng.choice([1.0, 10.0, 1e3]))
     sched = Scheduler(blocks, slots, max_num_seqs=rng.randrange(1, num_slots), max_num_batched_tokens=budget,
-                      max_model_len=max_model_len)
+                      max_model_len=max_model_len, host=host, preemption_mode=mode, cost_model=cost)
     seqs: list[Sequence] = []
     prev = None
 
@@ -87,10 +109,20 @@ def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, event
                 known = len(row.seq.token_ids) + (1 if id(row.seq) in sampled_last else 0)
                 assert row.start + row.num_tokens <= known, f"{row.seq}: row needs tokens nobody sampled"
             assert len({id(r.seq) for r in out.rows}) == len(out.rows), "a sequence got two rows"
+            resumed = {id(op.seq): op for op in out.swap_in}
+            for row in out.rows:
+                op = resumed.get(id(row.seq))
+                assert row.start == (op.entry.num_tokens if op else row.start), f"{row.seq} resumed elsewhere"
+            for op in out.swap_out:  # what the engine's swapper checks and does
+                assert len(op.device_blocks) == len(op.entry.blocks) and op.device_slot > 0 and 0 not in op.device_blocks
+            for op in out.swap_in:
+                assert op.seq.slot == op.device_slot and op.device_blocks == op.seq.block_table[: len(op.entry.blocks)]
+                assert op.device_slot not in out.new_slots, "a restored slot would be zeroed"
+                host.release(op.entry.slot)
         if prev is not None:
             read(prev, sched, rng, max_model_len)
         prev = out if out is not None and out.rows else None
-        check_invariants(sched, blocks, slots, seqs)
+        check_invariants(sched, blocks, slots, seqs, host)
 
     for kind, value in events:
         if kind == "arrive":
@@ -108,6 +140,8 @@ def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, event
     assert all(s.is_finished and s.finish_reason in ("stop", "length", "abort") for s in seqs)
     assert blocks.num_used == 0 and slots.num_used == 0
     assert all(s.num_pending == 0 for s in seqs)
+    if host is not None:
+        assert host.blocks.num_used == 0 and host.slots.num_used == 0 and not host.entries and not sched.swapped
 
 
 def test_preemption_happens_and_recovers():
@@ -136,3 +170,39 @@ def test_preemption_happens_and_recovers():
     assert preempted > 0
     assert all(s.finish_reason == "length" and len(s.output_ids) == 20 for s in seqs)
     assert any(s.num_preemptions for s in seqs)
+
+
+def test_swap_preemption_resumes_without_refeeding():
+    """With room on the host, preempted sequences swap out and resume where they stopped: no token is fed twice."""
+    import random
+
+    blocks, slots = BlockAllocator(12, 4), SlotAllocator(5)
+    host = HostAllocator(64, 5, 4, block_bytes=100, slot_bytes=300)
+    sched = Scheduler(blocks, slots, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40, host=host,
+                      preemption_mode="swap")
+    seqs = [Sequence(i, [1] * 10, SamplingParams(max_tokens=20)) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    rng, prev, fed = random.Random(0), None, {s.seq_id: 0 for s in seqs}
+    while sched.has_work() or prev is not None:
+        out = sched.schedule() if sched.has_work() else None
+        if out:
+            for row in out.rows:
+                fed[row.seq.seq_id] += row.num_tokens
+            for op in out.swap_in:
+                host.release(op.entry.slot)
+        if prev is not None:
+            for row in prev.rows:
+                if row.samples:
+                    row.seq.num_pending -= 1
+                    if not row.seq.is_finished:
+                        row.seq.token_ids.append(rng.randrange(100))
+                        if len(row.seq.output_ids) >= 20:
+                            sched.finish(row.seq, "length")
+        prev = out if out is not None and out.rows else None
+        check_invariants(sched, blocks, slots, seqs, host)
+    assert sched.num_swap_preemptions > 0 and sched.num_recompute_preemptions == 0
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 20 for s in seqs)
+    for s in seqs:  # the prompt and every output but the last, once (a row after the stop may feed one more)
+        assert len(s.token_ids) - 1 <= fed[s.seq_id] <= len(s.token_ids), (s, fed[s.seq_id])
+    assert host.blocks.num_used == host.slots.num_used == 0

@@ -52,19 +52,27 @@ class LLM:
       max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
       tensor_parallel_size: devices to shard the model over (a "tp" mesh over the first N of
         `jax.devices()`; `jhybrid.parallel`); N must divide the head counts.
+      host_kv_memory_gb: host memory (GiB) for the KV and state of preempted sequences; 0: no host tier.
+      preemption_mode: "auto" (swap to the host tier when the cost model says it is cheaper than recomputing),
+        "swap" (whenever the host tier has room) or "recompute"; without a host tier, always recompute.
+      swap_bandwidth_gbps, prefill_tokens_per_s: the cost model's rates; None measures them at start.
     """
 
     def __init__(self, model: str | os.PathLike | Any, *, dtype: str | None = "bfloat16", max_num_seqs: int = 16,
                  max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
                  memory_fraction: float = 0.9, seed: int = 0, max_num_batched_tokens: int | None = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1,
+                 host_kv_memory_gb: float = 0.0, preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None,
+                 prefill_tokens_per_s: float | None = None):
         from jhybrid.engine.generate import load
 
         self.model = load(model, dtype)
         self.engine = LLMEngine(self.model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 block_size=block_size, num_kv_blocks=num_kv_blocks, memory_fraction=memory_fraction,
                                 seed=seed, max_num_batched_tokens=max_num_batched_tokens,
-                                tensor_parallel_size=tensor_parallel_size)
+                                tensor_parallel_size=tensor_parallel_size,
+                                host_kv_memory_gb=host_kv_memory_gb, preemption_mode=preemption_mode,
+                                swap_bandwidth_gbps=swap_bandwidth_gbps, prefill_tokens_per_s=prefill_tokens_per_s)
         self._ids = itertools.count()
 
     @property

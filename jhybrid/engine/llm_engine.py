@@ -3,6 +3,11 @@
 `step()` dispatches step n+1 before it reads step n's sampled tokens (JAX dispatch is asynchronous), so
 tokenisation, stop checks and scheduling on the host overlap the device's work. A sequence that stops at
 step n was already scheduled into step n+1; that row's token is dropped.
+
+With `host_kv_memory_gb > 0` a host tier (`jhybrid.cache.host_tier`) holds the KV and state of preempted
+sequences (`jhybrid.engine.swap`); `preemption_mode` picks swap or recompute ("auto": by the cost model,
+whose host-device bandwidth and prefill rate are measured at start unless given as
+`swap_bandwidth_gbps` / `prefill_tokens_per_s`).
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ from typing import Any
 import numpy as np
 
 from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
+from jhybrid.cache.host_tier import HostTier, SwapCostModel, plan_host_tier
 from jhybrid.cache.planner import plan_cache
 from jhybrid.engine.runner import ModelRunner, StepResult
 from jhybrid.engine.sampling import SamplingParams
 from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
+from jhybrid.engine.swap import Swapper, measure_prefill_rate, measure_transfer_bandwidth
 
 log = logging.getLogger("jhybrid.engine")
 
@@ -36,7 +43,9 @@ class LLMEngine:
     def __init__(self, model, *, max_num_seqs: int = 16, max_model_len: int | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, memory_fraction: float = 0.9, seed: int = 0,
                  tensor_parallel_size: int = 1,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, host_kv_memory_gb: float = 0.0,
+                 preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None,
+                 prefill_tokens_per_s: float | None = None):
         cfg = model.cfg
         from jhybrid.parallel import make_mesh, validate_tensor_parallel
 
@@ -58,16 +67,47 @@ class LLMEngine:
                                 free_bytes=_tp_free_bytes(tensor_parallel_size))
         self.blocks = BlockAllocator(self.cache.num_blocks, block_size)
         self.slots = SlotAllocator(self.cache.num_slots)
-        self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.runner = ModelRunner(cfg, model.params, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   max_num_batched_tokens=max_num_batched_tokens, seed=seed, mesh=self.mesh)
+        self.host, self.swapper, self.cost_model = self._host_tier(
+            host_kv_memory_gb, preemption_mode, swap_bandwidth_gbps, prefill_tokens_per_s, max_num_seqs,
+            max_num_batched_tokens)
+        self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                   host=self.host, cost_model=self.cost_model,
+                                   preemption_mode=preemption_mode if self.host is not None else "recompute")
         self.requests: dict[Any, Sequence] = {}
         self._prev: StepResult | None = None
         self._arrivals = 0
         self.num_preemptions = 0
         log.info("KV pool: %d blocks of %d tokens; %d state slots", self.cache.num_blocks - 1, block_size,
                  self.cache.num_slots - 1)
+
+    def _host_tier(self, host_kv_memory_gb, mode, bandwidth_gbps, prefill_rate, max_num_seqs, max_num_batched_tokens):
+        if mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"unknown preemption_mode={mode!r}; choose 'auto', 'swap' or 'recompute'")
+        if host_kv_memory_gb < 0:
+            raise ValueError(f"{host_kv_memory_gb=} must be >= 0 (0: no host tier)")
+        if not host_kv_memory_gb:
+            if mode == "swap":
+                raise ValueError("preemption_mode='swap' needs a host tier: set host_kv_memory_gb > 0")
+            return None, None, None
+        host = HostTier(self.model.cfg, plan_host_tier(self.model.cfg, self.cache, host_kv_memory_gb=host_kv_memory_gb,
+                                                        max_num_seqs=max_num_seqs))
+        cost = None
+        if mode == "auto":
+            if bandwidth_gbps is not None:
+                h2d = d2h = bandwidth_gbps * 1e9
+            else:
+                h2d, d2h = measure_transfer_bandwidth()
+            if prefill_rate is None:
+                prefill_rate = measure_prefill_rate(self.runner, min(max_num_batched_tokens, self.max_model_len - 1))
+            cost = SwapCostModel(h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, prefill_tokens_per_s=prefill_rate)
+            log.info("swap cost model: H2D %.2f GB/s, D2H %.2f GB/s, prefill %.0f tokens/s", h2d / 1e9, d2h / 1e9,
+                     prefill_rate)
+        log.info("host tier: %d KV blocks, %d state slots (%.2f GiB)", host.blocks.capacity - 1, host.slots.capacity - 1,
+                 host.bytes_total / 2**30)
+        return host, Swapper(host), cost
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: Any, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
@@ -120,12 +160,41 @@ class LLMEngine:
         if self.scheduler.has_work():
             sched = self.scheduler.schedule()
             self.num_preemptions += len(sched.preempted)
+            if sched.swap_out:  # gather before anything below reuses the pages and slots
+                self.swapper.swap_out(self.runner.state, sched.swap_out)
             if sched.rows:
                 self.runner.zero_slots(sched.new_slots)
+                if sched.swap_in:
+                    self.runner.state = self.swapper.swap_in(self.runner.state, sched.swap_in)
                 current = self.runner.execute(sched, self._prev)
         updated = self._read(self._prev) if self._prev is not None else []
         self._prev = current
+        if self.swapper is not None:
+            self.swapper.flush()  # the previous step is read, so swap-out data has (nearly) arrived
         return updated
+
+    def stats(self) -> dict[str, float]:
+        """Memory use and preemption counts: the KV pool, state slots, host tier, swaps and recomputes."""
+        sched = self.scheduler
+        out = dict(
+            kv_blocks_used=self.blocks.num_used, kv_blocks_total=self.blocks.capacity - 1,
+            state_slots_used=self.slots.num_used, state_slots_total=self.slots.capacity - 1,
+            num_preemptions=self.num_preemptions, num_recompute_preemptions=sched.num_recompute_preemptions,
+            num_swap_preemptions=sched.num_swap_preemptions, num_swap_fallbacks=sched.num_swap_fallbacks,
+            host_blocks_used=0, host_blocks_total=0, host_slots_used=0, host_slots_total=0, host_bytes_used=0,
+            host_bytes_total=0, num_swap_out=0, num_swap_in=0, swap_out_bytes=0, swap_in_bytes=0,
+            swap_out_seconds=0.0, swap_in_seconds=0.0,
+        )
+        if self.host is not None:
+            st = self.swapper.stats
+            out.update(
+                host_blocks_used=self.host.blocks.num_used, host_blocks_total=self.host.blocks.capacity - 1,
+                host_slots_used=self.host.slots.num_used, host_slots_total=self.host.slots.capacity - 1,
+                host_bytes_used=self.host.bytes_used, host_bytes_total=self.host.bytes_total,
+                num_swap_out=st.num_swap_out, num_swap_in=st.num_swap_in, swap_out_bytes=st.bytes_out,
+                swap_in_bytes=st.bytes_in, swap_out_seconds=st.seconds_out, swap_in_seconds=st.seconds_in,
+            )
+        return out
 
     def _read(self, result: StepResult) -> list[Sequence]:
         tokens, token_logp, top_lp, top_ids = result.fetch()  # waits for that step only

@@ -13,6 +13,10 @@ Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
 | `jhybrid:kv_blocks_used` / `_total`, `jhybrid:kv_cache_usage_perc` | gauge | paged KV pool (null block excluded) |
 | `jhybrid:state_slots_used` / `_total`, `jhybrid:state_slot_usage_perc` | gauge | linear-layer state slots (null slot excluded) |
 | `jhybrid:prompt_tokens_total`, `jhybrid:generation_tokens_total` | counter | tokens admitted / generated |
+| `jhybrid:host_kv_blocks_used` / `_total`, `jhybrid:host_state_slots_used` / `_total`, `jhybrid:host_tier_bytes_used` / `_total` | gauge | host tier (0 without one) |
+| `jhybrid:preemptions_by_mode_total{mode}` | counter | preemptions by `swap` / `recompute` |
+| `jhybrid:swap_bytes_total{direction}`, `jhybrid:swaps_total{direction}` | counter | KV + state moved `out` (device -> host) / `in` |
+| `jhybrid:swap_seconds_total{direction}` | counter | host time spent dispatching and storing swaps |
 | `jhybrid:request_success_total{finished_reason}` | counter | finished requests: stop, length, abort, error |
 | `jhybrid:http_requests_total{method,route,status}` | counter | HTTP responses (rejections included) |
 
@@ -68,6 +72,33 @@ class EngineMetrics:
         self.http = Counter("jhybrid:http_requests", "HTTP responses by route and status.",
                             ["method", "route", "status"], registry=r)
         self._num_preemptions = 0
+        host = {
+            "host_blocks_used": ("jhybrid:host_kv_blocks_used", "Host-tier KV blocks in use."),
+            "host_blocks_total": ("jhybrid:host_kv_blocks_total", "Host-tier KV blocks."),
+            "host_slots_used": ("jhybrid:host_state_slots_used", "Host-tier state slots in use."),
+            "host_slots_total": ("jhybrid:host_state_slots_total", "Host-tier state slots."),
+            "host_bytes_used": ("jhybrid:host_tier_bytes_used", "Host-tier bytes in use (KV + state)."),
+            "host_bytes_total": ("jhybrid:host_tier_bytes_total", "Host-tier bytes (KV + state)."),
+        }
+        self.host_gauges = {key: gauge(name, doc) for key, (name, doc) in host.items()}
+        by_mode = Counter("jhybrid:preemptions_by_mode", "Preemptions by mode (swap / recompute).",
+                          ["model_name", "mode"], registry=r)
+        swap_bytes = Counter("jhybrid:swap_bytes", "Bytes of KV + state swapped, by direction.",
+                             ["model_name", "direction"], registry=r)
+        swaps = Counter("jhybrid:swaps", "Sequences swapped, by direction.", ["model_name", "direction"], registry=r)
+        swap_s = Counter("jhybrid:swap_seconds", "Host seconds spent on swaps, by direction.",
+                         ["model_name", "direction"], registry=r)
+        self.engine_counters = {
+            "num_swap_preemptions": by_mode.labels(model_name=model_name, mode="swap"),
+            "num_recompute_preemptions": by_mode.labels(model_name=model_name, mode="recompute"),
+            "swap_out_bytes": swap_bytes.labels(model_name=model_name, direction="out"),
+            "swap_in_bytes": swap_bytes.labels(model_name=model_name, direction="in"),
+            "num_swap_out": swaps.labels(model_name=model_name, direction="out"),
+            "num_swap_in": swaps.labels(model_name=model_name, direction="in"),
+            "swap_out_seconds": swap_s.labels(model_name=model_name, direction="out"),
+            "swap_in_seconds": swap_s.labels(model_name=model_name, direction="in"),
+        }
+        self._last: dict[str, float] = {}
 
     def observe_engine(self, engine) -> None:
         """Sets the gauges from the engine's state (engine thread only)."""
@@ -85,6 +116,14 @@ class EngineMetrics:
         if engine.num_preemptions > self._num_preemptions:
             self.preemptions.inc(engine.num_preemptions - self._num_preemptions)
             self._num_preemptions = engine.num_preemptions
+        stats = engine.stats() if hasattr(engine, "stats") else {}
+        for key, g in self.host_gauges.items():
+            g.set(stats.get(key, 0))
+        for key, c in self.engine_counters.items():
+            value = stats.get(key, 0)
+            if value > self._last.get(key, 0):
+                c.inc(value - self._last.get(key, 0))
+                self._last[key] = value
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,162 @@
+"""Moves a preempted sequence between the device state and the host tier: its KV pages in every full layer
+and its state slot (conv + recurrent) in every linear layer, always together.
+
+Swap out (`Swapper.swap_out`): one jitted gather of the sequence's pages and slot is dispatched *before*
+the step that reuses them (JAX orders it after the step that last wrote them), and its copy to the host
+starts at once (`copy_to_host_async`); `flush()` stores the arrived data into the host arrays. The engine
+flushes after it has read the previous step, and always before a swap in.
+
+Swap in (`Swapper.swap_in`): the entry is copied out of the host arrays (so its host blocks can be freed
+at once) and one jitted scatter writes it into the sequence's new pages and slot; the slot is not zeroed
+(a restored slot is not a new one).
+
+Block lists are padded to a power of two with page 0, the null page, to bound compilation: padded gathers
+read it, padded scatters write zeros into it (it is a write target for padding anyway).
+
+`measure_transfer_bandwidth` and `measure_prefill_rate` are the start-up probes of the swap-or-recompute
+cost model (`jhybrid.cache.host_tier.SwapCostModel`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from jhybrid.cache.host_tier import HostEntry, HostTier
+from jhybrid.cache.state import HybridState
+from jhybrid.engine.sampling import SamplingParams
+from jhybrid.engine.scheduler import ScheduledRow, SchedulerOutput, SwapOp
+from jhybrid.engine.sequence import Sequence
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
+def _check(op: SwapOp) -> None:
+    if op.device_slot <= 0 or op.entry.slot <= 0:
+        raise ValueError(f"swap of {op.seq} names no state slot ({op.device_slot=}, host slot {op.entry.slot}): "
+                         "KV is never moved without its sequence's state")
+    if len(op.device_blocks) != len(op.entry.blocks) or not op.device_blocks or 0 in op.device_blocks:
+        raise ValueError(f"swap of {op.seq}: device blocks {op.device_blocks} do not match host blocks "
+                         f"{op.entry.blocks}: state is never moved without all of its sequence's KV")
+
+
+@jax.jit
+def gather_sequence(state: HybridState, block_ids: Int[Array, "N"], slot: Int[Array, ""]):
+    """One sequence's data: `k[i]`, `v[i]` `[N, BS, KVH, hd]`, `conv[j]` `[C, W-1]`, `ssm[j]` `[HV, K, V]`."""
+    return (tuple(k[block_ids] for k in state.k_pages), tuple(v[block_ids] for v in state.v_pages),
+            tuple(c[slot] for c in state.conv), tuple(s[slot] for s in state.ssm))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def scatter_sequence(state: HybridState, block_ids: Int[Array, "N"], slot: Int[Array, ""], k, v, conv, ssm) -> HybridState:
+    """Writes `gather_sequence`'s output into pages `block_ids` and state slot `slot`."""
+    return dataclasses.replace(
+        state,
+        k_pages=tuple(p.at[block_ids].set(x.astype(p.dtype)) for p, x in zip(state.k_pages, k)),
+        v_pages=tuple(p.at[block_ids].set(x.astype(p.dtype)) for p, x in zip(state.v_pages, v)),
+        conv=tuple(c.at[slot].set(x) for c, x in zip(state.conv, conv)),
+        ssm=tuple(s.at[slot].set(x) for s, x in zip(state.ssm, ssm)),
+    )
+
+
+@dataclasses.dataclass
+class SwapStats:
+    num_swap_out: int = 0
+    num_swap_in: int = 0
+    bytes_out: int = 0  # device -> host
+    bytes_in: int = 0  # host -> device
+    seconds_out: float = 0.0  # host time spent dispatching + flushing swap outs
+    seconds_in: float = 0.0
+
+
+class Swapper:
+    def __init__(self, host: HostTier):
+        self.host = host
+        self.stats = SwapStats()
+        self._pending: list[tuple[HostEntry, tuple]] = []
+
+    def swap_out(self, state: HybridState, ops: list[SwapOp]) -> None:
+        """Dispatches the gathers (reading `state` as it stands now) and starts their host copies."""
+        t0 = time.perf_counter()
+        for op in ops:
+            _check(op)
+            self.host.check_entry(op.entry.slot, op.entry.blocks)
+            n = len(op.device_blocks)
+            ids = np.zeros(_pow2(n), np.int32)
+            ids[:n] = op.device_blocks
+            data = gather_sequence(state, jnp.asarray(ids), jnp.int32(op.device_slot))
+            for leaf in jax.tree.leaves(data):
+                leaf.copy_to_host_async()
+            self._pending.append((op.entry, data))
+            self.stats.num_swap_out += 1
+            self.stats.bytes_out += self.host.entry_bytes(n)
+        self.stats.seconds_out += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Stores arrived swap-out data into the host arrays (waits for it)."""
+        t0 = time.perf_counter()
+        for entry, (k, v, conv, ssm) in self._pending:
+            if self.host.entries.get(entry.slot) is not entry:
+                continue  # the sequence finished (abort) while its data was in flight; the entry is gone
+            self.host.write(entry.slot, entry.blocks, k, v, conv, ssm)
+        had = bool(self._pending)
+        self._pending.clear()
+        if had:
+            self.stats.seconds_out += time.perf_counter() - t0
+
+    def swap_in(self, state: HybridState, ops: list[SwapOp]) -> HybridState:
+        """Scatters each entry into its new pages and slot and frees the entry; returns the new state."""
+        self.flush()
+        t0 = time.perf_counter()
+        for op in ops:
+            _check(op)
+            n = len(op.entry.blocks)
+            k, v, conv, ssm = self.host.read(op.entry.slot, op.entry.blocks, pad_to=_pow2(n))
+            ids = np.zeros(_pow2(n), np.int32)
+            ids[:n] = op.device_blocks
+            state = scatter_sequence(state, jnp.asarray(ids), jnp.int32(op.device_slot), k, v, conv, ssm)
+            self.host.release(op.entry.slot)
+            self.stats.num_swap_in += 1
+            self.stats.bytes_in += self.host.entry_bytes(n)
+        self.stats.seconds_in += time.perf_counter() - t0
+        return state
+
+
+def measure_transfer_bandwidth(nbytes: int = 16 << 20, repeats: int = 3) -> tuple[float, float]:
+    """(host->device, device->host) bytes/s: median of `repeats` copies of `nbytes`."""
+    host = np.ones(nbytes // 4, np.float32)
+    h2d, d2h = [], []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        t0 = time.perf_counter()
+        dev = jax.device_put(host)
+        dev.block_until_ready()
+        t1 = time.perf_counter()
+        back = np.array(dev, copy=True)  # a copy even where the device is the host
+        t2 = time.perf_counter()
+        h2d.append(nbytes / max(t1 - t0, 1e-9))
+        d2h.append(nbytes / max(t2 - t1, 1e-9))
+        del back
+    return float(np.median(h2d[1:])), float(np.median(d2h[1:]))
+
+
+def measure_prefill_rate(runner, num_tokens: int, repeats: int = 2) -> float:
+    """Prefill tokens/s of `runner`'s model: one row of `num_tokens` tokens written into the null slot and
+    the null page (which padding writes anyway), timed after a warm-up (compile) run."""
+    block_size = runner.cache.block_size
+    seq = Sequence("prefill-probe", [0] * num_tokens, SamplingParams(max_tokens=1))
+    seq.block_table = [0] * (-(-num_tokens // block_size))  # slot 0 / page 0: the null targets
+    times = []
+    for _ in range(repeats + 1):
+        sched = SchedulerOutput([ScheduledRow(seq, 0, num_tokens, True)], [], [])
+        t0 = time.perf_counter()
+        runner.execute(sched, None).fetch()
+        times.append(time.perf_counter() - t0)
+    return num_tokens / max(float(np.median(times[1:])), 1e-9)
