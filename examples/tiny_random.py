@@ -5,7 +5,8 @@
 The checkpoint is written with NumPy alone (no torch): config.json, model.safetensors with HF's tensor
 names, a byte-level BPE tokenizer trained here on a few sentences, and generation_config.json. The
 weights are random, so the continuation is noise; the point is the whole path: HF files -> converter ->
-state pytree -> prefill + decode -> detokenised text. (A trained bundled model replaces this later.)
+state pytree -> prefill + decode -> detokenised text. For text that reads, see examples/quickstart.py (the
+bundled trained model).
 """
 
 from __future__ import annotations
