@@ -1,0 +1,218 @@
+"""The host memory tier on the GPU: recompute vs swap preemption end to end, and CPU attention over
+host-resident KV vs copying those blocks to the GPU every step.
+
+    PYTHONPATH=. python -m benchmarks.offload [--json out.json] [--kv-gb 2] [--host-gb 48] [--num-requests 64]
+                                              [--prompt-len 16384] [--max-tokens 128] [--max-num-seqs 64]
+    PYTHONPATH=. python -m benchmarks.offload --tiny     # CPU smoke test: a tiny model, short prompts
+
+Model: the 2.2 B Qwen3-Next-shaped dense hybrid of benchmarks/generate.py (random bf16 weights; 6 full
+layers, 16 q / 2 kv heads of dim 256: 12 KiB of KV per token). The GPU KV pool is capped at `--kv-gb`, so
+`--num-requests` prompts of `--prompt-len` tokens cannot all stay resident and the scheduler preempts.
+
+Measured in the same run, in this order:
+1. host -> device and device -> host bandwidth (`jhybrid.engine.swap.measure_transfer_bandwidth`), host
+   memory read bandwidth (NumPy sum), and the engine's prefill rate is reported by the auto run's probe;
+2. per full layer, for a decode batch whose older KV lives on the host: (a) CPU attention over it
+   (`jhybrid.cache.host_attention.host_paged_attention`, returning (o, lse)) and (b) copying the same
+   blocks to the GPU and attending there; both outputs are checked against each other first (a mismatch
+   voids the row); times are per full layer (a decode step has `num_full_layers` of them, 6 here), so
+   the CPU part hides only if it fits under the GPU work between two full layers;
+3. end to end with `preemption_mode` = recompute, swap and auto: wall time, generated tokens/s, requests
+   completed, preemptions by mode, bytes swapped each way, and greedy-token agreement with the recompute
+   run (bf16 batches of different composition may legitimately diverge late; fp32 `--tiny` must agree).
+A CPU path should be on by default only where these tables show it winning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.decode_step import random_params
+from benchmarks.generate import HF_CONFIG, log, machine_info
+
+TINY_CONFIG = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0, full_attention_interval=4,
+    max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def host_read_bandwidth(nbytes: int) -> float:
+    a = np.ones(nbytes // 4, np.float32)
+    a.sum()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / float(np.median(times))
+
+
+def timed(fn, repeats: int) -> tuple[float, float, float]:
+    fn()  # warm-up / compile
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return tuple(float(np.percentile(times, p)) for p in (50, 20, 80))
+
+
+def attention_paths(cfg, rows: int, host_tokens: int, block_size: int, repeats: int) -> dict:
+    """One full layer's decode attention over `host_tokens` host-resident tokens per row: CPU vs copy + GPU."""
+    from jhybrid.cache.host_attention import host_paged_attention
+    from pallas_kernels.paged_attention import paged_attention
+
+    import ml_dtypes
+
+    kvh, hd, h = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads
+    blocks_per_row = -(-host_tokens // block_size)
+    rng = np.random.default_rng(0)
+    shape = (rows * blocks_per_row + 1, block_size, kvh, hd)
+    host_k = rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)
+    host_v = rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16)
+    tables = (1 + np.arange(rows * blocks_per_row, dtype=np.int32)).reshape(rows, blocks_per_row)
+    lengths = np.full(rows, host_tokens, np.int64)
+    q = rng.standard_normal((rows, h, hd), np.float32)
+    kv_bytes = 2 * rows * host_tokens * kvh * hd * 2
+
+    o_cpu, _ = host_paged_attention(q, host_k, host_v, tables, lengths)
+    cpu = timed(lambda: host_paged_attention(q, host_k, host_v, tables, lengths), repeats)
+
+    positions = jnp.full((rows,), host_tokens - 1, jnp.int32)
+    row_ids = jnp.arange(rows, dtype=jnp.int32)
+    q_dev = jnp.asarray(q, jnp.bfloat16)
+
+    def copy_and_attend():
+        k_dev, v_dev = jax.device_put(host_k), jax.device_put(host_v)  # the blocks, copied this step
+        o = paged_attention(q_dev, k_dev, v_dev, jnp.asarray(tables), row_ids, positions, decode=True)
+        return o.block_until_ready()
+
+    o_gpu = np.asarray(copy_and_attend(), np.float32)
+    err = float(np.abs(o_gpu - o_cpu).max())
+    copy = timed(copy_and_attend, repeats)
+    return dict(rows=rows, host_tokens=host_tokens, kv_bytes=kv_bytes, max_abs_err=err, ok=err < 3e-2,
+                cpu_s=cpu[0], cpu_p20=cpu[1], cpu_p80=cpu[2], copy_s=copy[0], copy_p20=copy[1], copy_p80=copy[2],
+                cpu_tokens_per_s=rows * host_tokens / cpu[0], cpu_bytes_per_s=kv_bytes / cpu[0])
+
+
+def end_to_end(model, mode: str, args, kv_blocks: int) -> dict:
+    import jhybrid
+
+    rng = np.random.default_rng(1)
+    vocab = model.cfg.vocab_size
+    prompts = [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(args.num_requests)]
+    llm = jhybrid.LLM(model, dtype=None, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens,
+                      num_kv_blocks=kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                      host_kv_memory_gb=0.0 if mode == "recompute" else args.host_gb, preemption_mode=mode)
+    params = jhybrid.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    st = llm.engine.stats()
+    cost = llm.engine.cost_model
+    done = sum(o.finish_reason == "length" and len(o.token_ids) == args.max_tokens for o in outs)
+    result = dict(mode=mode, wall_s=wall, completed=done, requests=len(prompts),
+                  gen_tokens_per_s=sum(len(o.token_ids) for o in outs) / wall, tokens=[o.token_ids for o in outs],
+                  **{k: st[k] for k in ("num_recompute_preemptions", "num_swap_preemptions", "num_swap_fallbacks",
+                                        "swap_out_bytes", "swap_in_bytes", "swap_out_seconds", "swap_in_seconds",
+                                        "host_bytes_total")})
+    if cost is not None:
+        result.update(probe_h2d_gbps=cost.h2d_bytes_per_s / 1e9, probe_d2h_gbps=cost.d2h_bytes_per_s / 1e9,
+                      probe_prefill_tokens_per_s=cost.prefill_tokens_per_s)
+    del llm
+    gc.collect()
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model and sizes")
+    parser.add_argument("--kv-gb", type=float, default=2.0, help="GPU KV pool cap")
+    parser.add_argument("--host-gb", type=float, default=48.0, help="host tier size")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=16384)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--attn-rows", default="8,32", help="decode rows with host KV (part 2)")
+    parser.add_argument("--attn-host-tokens", default="4096,16384", help="host tokens per row (part 2)")
+    parser.add_argument("--modes", default="recompute,swap,auto")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode; the last is reported")
+    args = parser.parse_args(argv)
+    from jhybrid.config import ModelConfig
+    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.engine.swap import measure_transfer_bandwidth
+
+    if args.tiny:
+        args.kv_gb, args.host_gb, args.num_requests, args.prompt_len = 6e-5, 0.01, 12, 100
+        args.max_tokens, args.max_num_seqs, args.max_num_batched_tokens = 48, 6, 512
+        args.attn_rows, args.attn_host_tokens = "2,4", "64,256"
+    hf = dict(TINY_CONFIG if args.tiny else HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
+    hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.prompt_len + args.max_tokens)
+    cfg = ModelConfig.from_hf(hf)
+    block_size = 16
+    info = machine_info()
+    log(f"# {info['device']} | jax {info['jax']} | commit {info['commit']}")
+
+    # 1. bandwidths
+    probe = (16 << 20) if args.tiny else (512 << 20)
+    h2d, d2h = measure_transfer_bandwidth(probe)
+    host_bw = host_read_bandwidth((64 << 20) if args.tiny else (2 << 30))
+    log(f"host->device {h2d / 1e9:.2f} GB/s | device->host {d2h / 1e9:.2f} GB/s | host memory read {host_bw / 1e9:.2f} GB/s")
+
+    # 2. attention over host-resident KV: CPU vs copy to the GPU (per full layer)
+    attn = []
+    log(f"\n{'rows':>5} {'host tok':>9} {'KV MB':>8} {'CPU ms':>9} {'copy+GPU ms':>12} {'CPU GB/s':>9} {'wins':>6}")
+    for rows in (int(x) for x in args.attn_rows.split(",")):
+        for n in (int(x) for x in args.attn_host_tokens.split(",")):
+            r = attention_paths(cfg, rows, n, block_size, repeats=3 if args.tiny else 5)
+            r["wins"] = ("cpu" if r["cpu_s"] < r["copy_s"] else "copy") if r["ok"] else "INVALID"
+            attn.append(r)
+            log(f"{rows:5d} {n:9d} {r['kv_bytes'] / 1e6:8.1f} {r['cpu_s'] * 1e3:9.2f} {r['copy_s'] * 1e3:12.2f} "
+                f"{r['cpu_bytes_per_s'] / 1e9:9.2f} {r['wins']:>6}" + ("" if r["ok"] else f"  (max err {r['max_abs_err']:.2e})"))
+
+    # 3. end to end: recompute vs swap vs auto under a capped GPU KV pool
+    model = LoadedModel(cfg=cfg, params=random_params(cfg))
+    block_bytes = block_size * cfg.kv_bytes_per_token(2)
+    kv_blocks = max(int(args.kv_gb * 2**30 // block_bytes), -(-(args.prompt_len + args.max_tokens) // block_size) + 1)
+    log(f"\nGPU KV pool: {kv_blocks} blocks of {block_size} ({kv_blocks * block_bytes / 2**30:.2f} GiB); "
+        f"{args.num_requests} requests x {args.prompt_len} prompt + {args.max_tokens} new tokens")
+    # each mode runs `--repeats` times and the last run is reported: earlier ones compile its shapes
+    runs = [[end_to_end(model, mode, args, kv_blocks) for _ in range(args.repeats)][-1] for mode in args.modes.split(",")]
+    base = next((r for r in runs if r["mode"] == "recompute"), runs[0])
+    log(f"{'mode':>10} {'wall s':>8} {'tok/s':>9} {'done':>7} {'recomp':>7} {'swaps':>6} {'fallbk':>6} "
+        f"{'out MB':>9} {'in MB':>9} {'agree':>6}")
+    for r in runs:
+        agree = np.mean([a == b for a, b in zip(r["tokens"], base["tokens"])])
+        r["agreement"] = float(agree)
+        log(f"{r['mode']:>10} {r['wall_s']:8.2f} {r['gen_tokens_per_s']:9.1f} {r['completed']:3d}/{r['requests']:<3d} "
+            f"{r['num_recompute_preemptions']:7d} {r['num_swap_preemptions']:6d} {r['num_swap_fallbacks']:6d} "
+            f"{r['swap_out_bytes'] / 1e6:9.1f} {r['swap_in_bytes'] / 1e6:9.1f} {agree:6.2f}")
+        if "probe_prefill_tokens_per_s" in r:
+            log(f"{'':>10} auto's probe: H2D {r['probe_h2d_gbps']:.2f} GB/s, D2H {r['probe_d2h_gbps']:.2f} GB/s, "
+                f"prefill {r['probe_prefill_tokens_per_s']:.0f} tokens/s")
+    incomplete = [r["mode"] for r in runs if r["completed"] != r["requests"]]
+    if incomplete:
+        log(f"INCOMPLETE runs (no throughput claim): {incomplete}")
+    if args.tiny:  # the smoke test fails loudly on a lost request
+        assert not incomplete, incomplete
+    results = dict(args=vars(args), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, host_read_bytes_per_s=host_bw,
+                   attention=attn, end_to_end=[{k: v for k, v in r.items() if k != "tokens"} for r in runs])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine_info": info, "results": results}, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
