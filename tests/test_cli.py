@@ -95,7 +95,9 @@ def test_inspect_not_a_checkpoint(tmp_path, capsys):
     assert "not a checkpoint" in capsys.readouterr().err
 
 
-def test_generate_without_model_is_a_clear_error(capsys):
-    assert main(["generate", "--prompt", "hi"]) == 2
+def test_generate_missing_model_dir_is_a_clear_error(tmp_path, capsys):
+    # without --model, generate runs the bundled model (tests/test_bundled_model.py); a wrong path must fail
+    missing = tmp_path / "no-such-checkpoint"
+    assert main(["generate", "--model", str(missing), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error:") and "--model" in err and "default model" in err
+    assert err.startswith("error:") and str(missing) in err
