@@ -127,10 +127,6 @@ def test_two_processes_over_loopback_equal_single_device(worker):
                 p.kill()
                 p.wait()
     outputs = [(p.returncode, out, err) for p, (_, out, err) in zip(procs, outputs)]
-    if any(rc and "Gloo context initialization failed" in err for rc, _, err in outputs):
-        # jax 0.11.2's CPU (gloo) collectives give up when the processes reach a collective more than 30 s
-        # apart (a fixed timeout), which the compile times of a loaded host can cause
-        pytest.xfail("gloo rendezvous timed out (fixed 30 s in jax 0.11.2): the processes compiled too far apart")
     for rc, _, err in outputs:
         assert rc == 0, err[-3000:]
     results = [_parse(out, err) for _, out, err in outputs]

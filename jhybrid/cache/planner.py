@@ -17,14 +17,24 @@ _CPU_FALLBACK_BYTES = 4 << 30  # a CPU backend reports no memory limit: plan for
 
 
 def device_memory_bytes() -> int:
-    stats = jax.devices()[0].memory_stats() or {}
+    """Free memory of one of this process's devices. In a multi-process job every process must plan the same
+    pool (the same shapes, so the same programs and collectives), so the smallest figure of all processes is
+    returned there."""
+    stats = jax.local_devices()[0].memory_stats() or {}  # jax.devices()[0] may belong to another process
     if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        host = _CPU_FALLBACK_BYTES
-    return min(_CPU_FALLBACK_BYTES, host // 4)
+        free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    else:
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            host = _CPU_FALLBACK_BYTES
+        free = min(_CPU_FALLBACK_BYTES, host // 4)
+    if jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
+    return free
 
 
 def plan_cache(
