@@ -96,6 +96,11 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                    help="share of free device memory for the KV pool and state slots (default 0.9)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N", help="token budget of one step")
     g.add_argument("--seed", type=int, default=0, help="seed of requests that give none (default 0)")
+    g.add_argument("--host-kv-memory-gb", type=float, default=0.0, metavar="G",
+                   help="host memory for swapped-out KV blocks and state slots (default 0: off)")
+    g.add_argument("--preemption-mode", default="auto", choices=("auto", "swap", "recompute"),
+                   help="what a preempted sequence does: swap to the host tier, recompute its prompt, or pick by "
+                   "estimated cost (default auto; swap needs --host-kv-memory-gb)")
 
 
 def _parallel_options(parser: argparse.ArgumentParser, *, multi_process: bool) -> None:
@@ -213,7 +218,8 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, memory_fraction=args.memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, host_kv_memory_gb=args.host_kv_memory_gb,
+        preemption_mode=args.preemption_mode,
     )
     return 0
 

@@ -101,3 +101,14 @@ def test_generate_missing_model_dir_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "--model", str(missing), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and str(missing) in err
+
+
+def test_serve_passes_host_tier_options(monkeypatch):
+    import jhybrid.server
+
+    seen = {}
+    monkeypatch.setattr(jhybrid.server, "serve", lambda model, **kw: seen.update(kw, model=model))
+    assert main(["serve", "--model", "m", "--host-kv-memory-gb", "2.5", "--preemption-mode", "swap"]) == 0
+    assert seen["model"] == "m" and seen["host_kv_memory_gb"] == 2.5 and seen["preemption_mode"] == "swap"
+    with pytest.raises(SystemExit):  # argparse rejects an unknown mode
+        main(["serve", "--model", "m", "--preemption-mode", "sometimes"])
