@@ -163,34 +163,21 @@ def _time_step_limit(hf: dict[str, Any]) -> tuple[float, float]:
     return float(limit[0]), hi
 
 
-def bamba(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
-    """Bamba: every layer is Mamba2 or attention (at `attn_layer_indices`; RoPE on the first half of each
-    head, HF hard-codes partial_rotary_factor 0.5) followed by a SwiGLU MLP, both pre-normed."""
-    common = _common(hf, "bamba")
-    num_layers = int(hf["num_hidden_layers"])
-    attn = set(hf.get("attn_layer_indices") or [])
-    hidden = common["hidden_size"]
+def _bamba_mamba2(hf: dict[str, Any], hidden: int, eps: float, family: str) -> dict[str, Any]:
+    """The Mamba2 fields of a Bamba-style config (Bamba, Granite-4.0-H): heads, head size (`"auto"`: the
+    inner width over the heads), groups, state, conv, biases, the dt clamp from `time_step_limit`, and the
+    gated norm's eps (HF passes rms_norm_eps)."""
     heads = int(hf.get("mamba_n_heads", 128))
     inner = int(hf.get("mamba_expand", 2)) * hidden
     head_dim = hf.get("mamba_d_head", "auto")
     head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
     if heads * head_dim != inner:
-        raise ValueError(f"bamba: mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must equal mamba_expand x hidden_size ({inner})")
-    rope = dict(hf.get("rope_scaling") or {}) | dict(hf.get("rope_parameters") or {})
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"bamba: unsupported rope_type {rope.get('rope_type')!r}; only 'default' is implemented")
+        raise ValueError(
+            f"{family}: mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must equal mamba_expand x "
+            f"hidden_size ({inner})"
+        )
     dt_min, dt_max = _time_step_limit(hf)
-    eps = float(hf.get("rms_norm_eps", 1e-5))
-    return cls(
-        **common,
-        num_layers=num_layers,
-        layer_kinds=tuple("full_attention" if i in attn else "mamba2" for i in range(num_layers)),
-        mlp_kinds=("dense",) * num_layers,
-        rms_norm_eps=eps,
-        hidden_act=hf.get("hidden_act", "silu"),
-        attention_bias=bool(hf.get("attention_bias", False)),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        rotary_dim=int(common["head_dim"] * 0.5) // 2 * 2,
+    return dict(
         mamba_num_heads=heads,
         mamba_head_dim=head_dim,
         mamba_n_groups=int(hf.get("mamba_n_groups", 1)),
@@ -201,6 +188,31 @@ def bamba(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
         mamba_dt_min=dt_min,
         mamba_dt_max=dt_max,
         mamba_norm_eps=eps,
+    )
+
+
+def bamba(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
+    """Bamba: every layer is Mamba2 or attention (at `attn_layer_indices`; RoPE on the first half of each
+    head, HF hard-codes partial_rotary_factor 0.5) followed by a SwiGLU MLP, both pre-normed."""
+    common = _common(hf, "bamba")
+    num_layers = int(hf["num_hidden_layers"])
+    attn = set(hf.get("attn_layer_indices") or [])
+    eps = float(hf.get("rms_norm_eps", 1e-5))
+    mamba = _bamba_mamba2(hf, common["hidden_size"], eps, "bamba")
+    rope = dict(hf.get("rope_scaling") or {}) | dict(hf.get("rope_parameters") or {})
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"bamba: unsupported rope_type {rope.get('rope_type')!r}; only 'default' is implemented")
+    return cls(
+        **common,
+        num_layers=num_layers,
+        layer_kinds=tuple("full_attention" if i in attn else "mamba2" for i in range(num_layers)),
+        mlp_kinds=("dense",) * num_layers,
+        rms_norm_eps=eps,
+        hidden_act=hf.get("hidden_act", "silu"),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rotary_dim=int(common["head_dim"] * 0.5) // 2 * 2,
+        **mamba,
         intermediate_size=int(hf["intermediate_size"]),
         mlp_bias=bool(hf.get("mlp_bias", False)),
     )
@@ -240,16 +252,8 @@ def granitemoehybrid(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if _GRANITE_POSITIONS[position] and rope_type != "default":
         raise ValueError(f"granitemoehybrid: unsupported {rope_type=}; only 'default' RoPE is implemented")
-    hidden = common["hidden_size"]
-    heads = int(hf.get("mamba_n_heads", 128))
-    inner = int(hf.get("mamba_expand", 2)) * hidden
-    head_dim = hf.get("mamba_d_head", "auto")
-    head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
-    if heads * head_dim != inner:
-        raise ValueError(
-            f"granitemoehybrid: mamba_n_heads ({heads}) x mamba_d_head ({head_dim}) must equal mamba_expand x "
-            f"hidden_size ({inner})"
-        )
+    eps = float(hf.get("rms_norm_eps", 1e-6))
+    mamba = _bamba_mamba2(hf, common["hidden_size"], eps, "granitemoehybrid")
     num_experts = int(hf.get("num_local_experts", 8) or 0)
     inter, shared = int(hf.get("intermediate_size", 11008)), int(hf.get("shared_intermediate_size", 1024))
     if num_experts:
@@ -266,8 +270,6 @@ def granitemoehybrid(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
         mlp = dict(intermediate_size=shared)  # the shared MLP is the layer's whole MLP
     else:
         raise ValueError("granitemoehybrid: num_local_experts=0 and shared_intermediate_size=0 leave no MLP")
-    dt_min, dt_max = _time_step_limit(hf)
-    eps = float(hf.get("rms_norm_eps", 1e-6))
     residual = float(hf.get("residual_multiplier", 1.0))
     return cls(
         **common,
@@ -282,16 +284,7 @@ def granitemoehybrid(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
         attention_scale=float(hf.get("attention_multiplier", 1.0)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         rotary_dim=common["head_dim"] if _GRANITE_POSITIONS[position] else 0,
-        mamba_num_heads=heads,
-        mamba_head_dim=head_dim,
-        mamba_n_groups=int(hf.get("mamba_n_groups", 1)),
-        ssm_state_size=int(hf.get("mamba_d_state", 256)),
-        mamba_conv_kernel=int(hf.get("mamba_d_conv", 4)),
-        mamba_conv_bias=bool(hf.get("mamba_conv_bias", True)),
-        mamba_proj_bias=bool(hf.get("mamba_proj_bias", False)),
-        mamba_dt_min=dt_min,
-        mamba_dt_max=dt_max,
-        mamba_norm_eps=eps,  # HF's gated norm takes rms_norm_eps
+        **mamba,
         full_attn_beta=residual,
         linear_attn_beta=residual,
         mlp_beta=residual,
