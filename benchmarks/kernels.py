@@ -304,19 +304,111 @@ def bench_gdn_chunk(quick):
             print(f"  fla chunk baseline failed: {type(e).__name__}: {e}", flush=True)
 
 
+CHUNK_AB = {  # name: chunk_gated_delta_rule_pallas options (the default first)
+    "default": {},
+    "decay_values": dict(decay_values=True),
+    "prefetch": dict(prefetch=True),
+    "prefetch s1": dict(prefetch=True, num_stages=1),
+    "precompute": dict(precompute=True),
+    "precompute prefetch": dict(precompute=True, prefetch=True),
+    "precompute prefetch s1": dict(precompute=True, prefetch=True, num_stages=1),
+    "precompute prefetch bv32": dict(precompute=True, prefetch=True, block_v=32),
+    "precompute prefetch w2": dict(precompute=True, prefetch=True, num_warps=2),
+    "split prefetch": dict(fused_output=False, decayed_keys=True, prefetch=True),
+    "wy bf16": dict(wy_precision="bf16"),
+    "precompute prefetch wy bf16": dict(precompute=True, prefetch=True, wy_precision="bf16"),
+}
+
+
+def chunk_stage_times(args):
+    """The new stages alone (ms): the WY stage with precomputed decays and bf16 inverse, and the
+    sequential passes with and without prefetch."""
+    from pallas_kernels.gated_delta_rule import chunk as ck
+
+    q, k, v, g, beta, cu, state, slots = args
+    c, scale = 64, q.shape[-1] ** -0.5
+    qp, kp, vp, gp, bp, cup, lay = ck._prepare(q, k, v, g, beta, cu, slots, c, False)
+    rows = {}
+
+    def timed(name, fn, fargs):
+        try:
+            rows[name] = time_jax(jax.jit(fn), fargs, reps=10)[0]
+            print(f"  stage {name}: {rows[name]:.4f} ms", flush=True)
+        except Exception as e:  # a variant that does not compile is reported, not fatal
+            print(f"  stage {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+    wy = functools.partial(ck.wy_stage, layout=lay, chunk_size=c, num_warps=4, decayed_keys=False, interpret=False)
+    timed("wy input", functools.partial(wy, wy_precision="input"), (kp, vp, gp, bp))
+    timed("wy bf16", functools.partial(wy, wy_precision="bf16"), (kp, vp, gp, bp))
+    timed("wy input precompute", lambda *a: wy(*a[1:], wy_precision="input", q=a[0], scale=scale), (qp, kp, vp, gp, bp))
+    w, u, kd, qd, sc = wy(kp, vp, gp, bp, wy_precision="input", q=qp, scale=scale)
+    for pf, ns, bv in ((False, 3, 16), (True, 3, 16), (True, 1, 16), (True, 3, 32)):
+        tune = dict(layout=lay, chunk_size=c, block_v=bv, num_warps=4, num_stages=ns, interpret=False, prefetch=pf)
+        tag = f"bv{bv} s{ns}{' prefetch' if pf else ''}"
+        timed(f"fused pass {tag}", functools.partial(ck.fused_state_stage, scale=scale, **tune),
+              (qp, kp, vp, gp, w, u, cup, state, slots))
+        timed(f"fused pre pass {tag}", functools.partial(ck.fused_pre_state_stage, num_tokens=qp.shape[0], **tune),
+              (gp, w, u, kd, qd, sc, cup, state, slots))
+        timed(f"state pass {tag}", functools.partial(ck.state_stage, **tune), (kd, gp, w, u, cup, state, slots))
+    SWEEPS.append(dict(op="gdn_chunk_ab_stages", stages=rows))
+
+
+def fla_chunk_time(args):
+    """fla's chunk_gated_delta_rule on the same inputs: (ms triple, rel err vs the reference) or None."""
+    if torch is None:
+        return None
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except ImportError as e:
+        print(f"  fla unavailable: {e}", flush=True)
+        return None
+    tt = lambda x: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda()[None]  # noqa: E731
+    q, k, v, g, beta = args[:5]
+    tq, tk, tv = (tt(x).to(torch.bfloat16) for x in (q, k, v))
+    tg, tb = tt(g), tt(beta).to(torch.bfloat16)
+    th0 = tt(args[6][1])
+    call = lambda: fla_chunk(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True)  # noqa: E731
+    o_f, _ = call()
+    want_o, _ = jax.jit(chunk_gated_delta_rule_reference)(*args)
+    e_f = errors(o_f[0].float().cpu().numpy(), np.asarray(want_o, np.float32))
+    return time_torch(call), e_f
+
+
 def bench_gdn_chunk_ab(quick):
-    """A short A/B of the chunked kernel's default against `decay_values` (each checked first)."""
+    """A/B of the chunked kernel's variants (each checked first), fla timed in the same run."""
     T, H, HV, K, V = 32768, 16, 16, 128, 128
     shape = f"B1 T{T} H{H} HV{HV} K{K} V{V} bf16"
     args = gdn_chunk_inputs([T], H, HV, K, V, jnp.bfloat16, 2)
-    variants = {"default": {}, "decay_values": dict(decay_values=True),
-                "decay_values bv32": dict(decay_values=True, block_v=32)}
-    errs = {name: check_chunk(f"gdn chunk {name}", args, **kw) for name, kw in variants.items()}
-    for name, kw in variants.items():
-        t = time_jax(jax.jit(functools.partial(chunk_gated_delta_rule_pallas, **kw)), args, reps=10)
-        SWEEPS.append(dict(op="gdn_chunk_ab", cfg=name, ms=t, err=errs[name]))
+    rq = gdn_chunk_inputs([1, 64, 1000, 3001, 17], 4, 8, 128, 128, jnp.bfloat16, 1)  # ragged, GQA 2, a null slot
+    rq = (*rq[:-1], rq[-1].at[1].set(0))
+    fla = fla_chunk_time(args)
+    if fla:
+        print(f"  gdn_chunk {shape} fla: {fla[0][0]:.4f} ms (p20 {fla[0][1]:.4f}, p80 {fla[0][2]:.4f}); rel err "
+              f"{fla[1][1]:.2e}", flush=True)
+    best = None
+    for name, kw in CHUNK_AB.items():
+        try:
+            e_r = check_chunk(f"gdn chunk ragged {name}", rq, **kw)
+            err = check_chunk(f"gdn chunk {name}", args, **kw)
+            t = time_jax(jax.jit(functools.partial(chunk_gated_delta_rule_pallas, **kw)), args, reps=10)
+        except Exception as e:
+            print(f"  gdn_chunk {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+            continue
+        ok = max(err[1], e_r[1]) < 2e-2
+        SWEEPS.append(dict(op="gdn_chunk_ab", cfg=name, ms=t, err=err, ragged_err=e_r, ok=ok))
+        vs = f"; {fla[0][0] / t[0]:.2f}x fla" if fla else ""
         print(f"  gdn_chunk {shape} {name}: {t[0]:.4f} ms (p20 {t[1]:.4f}, p80 {t[2]:.4f}); rel err "
-              f"{errs[name][1]:.2e}", flush=True)
+              f"{err[1]:.2e} (ragged {e_r[1]:.2e}){vs}{'' if ok else ' CHECK FAILED'}", flush=True)
+        if ok and (best is None or t[0] < best[1][0]):
+            best = (name, t, err)
+    if best:
+        name, t, err = best
+        if fla:
+            record("gdn_chunk", shape, t, "fla chunk (Triton)", fla[0], err[0], err[1], 2e-2,
+                   f"best A/B variant: {name} {CHUNK_AB[name]}; fla rel err {fla[1][1]:.2e}")
+        else:
+            record("gdn_chunk", shape, t, "none", None, err[0], err[1], 2e-2, f"best A/B variant: {name}")
+    chunk_stage_times(args)
 
 
 # ---------------------------------------------------------------- paged decode attention
