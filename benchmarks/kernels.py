@@ -307,22 +307,21 @@ def bench_gdn_chunk(quick):
 CHUNK_AB = {  # name: chunk_gated_delta_rule_pallas options (the default first)
     "default": {},
     "decay_values": dict(decay_values=True),
-    "prefetch": dict(prefetch=True),
-    "prefetch s1": dict(prefetch=True, num_stages=1),
-    "precompute": dict(precompute=True),
-    "precompute prefetch": dict(precompute=True, prefetch=True),
-    "precompute prefetch s1": dict(precompute=True, prefetch=True, num_stages=1),
-    "precompute prefetch bv32": dict(precompute=True, prefetch=True, block_v=32),
-    "precompute prefetch w2": dict(precompute=True, prefetch=True, num_warps=2),
-    "split prefetch": dict(fused_output=False, decayed_keys=True, prefetch=True),
     "wy bf16": dict(wy_precision="bf16"),
-    "precompute prefetch wy bf16": dict(precompute=True, prefetch=True, wy_precision="bf16"),
+    "decay_values wy bf16": dict(decay_values=True, wy_precision="bf16"),
+    "gcum wy bf16": dict(gcum=True, wy_precision="bf16"),
+    "gcum wy bf16 s2": dict(gcum=True, wy_precision="bf16", num_stages=2),
+    "gcum scores wy bf16": dict(gcum=True, scores=True, wy_precision="bf16"),
+    "gcum scores wy bf16 s2": dict(gcum=True, scores=True, wy_precision="bf16", num_stages=2),
+    "gcum scores wy bf16 bv32": dict(gcum=True, scores=True, wy_precision="bf16", block_v=32),
+    "split gcum wy bf16": dict(fused_output=False, gcum=True, wy_precision="bf16"),
+    "split gcum wy bf16 bv32": dict(fused_output=False, gcum=True, wy_precision="bf16", block_v=32),
+    "split gcum wy bf16 w2": dict(fused_output=False, gcum=True, wy_precision="bf16", num_warps=2),
 }
 
 
 def chunk_stage_times(args):
-    """The new stages alone (ms): the WY stage with precomputed decays and bf16 inverse, and the
-    sequential passes with and without prefetch."""
+    """Each stage alone (ms): the WY stage's variants, the sequential passes, the output kernel."""
     from pallas_kernels.gated_delta_rule import chunk as ck
 
     q, k, v, g, beta, cu, state, slots = args
@@ -340,16 +339,28 @@ def chunk_stage_times(args):
     wy = functools.partial(ck.wy_stage, layout=lay, chunk_size=c, num_warps=4, decayed_keys=False, interpret=False)
     timed("wy input", functools.partial(wy, wy_precision="input"), (kp, vp, gp, bp))
     timed("wy bf16", functools.partial(wy, wy_precision="bf16"), (kp, vp, gp, bp))
-    timed("wy input precompute", lambda *a: wy(*a[1:], wy_precision="input", q=a[0], scale=scale), (qp, kp, vp, gp, bp))
-    w, u, kd, qd, sc = wy(kp, vp, gp, bp, wy_precision="input", q=qp, scale=scale)
-    for pf, ns, bv in ((False, 3, 16), (True, 3, 16), (True, 1, 16), (True, 3, 32)):
-        tune = dict(layout=lay, chunk_size=c, block_v=bv, num_warps=4, num_stages=ns, interpret=False, prefetch=pf)
-        tag = f"bv{bv} s{ns}{' prefetch' if pf else ''}"
+    timed("wy bf16 gcum", functools.partial(wy, wy_precision="bf16", gcum=True), (kp, vp, gp, bp))
+    timed("wy bf16 gcum scores", lambda *a: wy(*a[1:], wy_precision="bf16", gcum=True, q=a[0], scale=scale),
+          (qp, kp, vp, gp, bp))
+    w, u, gc, sc = wy(kp, vp, gp, bp, wy_precision="bf16", gcum=True, q=qp, scale=scale)
+    for bv, nw, ns in ((16, 4, 3), (16, 4, 2), (32, 4, 3), (16, 2, 3)):
+        tune = dict(layout=lay, chunk_size=c, block_v=bv, num_warps=nw, num_stages=ns, interpret=False)
+        tag = f"bv{bv} w{nw} s{ns}"
         timed(f"fused pass {tag}", functools.partial(ck.fused_state_stage, scale=scale, **tune),
               (qp, kp, vp, gp, w, u, cup, state, slots))
-        timed(f"fused pre pass {tag}", functools.partial(ck.fused_pre_state_stage, num_tokens=qp.shape[0], **tune),
-              (gp, w, u, kd, qd, sc, cup, state, slots))
-        timed(f"state pass {tag}", functools.partial(ck.state_stage, **tune), (kd, gp, w, u, cup, state, slots))
+        timed(f"fused pass decay_values {tag}", functools.partial(ck.fused_state_stage, scale=scale,
+              decay_values=True, **tune), (qp, kp, vp, gp, w, u, cup, state, slots))
+        timed(f"fused gcum pass {tag}", functools.partial(ck.fused_state_stage, scale=scale, gcum=True, **tune),
+              (qp, kp, vp, gc, w, u, cup, state, slots))
+        timed(f"fused gcum scores pass {tag}", lambda *a, t=tune: ck.fused_state_stage(
+              *a[:-1], scale=scale, gcum=True, scores=a[-1], **t), (qp, kp, vp, gc, w, u, cup, state, slots, sc))
+        timed(f"state gcum pass {tag}", functools.partial(ck.state_stage, gcum=True, **tune),
+              (kp, gc, w, u, cup, state, slots))
+    h, v_new, _ = ck.state_stage(kp, gc, w, u, cup, state, slots, lay, chunk_size=c, block_v=16, num_warps=4,
+                                 num_stages=3, interpret=False, gcum=True)
+    for obv in (128, 64):
+        timed(f"output gcum bv{obv}", functools.partial(ck.output_stage, layout=lay, chunk_size=c, scale=scale,
+              block_v=obv, num_warps=4, interpret=False, gcum=True), (qp, kp, gc, h, v_new))
     SWEEPS.append(dict(op="gdn_chunk_ab_stages", stages=rows))
 
 

@@ -209,10 +209,9 @@ CHUNK_VARIANTS = {  # the default (output fused into the state pass, input-dtype
     "decayed_keys": dict(fused_output=False, decayed_keys=True),
     "wy_tf32": dict(wy_precision="tf32"),
     "decay_values": dict(decay_values=True),
-    "prefetch": dict(prefetch=True),
-    "split_prefetch": dict(fused_output=False, decayed_keys=True, prefetch=True),
-    "precompute": dict(precompute=True),
-    "precompute_prefetch": dict(precompute=True, prefetch=True),
+    "gcum": dict(gcum=True),
+    "gcum_scores": dict(gcum=True, scores=True),
+    "split_gcum": dict(fused_output=False, gcum=True),
     "wy_bf16": dict(wy_precision="bf16"),
 }
 
@@ -244,8 +243,8 @@ def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, varian
 
 @pytest.mark.parametrize("hv,dk,dv,variant", [(2, 128, 128, "default"), (2, 128, 128, "split_output"),
                                                (4, 64, 128, "default"), (2, 128, 128, "decayed_keys"),
-                                               (2, 128, 128, "split_prefetch"), (4, 64, 128, "precompute_prefetch"),
-                                               (2, 128, 128, "prefetch"), (2, 128, 128, "wy_bf16")])
+                                               (2, 128, 128, "gcum"), (4, 64, 128, "gcum_scores"),
+                                               (2, 128, 128, "split_gcum"), (2, 128, 128, "wy_bf16")])
 def test_chunk_lowers_for_h200(hv, dk, dv, variant):
     rng = np.random.default_rng(2)
     q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, [100, 30], 2, hv, dk, dv, 4, jnp.bfloat16)

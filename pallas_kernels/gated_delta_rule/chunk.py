@@ -53,21 +53,22 @@ def _load_chunk(ref, start, valid, *idx, dtype=jnp.float32):
 def _wy_kernel(
     chunk_start_ref,  # [N] first packed token of each chunk
     chunk_len_ref,  # [N] tokens in each chunk (0 for unused chunk slots)
-    q_ref,  # [T, H, K] (whole; read only with `precompute`)
+    q_ref,  # [T, H, K] (whole; read only with `scores`)
     k_ref,  # [T, H, K] (whole)
     v_ref,  # [T, HV, V] (whole)
     g_ref,  # [T, HV] (whole)
     beta_ref,  # [T, HV] (whole)
     w_ref,  # [C, K] of chunk n, value head j
     u_ref,  # [C, V]
-    *extra_refs,  # [C, K] k_dec (decayed_keys or precompute); then [C, K] q_dec and [C, C] scores (precompute)
+    *extra_refs,  # [C, K] k_dec (decayed_keys); [C] in-chunk cumulative g (gcum); [C, C] masked scores (scores)
     chunk_size: int,
     group: int,
     precision,
     input_dots: bool,
     bf16_inverse: bool,
     decayed_keys: bool,
-    precompute: bool,
+    gcum: bool,
+    scores: bool,
     scale: float,
 ):
     n, j = pl.program_id(0), pl.program_id(1)
@@ -103,29 +104,16 @@ def _wy_kernel(
     inv = inv.astype(dt)
     u_ref[...] = io_dot(inv, (v * beta[:, None]).astype(dt), _DOT).astype(u_ref.dtype)
     w_ref[...] = io_dot(inv, (k * (beta * jnp.exp(cum))[:, None]).astype(dt), _DOT).astype(w_ref.dtype)
-    if decayed_keys or precompute:
-        extra_refs[0][...] = (k * jnp.exp(jnp.sum(g) - cum)[:, None]).astype(extra_refs[0].dtype)
-    if precompute:  # the output's decayed queries and masked decayed scores, so the sequential pass has no exps
-        qd_ref, s_ref = extra_refs[1:]
+    extra = list(extra_refs)
+    if decayed_keys:
+        kd_ref = extra.pop(0)
+        kd_ref[...] = (k * jnp.exp(jnp.sum(g) - cum)[:, None]).astype(kd_ref.dtype)
+    if gcum:  # the sequential pass then reads G and G_last instead of scanning g (zeros past the end keep G flat)
+        extra.pop(0)[...] = cum
+    if scores:  # the output's masked decayed scores, so the fused pass computes neither q k^T nor a [C, C] exp
+        s_ref = extra.pop(0)
         q = _load_chunk(q_ref, start, valid, j // group, slice(None))  # [C, K]
-        qd_ref[...] = (q * (jnp.exp(cum) * scale)[:, None]).astype(qd_ref.dtype)
-        scores = io_dot(q.astype(dt), k.astype(dt), _DOT_T) * (decay_incl * scale)
-        s_ref[...] = scores.astype(s_ref.dtype)
-
-
-def _chunk_loop(num_chunks, load, step, h, prefetch: bool):
-    """`h = step(c, h, load(c))` for c < num_chunks. With `prefetch`, chunk c + 1's tiles are loaded at the
-    top of chunk c's iteration (carried in registers), so their memory latency overlaps chunk c's math;
-    `load` must be safe (masked or clamped) one chunk past the end."""
-    if not prefetch:
-        return jax.lax.fori_loop(0, num_chunks, lambda c, h: step(c, h, load(c)), h)
-
-    def body(c, carry):
-        h, tiles = carry
-        nxt = load(c + 1)
-        return step(c, h, tiles), nxt
-
-    return jax.lax.fori_loop(0, num_chunks, body, (h, load(0)))[0]
+        s_ref[...] = (io_dot(q.astype(dt), k.astype(dt), _DOT_T) * (decay_incl * scale)).astype(s_ref.dtype)
 
 
 def _state_kernel(
@@ -148,7 +136,6 @@ def _state_kernel(
     scale: float,
     precision,
     decay_values: bool,
-    prefetch: bool,
 ):
     del o_in_ref
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -157,29 +144,23 @@ def _state_kernel(
     h = state_in_ref[slot, j, :, v_slice].astype(jnp.float32)  # [K, BV]
     h = jnp.where(slot == 0, 0.0, h)
     seq_start, seq_end = cu_seqlens_ref[b], cu_seqlens_ref[b + 1]
-    first_chunk, last_slot = row_chunks_ref[b], w_ref.shape[0] - 1
+    first_chunk = row_chunks_ref[b]
     lane = jnp.arange(chunk_size)
     causal = lane[:, None] >= lane[None, :]
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-    dt = q_ref.dtype  # dot operands in the input dtype (bf16 tensor cores), fp32 accumulation
 
-    def load(c):
+    def body(c, h):
         start = seq_start + c * chunk_size
         valid = lane < seq_end - start
-        n = jnp.minimum(first_chunk + c, last_slot)  # clamped: `prefetch` loads one chunk past the end
-        return (_load_chunk(q_ref, start, valid, j // group, slice(None), dtype=dt),  # [C, K]
-                _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt),  # [C, K]
-                _load_chunk(g_ref, start, valid, j),  # [C]
-                w_ref[n, :, j, :],  # [C, K]
-                u_ref[n, :, j, v_slice])  # [C, BV]
-
-    def step(c, h, tiles):
-        q, k, g, w, u = tiles
-        start = seq_start + c * chunk_size
-        valid = lane < seq_end - start
+        dt = q_ref.dtype  # dot operands in the input dtype (bf16 tensor cores), fp32 accumulation
+        q = _load_chunk(q_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
+        k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
+        g = _load_chunk(g_ref, start, valid, j)  # [C]
         cum = jnp.cumsum(g)
         cum_last = jnp.sum(g)
-        v_new = u.astype(jnp.float32) - dot(w, h.astype(w.dtype), _DOT)  # [C, BV]
+        w = w_ref[first_chunk + c, :, j, :]  # [C, K]
+        u = u_ref[first_chunk + c, :, j, v_slice].astype(jnp.float32)  # [C, BV]
+        v_new = u - dot(w, h.astype(w.dtype), _DOT)  # [C, BV]
         decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], -jnp.inf))
         attn = (dot(q, k, _DOT_T) * (decay * scale)).astype(dt)  # [C, C]
         if decay_values:  # the decays scale [C, BV] tiles (the dot outputs / v_new), not [C, K] ones
@@ -195,32 +176,35 @@ def _state_kernel(
         return jnp.exp(cum_last) * h + dot(k_dec, v_new.astype(dt), _T_DOT)
 
     num_chunks = (seq_end - seq_start + chunk_size - 1) // chunk_size
-    h = _chunk_loop(num_chunks, load, step, h, prefetch)
+    h = jax.lax.fori_loop(0, num_chunks, body, h)
     state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
 
 
-def _state_pre_kernel(
+def _state_gcum_kernel(
     row_chunks_ref,  # [B + 1] first chunk slot of each row (cumulative)
     slot_ids_ref,  # [B]
     cu_seqlens_ref,  # [B + 1]
-    g_ref,  # [T, HV] (whole)
+    q_ref,  # [T, H, K] (whole)
+    k_ref,  # [T, H, K] (whole)
+    gcum_ref,  # [N, C, HV] (whole) in-chunk cumulative g
     w_ref,  # [N, C, HV, K] (whole)
     u_ref,  # [N, C, HV, V] (whole)
-    kd_ref,  # [N, C, HV, K] (whole) k exp(G_last - G)
-    qd_ref,  # [N, C, HV, K] (whole) q exp(G) scale
-    s_ref,  # [N, C, HV, C] (whole) lower(q.k exp(G_i - G_j)) scale
+    s_ref,  # [N, C, HV, C] (whole) masked decayed scores (scores), else unused
     state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
     o_in_ref,  # [T, HV, V] zeros (whole, aliased with o_ref)
     o_ref,  # [T, HV, V] (whole)
     state_ref,  # [S, HV, K, V] (whole)
     *,
     chunk_size: int,
+    group: int,
     block_v: int,
+    scale: float,
     precision,
-    prefetch: bool,
+    scores: bool,
 ):
-    """The fused pass over the WY stage's precomputed decayed keys, queries and scores: per chunk only
-    `v_new = u - w S`, `o = q_dec S + scores v_new`, `S' = exp(G_last) S + k_dec^T v_new` (no exps but one)."""
+    """The fused pass over the WY stage's in-chunk cumulative decays (and, with `scores`, its masked decayed
+    scores): no scan or reduction per chunk, G_last is one scalar load, and the decays scale `[C, BV]` tiles:
+    `v_new = u - w S`, `o = exp(G) scale (q S) + scores v_new`, `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`."""
     del o_in_ref
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ids_ref[b]
@@ -228,30 +212,34 @@ def _state_pre_kernel(
     h = state_in_ref[slot, j, :, v_slice].astype(jnp.float32)  # [K, BV]
     h = jnp.where(slot == 0, 0.0, h)
     seq_start, seq_end = cu_seqlens_ref[b], cu_seqlens_ref[b + 1]
-    first_chunk, last_slot = row_chunks_ref[b], w_ref.shape[0] - 1
+    first_chunk = row_chunks_ref[b]
     lane = jnp.arange(chunk_size)
+    causal = lane[:, None] >= lane[None, :]
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
     dt = w_ref.dtype
 
-    def load(c):
+    def body(c, h):
         start = seq_start + c * chunk_size
-        n = jnp.minimum(first_chunk + c, last_slot)  # clamped: `prefetch` loads one chunk past the end
-        return (_load_chunk(g_ref, start, lane < seq_end - start, j), w_ref[n, :, j, :], u_ref[n, :, j, v_slice],
-                kd_ref[n, :, j, :], qd_ref[n, :, j, :], s_ref[n, :, j, :])
-
-    def step(c, h, tiles):
-        g, w, u, kd, qd, scores = tiles
-        start = seq_start + c * chunk_size
+        valid = lane < seq_end - start
+        n = first_chunk + c
+        q = _load_chunk(q_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
+        k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
+        cum = gcum_ref[n, :, j]  # [C]
+        cum_last = gcum_ref[n, chunk_size - 1, j]
         hb = h.astype(dt)
-        v_new = u.astype(jnp.float32) - dot(w, hb, _DOT)  # [C, BV]
-        vb = v_new.astype(dt)
-        o = dot(qd, hb, _DOT) + dot(scores, vb, _DOT)  # [C, BV]
-        plt.store(o_ref.at[pl.ds(start, chunk_size), j, v_slice], o.astype(o_ref.dtype),
-                  mask=(lane < seq_end - start)[:, None])
-        return jnp.exp(jnp.sum(g)) * h + dot(kd, vb, _T_DOT)
+        v_new = u_ref[n, :, j, v_slice].astype(jnp.float32) - dot(w_ref[n, :, j, :], hb, _DOT)  # [C, BV]
+        if scores:
+            attn = s_ref[n, :, j, :]
+        else:
+            decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], -jnp.inf))
+            attn = (dot(q, k, _DOT_T) * (decay * scale)).astype(dt)  # [C, C]
+        o = dot(q, hb, _DOT) * (jnp.exp(cum) * scale)[:, None] + dot(attn, v_new.astype(dt), _DOT)
+        plt.store(o_ref.at[pl.ds(start, chunk_size), j, v_slice], o.astype(o_ref.dtype), mask=valid[:, None])
+        v_dec = (v_new * jnp.exp(cum_last - cum)[:, None]).astype(dt)
+        return jnp.exp(cum_last) * h + dot(k, v_dec, _T_DOT)
 
     num_chunks = (seq_end - seq_start + chunk_size - 1) // chunk_size
-    h = _chunk_loop(num_chunks, load, step, h, prefetch)
+    h = jax.lax.fori_loop(0, num_chunks, body, h)
     state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
 
 
@@ -260,7 +248,7 @@ def _state_only_kernel(
     slot_ids_ref,  # [B]
     cu_seqlens_ref,  # [B + 1]
     k_ref,  # [T, H, K] (whole), or k_dec [N, C, HV, K] with decayed_keys
-    g_ref,  # [T, HV] (whole)
+    g_ref,  # [T, HV] (whole), or the in-chunk cumulative g [N, C, HV] with gcum
     w_ref,  # [N, C, HV, K] (whole)
     u_ref,  # [N, C, HV, V] (whole)
     state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
@@ -273,46 +261,48 @@ def _state_only_kernel(
     block_v: int,
     precision,
     decayed_keys: bool,
-    prefetch: bool,
+    gcum: bool,
 ):
     """The sequential part only: per chunk, snapshot S, v_new = u - w S, S' = decay S + k_dec^T v_new.
 
     With `decayed_keys`, k_ref is the WY stage's `[N, C, HV, K]` k_dec, so the loop does no decay math
-    beyond the chunk's total decay."""
+    beyond the chunk's total decay. With `gcum`, g_ref holds the WY stage's in-chunk cumulative g: G_last
+    is a scalar load (no reduction per chunk) and the decays scale v_new, `S' = exp(G_last) S +
+    k^T (exp(G_last - G) v_new)`."""
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ids_ref[b]
     v_slice = pl.ds(i * block_v, block_v)
     h = state_in_ref[slot, j, :, v_slice].astype(jnp.float32)  # [K, BV]
     h = jnp.where(slot == 0, 0.0, h)
     seq_start, seq_end = cu_seqlens_ref[b], cu_seqlens_ref[b + 1]
-    first_chunk, last_slot = row_chunks_ref[b], w_ref.shape[0] - 1
+    first_chunk = row_chunks_ref[b]
     lane = jnp.arange(chunk_size)
     dt = w_ref.dtype
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
 
-    def load(c):
+    def body(c, h):
         start = seq_start + c * chunk_size
         valid = lane < seq_end - start
-        n = jnp.minimum(first_chunk + c, last_slot)  # clamped: `prefetch` loads one chunk past the end
+        n = first_chunk + c
+        h_ref[n, j, :, v_slice] = h.astype(h_ref.dtype)
+        v_new = u_ref[n, :, j, v_slice].astype(jnp.float32) - dot(w_ref[n, :, j, :], h.astype(dt), _DOT)
+        v_new_ref[n, :, j, v_slice] = v_new.astype(v_new_ref.dtype)
+        if gcum:
+            cum, cum_last = g_ref[n, :, j], g_ref[n, chunk_size - 1, j]
+            k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
+            v_dec = (v_new * jnp.exp(cum_last - cum)[:, None]).astype(dt)
+            return jnp.exp(cum_last) * h + dot(k, v_dec, _T_DOT)
         g = _load_chunk(g_ref, start, valid, j)  # [C]
+        cum_last = jnp.sum(g)
         if decayed_keys:
-            k = k_ref[n, :, j, :]  # [C, K] k_dec, zero past the chunk's end
+            k_dec = k_ref[n, :, j, :]  # [C, K], zero past the chunk's end
         else:
             k = _load_chunk(k_ref, start, valid, j // group, slice(None))  # [C, K] fp32
-        return g, k, w_ref[n, :, j, :], u_ref[n, :, j, v_slice]
-
-    def step(c, h, tiles):
-        g, k, w, u = tiles
-        n = first_chunk + c
-        cum_last = jnp.sum(g)
-        k_dec = k if decayed_keys else (k * jnp.exp(cum_last - jnp.cumsum(g))[:, None]).astype(dt)
-        h_ref[n, j, :, v_slice] = h.astype(h_ref.dtype)
-        v_new = u.astype(jnp.float32) - dot(w, h.astype(dt), _DOT)
-        v_new_ref[n, :, j, v_slice] = v_new.astype(v_new_ref.dtype)
+            k_dec = (k * jnp.exp(cum_last - jnp.cumsum(g))[:, None]).astype(dt)
         return jnp.exp(cum_last) * h + dot(k_dec, v_new.astype(dt), _T_DOT)
 
     num_chunks = (seq_end - seq_start + chunk_size - 1) // chunk_size
-    h = _chunk_loop(num_chunks, load, step, h, prefetch)
+    h = jax.lax.fori_loop(0, num_chunks, body, h)
     state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
 
 
@@ -321,7 +311,7 @@ def _output_kernel(
     chunk_len_ref,  # [N]
     q_ref,  # [T, H, K] (whole)
     k_ref,  # [T, H, K] (whole)
-    g_ref,  # [T, HV] (whole)
+    g_ref,  # [T, HV] (whole), or the in-chunk cumulative g [C] of chunk n with gcum
     h_ref,  # [K, BV] state entering chunk n
     v_new_ref,  # [C, BV]
     o_in_ref,  # [T, HV, V] zeros (whole, aliased with o_ref)
@@ -332,6 +322,7 @@ def _output_kernel(
     block_v: int,
     scale: float,
     precision,
+    gcum: bool,
 ):
     """All chunks in parallel: o = (q exp(G)) S_n + lower(q.k exp(G_i - G_j)) v_new."""
     del o_in_ref
@@ -343,7 +334,7 @@ def _output_kernel(
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
     q = _load_chunk(q_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
     k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)
-    cum = jnp.cumsum(_load_chunk(g_ref, start, valid, j))  # [C]
+    cum = g_ref[...] if gcum else jnp.cumsum(_load_chunk(g_ref, start, valid, j))  # [C]
     causal = lane[:, None] >= lane[None, :]
     decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], -jnp.inf))
     attn = (dot(q, k, _DOT_T) * (decay * scale)).astype(dt)  # [C, C]
@@ -381,98 +372,90 @@ _PRECISIONS = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "tf32": No
 
 
 def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: str, num_warps: int,
-             decayed_keys: bool, interpret: bool, q=None, scale: float = 1.0):
-    """w, u `[N, C, HV, K|V]` (v's dtype) for every chunk, all in parallel; with `decayed_keys` also k_dec;
-    given `q` (precompute) also k_dec, q_dec `[N, C, HV, K]` and the masked scores `[N, C, HV, C]`."""
+             decayed_keys: bool, interpret: bool, gcum: bool = False, q=None, scale: float = 1.0):
+    """w, u `[N, C, HV, K|V]` (v's dtype) for every chunk, all in parallel; then k_dec `[N, C, HV, K]` with
+    `decayed_keys`, the in-chunk cumulative g `[N, C, HV]` (fp32) with `gcum`, and given `q` the masked
+    decayed scores `[N, C, HV, C]` (v's dtype)."""
     num_value_heads, value_dim = v.shape[1:]
     key_dim = k.shape[-1]
     group = num_value_heads // k.shape[1]
     c, n = chunk_size, layout.num_chunks
-    precompute = q is not None
+    scores = q is not None
     # fp32 dots: exact (IEEE) in the interpreter; on the GPU 3xTF32 or one TF32 pass
     precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[wy_precision]
     kernel = functools.partial(_wy_kernel, chunk_size=c, group=group, precision=precision,
                                input_dots=wy_precision in ("input", "bf16"), bf16_inverse=wy_precision == "bf16",
-                               decayed_keys=decayed_keys, precompute=precompute, scale=scale)
+                               decayed_keys=decayed_keys, gcum=gcum, scores=scores, scale=scale)
     spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, j: (n, 0, j, 0))  # noqa: E731
-    shape = lambda d: jax.ShapeDtypeStruct((n, c, num_value_heads, d), v.dtype)  # noqa: E731
-    dims = [key_dim, value_dim] + [key_dim] * (decayed_keys or precompute) + [key_dim, c] * precompute
+    shape = lambda d, dt=v.dtype: jax.ShapeDtypeStruct((n, c, num_value_heads, d), dt)  # noqa: E731
+    dims = [key_dim, value_dim] + [key_dim] * decayed_keys
+    out_specs, out_shape = [spec(d) for d in dims], [shape(d) for d in dims]
+    if gcum:
+        out_specs.append(pl.BlockSpec((None, c, None), lambda n, j: (n, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((n, c, num_value_heads), jnp.float32))
+    if scores:
+        out_specs.append(spec(c))
+        out_shape.append(shape(c))
     return pl.pallas_call(
         kernel,
         grid=(n, num_value_heads),
         in_specs=[_WHOLE] * 7,
-        out_specs=[spec(d) for d in dims],
-        out_shape=[shape(d) for d in dims],
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"gdn_chunk_wy_c{c}_{wy_precision}_w{num_warps}{'_kd' if decayed_keys else ''}"
-             f"{'_pre' if precompute else ''}",
+             f"{'_gc' if gcum else ''}{'_sc' if scores else ''}",
     )(layout.chunk_start, layout.chunk_len, k if q is None else q, k, v, g, beta)
-
-
-def _tag(num_warps, num_stages, prefetch):
-    return f"_w{num_warps}_s{num_stages}{'_pf' if prefetch else ''}"
 
 
 def fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int,
                       block_v: int, scale: float, num_warps: int, num_stages: int, interpret: bool,
-                      decay_values: bool = False, prefetch: bool = False):
-    """The sequential pass with the output computed inside it: (o [T', HV, V], new state)."""
+                      decay_values: bool = False, gcum: bool = False, scores=None):
+    """The sequential pass with the output computed inside it: (o [T', HV, V], new state). With `gcum`, `g`
+    is the WY stage's in-chunk cumulative g and `scores` optionally its masked decayed scores."""
     num_value_heads, value_dim = v.shape[1:]
     group = num_value_heads // k.shape[1]
-    kernel = functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
-                               precision=jax.lax.Precision.HIGHEST if interpret else None,
-                               decay_values=decay_values, prefetch=prefetch)
+    precision = jax.lax.Precision.HIGHEST if interpret else None
     zeros_o = jnp.zeros(v.shape, v.dtype)
+    if gcum:
+        kernel = functools.partial(_state_gcum_kernel, chunk_size=chunk_size, group=group, block_v=block_v,
+                                   scale=scale, precision=precision, scores=scores is not None)
+        args = (q, k, g, w, u, w if scores is None else scores, state, zeros_o)
+        tag = "_gc" + ("_sc" if scores is not None else "")
+    else:
+        kernel = functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
+                                   precision=precision, decay_values=decay_values)
+        args = (q, k, g, w, u, state, zeros_o)
+        tag = "_dv" if decay_values else ""
     return pl.pallas_call(
         kernel,
         grid=(slot_ids.shape[0], num_value_heads, value_dim // block_v),
-        in_specs=[_WHOLE] * 10,
+        in_specs=[_WHOLE] * (len(args) + 3),
         out_specs=[_WHOLE, _WHOLE],
         out_shape=[
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),
         ],
-        input_output_aliases={9: 0, 8: 1},
+        input_output_aliases={len(args) + 2: 0, len(args) + 1: 1},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"gdn_chunk_fused_c{chunk_size}_bv{block_v}{_tag(num_warps, num_stages, prefetch)}"
-             f"{'_dv' if decay_values else ''}",
-    )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, q, k, g, w, u, state, zeros_o)
-
-
-def fused_pre_state_stage(g, w, u, kd, qd, scores, cu, state, slot_ids, layout: _Layout, *, chunk_size: int,
-                          block_v: int, num_warps: int, num_stages: int, interpret: bool, num_tokens: int,
-                          prefetch: bool = False):
-    """The fused sequential pass over the WY stage's precomputed k_dec, q_dec and scores: (o, new state)."""
-    num_value_heads, _, value_dim = state.shape[1:]
-    kernel = functools.partial(_state_pre_kernel, chunk_size=chunk_size, block_v=block_v,
-                               precision=jax.lax.Precision.HIGHEST if interpret else None, prefetch=prefetch)
-    zeros_o = jnp.zeros((num_tokens, num_value_heads, value_dim), u.dtype)
-    return pl.pallas_call(
-        kernel,
-        grid=(slot_ids.shape[0], num_value_heads, value_dim // block_v),
-        in_specs=[_WHOLE] * 11,
-        out_specs=[_WHOLE, _WHOLE],
-        out_shape=[jax.ShapeDtypeStruct(zeros_o.shape, zeros_o.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
-        input_output_aliases={10: 0, 9: 1},
-        interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"gdn_chunk_fused_pre_c{chunk_size}_bv{block_v}{_tag(num_warps, num_stages, prefetch)}",
-    )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, g, w, u, kd, qd, scores, state, zeros_o)
+        name=f"gdn_chunk_fused_c{chunk_size}_bv{block_v}_w{num_warps}_s{num_stages}{tag}",
+    )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, *args)
 
 
 def state_stage(k, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int, block_v: int,
-                num_warps: int, num_stages: int, interpret: bool, prefetch: bool = False):
+                num_warps: int, num_stages: int, interpret: bool, gcum: bool = False):
     """The sequential pass alone: (h [N, HV, K, V] entering each chunk, v_new [N, C, HV, V], new state).
 
-    `k` is either the packed keys `[T, H, K]` or the WY stage's decayed keys `[N, C, HV, K]`."""
+    `k` is either the packed keys `[T, H, K]` or the WY stage's decayed keys `[N, C, HV, K]`; with `gcum`,
+    `g` is the WY stage's in-chunk cumulative g."""
     num_value_heads, key_dim, value_dim = state.shape[1:]
     decayed_keys = k.ndim == 4
     group = 1 if decayed_keys else num_value_heads // k.shape[1]
     kernel = functools.partial(_state_only_kernel, chunk_size=chunk_size, group=group, block_v=block_v,
                                precision=jax.lax.Precision.HIGHEST if interpret else None,
-                               decayed_keys=decayed_keys, prefetch=prefetch)
+                               decayed_keys=decayed_keys, gcum=gcum)
     n, c = layout.num_chunks, chunk_size
     return pl.pallas_call(
         kernel,
@@ -487,24 +470,26 @@ def state_stage(k, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size:
         input_output_aliases={7: 2},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"gdn_chunk_state_c{c}_bv{block_v}{_tag(num_warps, num_stages, prefetch)}"
-             f"{'_kd' if decayed_keys else ''}",
+        name=f"gdn_chunk_state_c{c}_bv{block_v}_w{num_warps}_s{num_stages}{'_kd' if decayed_keys else ''}"
+             f"{'_gc' if gcum else ''}",
     )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, k, g, w, u, state)
 
 
 def output_stage(q, k, g, h, v_new, layout: _Layout, *, chunk_size: int, scale: float, block_v: int,
-                 num_warps: int, interpret: bool):
+                 num_warps: int, interpret: bool, gcum: bool = False):
     """All chunks in parallel: o [T', HV, V] from the per-chunk states and corrected values."""
     num_value_heads, key_dim, value_dim = h.shape[1:]
     group = num_value_heads // k.shape[1]
     c, out_bv = chunk_size, min(block_v, value_dim)
     kernel = functools.partial(_output_kernel, chunk_size=c, group=group, block_v=out_bv, scale=scale,
-                               precision=jax.lax.Precision.HIGHEST if interpret else None)
+                               precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum)
     zeros_o = jnp.zeros((q.shape[0], num_value_heads, value_dim), v_new.dtype)
+    g_spec = pl.BlockSpec((None, c, None), lambda n, j, i: (n, 0, j)) if gcum else _WHOLE
     return pl.pallas_call(
         kernel,
         grid=(layout.num_chunks, num_value_heads, value_dim // out_bv),
-        in_specs=[_WHOLE] * 5 + [
+        in_specs=[_WHOLE] * 4 + [
+            g_spec,
             pl.BlockSpec((None, None, key_dim, out_bv), lambda n, j, i: (n, j, 0, i)),  # h
             pl.BlockSpec((None, c, None, out_bv), lambda n, j, i: (n, 0, j, i)),  # v_new
             _WHOLE,
@@ -514,7 +499,7 @@ def output_stage(q, k, g, h, v_new, layout: _Layout, *, chunk_size: int, scale: 
         input_output_aliases={7: 0},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
-        name=f"gdn_chunk_output_c{c}_bv{out_bv}_w{num_warps}",
+        name=f"gdn_chunk_output_c{c}_bv{out_bv}_w{num_warps}{'_gc' if gcum else ''}",
     )(layout.chunk_start, layout.chunk_len, q, k, g, h, v_new, zeros_o)
 
 
@@ -532,7 +517,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, chunk_size, interpret):
     jax.jit,
     static_argnames=(
         "scale", "chunk_size", "block_v", "num_warps", "num_stages", "wy_num_warps", "wy_precision",
-        "decayed_keys", "decay_values", "fused_output", "precompute", "prefetch", "out_block_v", "interpret",
+        "decayed_keys", "decay_values", "fused_output", "gcum", "scores", "out_block_v", "interpret",
     ),
 )
 def chunk_gated_delta_rule_pallas(
@@ -555,8 +540,8 @@ def chunk_gated_delta_rule_pallas(
     decayed_keys: bool = False,
     decay_values: bool = False,
     fused_output: bool = True,
-    precompute: bool = False,
-    prefetch: bool = False,
+    gcum: bool = False,
+    scores: bool = False,
     out_block_v: int = 128,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T HV V"], Float[Array, "S HV K V"]]:
@@ -568,12 +553,13 @@ def chunk_gated_delta_rule_pallas(
     inverse in TF32), "bf16" (the inverse's squarings in the input dtype too), "tf32" or "tf32x3" (all fp32
     dots in one or three TF32 passes). `decayed_keys`: the WY stage also stores `k exp(G_last - G)` for the
     state pass (split output only). `decay_values` (fused output only): the fused pass scales its `[C, BV]`
-    tiles by the decays instead of q and k. `fused_output` computes the output inside the sequential state
-    pass; otherwise the pass stores the state entering each chunk and the corrected values, and a parallel
-    kernel over all chunks (`out_block_v` values per program) computes the output. `precompute` (fused
-    output only): the WY stage also stores the decayed keys and queries and the masked decayed scores, so the
-    fused pass does only its three dots per chunk. `prefetch`: the sequential pass loads chunk c + 1's tiles
-    while it computes chunk c. The defaults are the fastest checked configuration on the H200
+    tiles by the decays instead of q and k. `gcum`: the WY stage stores the in-chunk cumulative g, so the
+    sequential pass does no scan or reduction per chunk (G_last is a scalar load) and scales values by the
+    decays; `scores` (with `gcum`, fused output): the WY stage also stores the masked decayed scores
+    `lower(q.k exp(G_i - G_j)) scale`, so the fused pass computes neither `q k^T` nor a `[C, C]` exp.
+    `fused_output` computes the output inside the sequential state pass; otherwise the pass stores the state
+    entering each chunk and the corrected values, and a parallel kernel over all chunks (`out_block_v` values
+    per program) computes the output. The defaults are the fastest checked configuration on the H200
     (benchmarks/RESULTS.md).
     """
     if wy_precision not in _PRECISIONS:
@@ -583,25 +569,21 @@ def chunk_gated_delta_rule_pallas(
     c = chunk_size
     block_v = min(block_v, value_dim)
     scale = key_dim**-0.5 if scale is None else scale
-    decayed_keys = decayed_keys and not fused_output
-    precompute = precompute and fused_output
+    decayed_keys = decayed_keys and not fused_output and not gcum
+    scores = scores and gcum and fused_output
     q, k, v, g, beta, cu, layout = _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, c, interpret)
-    tuning = dict(chunk_size=c, block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                  prefetch=prefetch)
-    if precompute:
-        w, u, kd, qd, scores = wy_stage(k, v, g, beta, layout, chunk_size=c, wy_precision=wy_precision,
-                                        num_warps=wy_num_warps, decayed_keys=False, interpret=interpret, q=q,
-                                        scale=scale)
-        o, new_state = fused_pre_state_stage(g, w, u, kd, qd, scores, cu, state, slot_ids, layout,
-                                             num_tokens=q.shape[0], **tuning)
-        return o[:num_tokens], new_state
-    w, u, *kd = wy_stage(k, v, g, beta, layout, chunk_size=c, wy_precision=wy_precision, num_warps=wy_num_warps,
-                         decayed_keys=decayed_keys, interpret=interpret)
+    tuning = dict(chunk_size=c, block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    w, u, *extra = wy_stage(k, v, g, beta, layout, chunk_size=c, wy_precision=wy_precision, num_warps=wy_num_warps,
+                            decayed_keys=decayed_keys, interpret=interpret, gcum=gcum, q=q if scores else None,
+                            scale=scale)
+    g_pass = extra[0] if gcum else g
     if fused_output:
-        o, new_state = fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout, scale=scale,
-                                         decay_values=decay_values, **tuning)
+        o, new_state = fused_state_stage(q, k, v, g_pass, w, u, cu, state, slot_ids, layout, scale=scale,
+                                         decay_values=decay_values, gcum=gcum,
+                                         scores=extra[1] if scores else None, **tuning)
         return o[:num_tokens], new_state
-    h, v_new, new_state = state_stage(kd[0] if kd else k, g, w, u, cu, state, slot_ids, layout, **tuning)
-    o = output_stage(q, k, g, h, v_new, layout, chunk_size=c, scale=scale, block_v=out_block_v,
-                     num_warps=wy_num_warps, interpret=interpret)
+    h, v_new, new_state = state_stage(extra[0] if decayed_keys else k, g_pass, w, u, cu, state, slot_ids, layout,
+                                      gcum=gcum, **tuning)
+    o = output_stage(q, k, g_pass, h, v_new, layout, chunk_size=c, scale=scale, block_v=out_block_v,
+                     num_warps=wy_num_warps, interpret=interpret, gcum=gcum)
     return o[:num_tokens], new_state
