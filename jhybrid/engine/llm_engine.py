@@ -8,10 +8,17 @@ With `host_kv_memory_gb > 0` a host tier (`jhybrid.cache.host_tier`) holds the K
 sequences (`jhybrid.engine.swap`); `preemption_mode` picks swap or recompute ("auto": by the cost model,
 whose host-device bandwidth and prefill rate are measured at start unless given as
 `swap_bandwidth_gbps` / `prefill_tokens_per_s`).
+
+`kv_offload` (needs the host tier; default "off"): running decode sequences may keep their oldest KV
+blocks in the host tier instead of being preempted (`jhybrid.engine.offload`); their attention over those
+blocks runs on the CPU ("cpu", overlapped with the GPU's work unless `offload_overlap=False`) or on the
+GPU over copies sent every step ("copy", the baseline). Off by default: benchmarks/offload.py decides
+where it wins.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -25,6 +32,7 @@ from jhybrid.engine.sampling import SamplingParams
 from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
 from jhybrid.engine.swap import Swapper, measure_prefill_rate, measure_transfer_bandwidth
+from jhybrid.engine.offload import HostAttention, Offloader, OffloadStats
 
 log = logging.getLogger("jhybrid.engine")
 
@@ -45,8 +53,15 @@ class LLMEngine:
                  tensor_parallel_size: int = 1,
                  max_num_batched_tokens: int | None = None, host_kv_memory_gb: float = 0.0,
                  preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None,
-                 prefill_tokens_per_s: float | None = None):
+                 prefill_tokens_per_s: float | None = None, kv_offload: str = "off",
+                 offload_overlap: bool = True, offload_threads: int | None = None):
         cfg = model.cfg
+        if kv_offload not in ("off", "cpu", "copy"):
+            raise ValueError(f"unknown {kv_offload=}; choose 'off', 'cpu' or 'copy'")
+        if kv_offload != "off" and not host_kv_memory_gb > 0:
+            raise ValueError(f"{kv_offload=} keeps KV blocks in the host tier: set host_kv_memory_gb > 0")
+        if kv_offload != "off" and tensor_parallel_size > 1:
+            raise ValueError(f"{kv_offload=} is not supported with {tensor_parallel_size=}: use kv_offload='off'")
         from jhybrid.parallel import make_mesh, validate_tensor_parallel
 
         validate_tensor_parallel(cfg, tensor_parallel_size)  # before any planning: a bad N names the counts
@@ -72,10 +87,19 @@ class LLMEngine:
         self.host, self.swapper, self.cost_model = self._host_tier(
             host_kv_memory_gb, preemption_mode, swap_bandwidth_gbps, prefill_tokens_per_s, max_num_seqs,
             max_num_batched_tokens)
+        self.host_attn = self.offloader = None
+        if kv_offload != "off":
+            import os
+
+            threads = offload_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+            self.host_attn = HostAttention(cfg, self.host, kv_offload, overlap=offload_overlap, num_threads=threads)
+            self.offloader = Offloader(self.host, self.host_attn.stats)
+            self.runner.host_attn = self.host_attn
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                    host=self.host, cost_model=self.cost_model,
-                                   preemption_mode=preemption_mode if self.host is not None else "recompute")
+                                   preemption_mode=preemption_mode if self.host is not None else "recompute",
+                                   kv_offload=kv_offload)
         self.requests: dict[Any, Sequence] = {}
         self._prev: StepResult | None = None
         self._arrivals = 0
@@ -162,6 +186,8 @@ class LLMEngine:
             self.num_preemptions += len(sched.preempted)
             if sched.swap_out:  # gather before anything below reuses the pages and slots
                 self.swapper.swap_out(self.runner.state, sched.swap_out)
+            if sched.offload:  # likewise: the blocks are reused from the next step on
+                self.offloader.dispatch(self.runner.state, sched.offload)
             if sched.rows:
                 self.runner.zero_slots(sched.new_slots)
                 if sched.swap_in:
@@ -171,6 +197,8 @@ class LLMEngine:
         self._prev = current
         if self.swapper is not None:
             self.swapper.flush()  # the previous step is read, so swap-out data has (nearly) arrived
+        if self.offloader is not None:
+            self.offloader.flush()  # before the next schedule() commits these offloads
         return updated
 
     def stats(self) -> dict[str, float]:
@@ -184,7 +212,9 @@ class LLMEngine:
             host_blocks_used=0, host_blocks_total=0, host_slots_used=0, host_slots_total=0, host_bytes_used=0,
             host_bytes_total=0, num_swap_out=0, num_swap_in=0, swap_out_bytes=0, swap_in_bytes=0,
             swap_out_seconds=0.0, swap_in_seconds=0.0,
+            host_resident_blocks=sched.num_host_resident_blocks, num_offloaded_blocks=sched.num_offloaded_blocks,
         )
+        out.update(dataclasses.asdict(self.host_attn.stats if self.host_attn is not None else OffloadStats()))
         if self.host is not None:
             st = self.swapper.stats
             out.update(

@@ -36,7 +36,7 @@ _FIELDS = (
     ("slot_mapping", lambda t, b, m: t), ("cu_seqlens", lambda t, b, m: b + 1), ("block_tables", lambda t, b, m: b * m),
     ("slot_ids", lambda t, b, m: b), ("logits_index", lambda t, b, m: b), ("token_src", lambda t, b, m: b),
     ("temperature", lambda t, b, m: b), ("top_k", lambda t, b, m: b), ("top_p", lambda t, b, m: b),
-    ("seeds", lambda t, b, m: b), ("counters", lambda t, b, m: b),
+    ("seeds", lambda t, b, m: b), ("counters", lambda t, b, m: b), ("host_offsets", lambda t, b, m: b),
 )
 _FLOAT_FIELDS = ("temperature", "top_p")
 
@@ -59,15 +59,21 @@ def _unpack(meta: jax.Array, t: int, b: int, m: int) -> dict[str, jax.Array]:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "layout", "decode", "all_greedy", "filtered", "num_logprobs", "max_rows", "mesh"),
+    static_argnames=("cfg", "layout", "decode", "all_greedy", "filtered", "num_logprobs", "max_rows", "mesh",
+                     "host_layout", "host_attn"),
     donate_argnames=("state",),
 )
-def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array, *,
+def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array,
+                host_meta: jax.Array | None = None, stage=None, *,
                 layout: tuple[int, int, int], decode: bool, all_greedy: bool, filtered: bool, num_logprobs: int,
-                max_rows: int, mesh=None):
+                max_rows: int, mesh=None, host_layout: tuple[int, int] | None = None, host_attn=None):
     """One step. `meta` is the packed int32 metadata of `layout = (T, B, M)`; `prev_out [2, R]` the previous
     step's output (row 0: its sampled tokens). Returns (`[2, R]` int32: tokens and their bit-cast fp32 logprobs, top logprobs,
-    top ids, state)."""
+    top ids, state).
+
+    Offloaded attention: `host_meta` packs the host-KV rows of `host_layout = (RH, MH)`: their packed token
+    index `[RH]` (padding: T), host tokens `[RH]` and host (or, "copy", staging) block tables `[RH, MH]`;
+    `stage` is "copy"'s staging arrays; `host_attn` the engine's `HostAttention` (static, by identity)."""
     f = _unpack(meta, *layout)
     num_tokens = layout[0]
     token_src = f["token_src"]
@@ -78,7 +84,16 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
                   slot_ids=f["slot_ids"], logits_index=f["logits_index"])
     sampling = SamplingArrays(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
                               seeds=f["seeds"], counters=f["counters"])
-    logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh)
+    host = None
+    if host_layout is not None:
+        from jhybrid.engine.offload import HostPart
+
+        rh, mh = host_layout
+        real = jnp.arange(num_tokens) < f["cu_seqlens"][-1]  # padding tokens keep their positions
+        offsets = jnp.where(real, f["host_offsets"][f["token_seq"]], 0)
+        host = HostPart(attn=host_attn, offsets=offsets, rows=host_meta[:rh],
+                        lengths=host_meta[rh : 2 * rh], tables=host_meta[2 * rh :].reshape(rh, mh), stage=stage)
+    logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh, host_attention=host)
     if mesh is not None:  # sample on the gathered logits; keep the state in its shards
         logits, state = parallel.replicated(logits, mesh), parallel.constrain_state(state, cfg, mesh)
     tokens, token_logp, top_lp, top_ids = sample(
@@ -116,7 +131,8 @@ class ModelRunner:
     re-laid out shard-major and sharded over it, and the state is created in its shards."""
 
     def __init__(self, cfg: ModelConfig, params, cache: CacheConfig, *, max_num_seqs: int, max_model_len: int,
-                 max_num_batched_tokens: int, seed: int = 0, mesh=None):
+                 max_num_batched_tokens: int, seed: int = 0, mesh=None, host_attn=None):
+        self.host_attn = host_attn  # offloaded attention (`jhybrid.engine.offload.HostAttention`) or None
         self.mesh = mesh if parallel.num_shards(mesh) > 1 else None
         if self.mesh is not None:
             params = parallel.shard_params(cfg, params, self.mesh)
@@ -140,7 +156,8 @@ class ModelRunner:
 
     def _sync_table(self, seq) -> None:
         slot, table = seq.slot, seq.block_table
-        owner = (seq.seq_id, seq.num_preemptions)  # a re-admitted sequence has new blocks
+        # a re-admitted sequence has new blocks; an offload removes blocks from the front of the table
+        owner = (seq.seq_id, seq.num_preemptions, len(seq.host_blocks))
         if self._table_owner[slot] != owner or self._table_len[slot] > len(table):
             self._table_owner[slot], self._table_len[slot] = owner, 0
         n = self._table_len[slot]
@@ -165,6 +182,8 @@ class ModelRunner:
         top_k = np.zeros(num_rows, np.int32)
         top_p = np.ones(num_rows, np.float32)
         seeds = np.zeros(num_rows, np.uint32)
+        host_offsets = np.zeros(num_rows, np.int64)  # tokens of each row held in the host tier
+        host_rows: list[int] = []
         pieces = []
         for i, r in enumerate(rows):
             seq, p = r.seq, r.seq.params
@@ -180,6 +199,11 @@ class ModelRunner:
             lengths[i], starts[i], slots[i] = r.num_tokens, r.start, seq.slot
             temperature[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
             seeds[i] = self._seed(seq)
+            if seq.host_blocks:
+                if r.num_tokens != 1:
+                    raise AssertionError(f"{seq}: a row with host KV must be a decode row")
+                host_offsets[i] = len(seq.host_blocks) * bs
+                host_rows.append(i)
         total = int(lengths.sum())
         cu = np.zeros(num_rows + 1, np.int64)
         np.cumsum(lengths, out=cu[1:])
@@ -192,13 +216,14 @@ class ModelRunner:
         tables = self._tables[slots]  # [B, M]; padding rows read slot 0's row: zeros
         tables[num_real:] = 0
         slot_mapping = np.arange(num_tokens) % bs  # padding tokens -> page 0 (the null page)
-        slot_mapping[:total] = tables[token_seq[:total], positions[:total] // bs] * bs + positions[:total] % bs
+        device_pos = positions[:total] - host_offsets[token_seq[:total]]  # the table starts after the host blocks
+        slot_mapping[:total] = tables[token_seq[:total], device_pos // bs] * bs + positions[:total] % bs
         counters = (starts + lengths).astype(np.int32)
         fields = dict(
             token_ids=token_ids, positions=positions, token_seq=token_seq, slot_mapping=slot_mapping, cu_seqlens=cu,
             block_tables=tables, slot_ids=slots, logits_index=np.maximum(cu[1:] - 1, 0), token_src=token_src,
             temperature=temperature.view(np.int32), top_k=top_k, top_p=top_p.view(np.int32),
-            seeds=seeds.view(np.int32), counters=counters,
+            seeds=seeds.view(np.int32), counters=counters, host_offsets=host_offsets,
         )
         meta = np.concatenate([np.asarray(fields[name], np.int32).ravel() for name, _ in _FIELDS])
         params = [r.seq.params for r in rows]
@@ -211,10 +236,45 @@ class ModelRunner:
             max_rows=self.max_rows,
             mesh=self.mesh,
         )
+        host_meta = stage = None
+        if self.host_attn is not None:
+            stats = self.host_attn.stats
+            stats.num_steps_host += bool(host_rows)
+            stats.num_steps_plain += not host_rows
+        if host_rows:
+            host_meta, stage, statics["host_layout"] = self._host_part(rows, host_rows, cu, num_tokens)
+            statics["host_attn"] = self.host_attn
         self.compiled_shapes.add(tuple(statics.values()))
         prev_out = prev.out if prev is not None else self._no_prev
-        out, top_lp, top_ids, self.state = engine_step(self.cfg, self.params, self.state, meta, prev_out, **statics)
+        out, top_lp, top_ids, self.state = engine_step(self.cfg, self.params, self.state, meta, prev_out, host_meta,
+                                                       stage, **statics)
         return StepResult(sched, out, top_lp, top_ids)
+
+    def _host_part(self, rows, host_rows: list[int], cu, num_tokens: int):
+        """The host-KV rows' metadata (packed), "copy"'s staging arrays and the static `(RH, MH)`."""
+        attn = self.host_attn
+        tables = [rows[i].seq.host_blocks for i in host_rows]
+        rh = _pow2(len(host_rows), 4)
+        mh = _pow2(max(len(t) for t in tables), 4)
+        token_index = np.full(rh, num_tokens, np.int64)  # padding: out of range, dropped
+        token_index[: len(host_rows)] = cu[np.asarray(host_rows) + 1] - 1
+        lengths = np.zeros(rh, np.int64)
+        lengths[: len(host_rows)] = [len(t) * self.cache.block_size for t in tables]
+        table = np.zeros((rh, mh), np.int64)
+        stage = None
+        if attn.mode == "copy":
+            stage = attn.stage(tables)
+            ids = 1  # staging block 0 is the zero page
+            for j, t in enumerate(tables):
+                table[j, : len(t)] = np.arange(ids, ids + len(t))
+                ids += len(t)
+        else:
+            for j, t in enumerate(tables):
+                table[j, : len(t)] = t
+        attn.stats.num_host_rows += len(host_rows)
+        attn.stats.host_tokens_attended += int(lengths.sum())
+        host_meta = np.concatenate([token_index, lengths, table.ravel()]).astype(np.int32)
+        return host_meta, stage, (rh, mh)
 
     def _seed(self, seq) -> int:
         if seq.params.seed is not None:

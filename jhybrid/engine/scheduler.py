@@ -11,6 +11,20 @@ blocks and a new slot when it is admitted again (`swap_in`), so it resumes where
 `preemption_mode` picks: "recompute", "swap" (whenever the host tier has room, else recompute) or "auto"
 (swap when `SwapCostModel` estimates it is cheaper than recomputing, and the host tier has room).
 Waiting sequences are admitted while a slot, row and budget are left and their first chunk's blocks fit.
+
+Offloaded attention (`kv_offload` "cpu" or "copy", with a host tier): instead of preempting, a step ends
+by moving the oldest full KV blocks (all full layers) of the longest *decoding* sequences to host blocks
+(an `OffloadOp`) until the next step's decode rows and the first waiting sequence's first chunk fit. The
+sequence keeps running: its state slot and its newest blocks stay on the GPU and new tokens are always
+written there; its decode attention becomes a GPU part over `block_table` plus a host part over
+`host_blocks` (`jhybrid.cache.host_attention`). An op is executed in two phases so that the host copy is
+in place before anything reads it: the engine dispatches the gather of the device blocks before this
+step (which still reads them on the device) and stores it in the host arrays after reading the previous
+step; the next `schedule()` *commits* it (the blocks move from `block_table` to `host_blocks` and the
+device blocks are freed for reuse). A sequence with host blocks is only ever fed one token per step (it
+was decoding when chosen, and decoding stays decoding), so prefill never sees host KV; when it finishes or
+is preempted (always by recompute: its KV is split between tiers) its host blocks are freed with it.
+Preemption stays the fallback when nothing can be offloaded or the host tier is full.
 """
 
 from __future__ import annotations
@@ -42,12 +56,22 @@ class SwapOp:
 
 
 @dataclasses.dataclass
+class OffloadOp:
+    """Move the oldest full device blocks of a running sequence to host blocks (KV of all full layers)."""
+
+    seq: Sequence
+    device_blocks: list[int]  # the first len(device_blocks) entries of seq.block_table, in order
+    host_blocks: list[int]  # as many, appended to seq.host_blocks when committed
+
+
+@dataclasses.dataclass
 class SchedulerOutput:
     rows: list[ScheduledRow]
     preempted: list[Sequence]
     new_slots: list[int]  # slots handed out this step: the runner zeroes them before the step
     swap_out: list[SwapOp] = dataclasses.field(default_factory=list)  # gather before the step (pages reused)
     swap_in: list[SwapOp] = dataclasses.field(default_factory=list)  # scatter before the step; frees the entry
+    offload: list[OffloadOp] = dataclasses.field(default_factory=list)  # gather before the step; commit next step
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +83,7 @@ class SchedulerOutput:
 
 
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+KV_OFFLOAD_MODES = ("off", "cpu", "copy")
 
 
 class Scheduler:
@@ -73,6 +98,7 @@ class Scheduler:
         host: HostAllocator | None = None,
         preemption_mode: str = "recompute",
         cost_model: SwapCostModel | None = None,
+        kv_offload: str = "off",
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"need {max_num_seqs=} >= 1 and {max_num_batched_tokens=} >= 1")
@@ -82,7 +108,15 @@ class Scheduler:
             raise ValueError(f"{preemption_mode=} needs a host tier: set host_kv_memory_gb > 0")
         if preemption_mode == "auto" and cost_model is None:
             raise ValueError("preemption_mode='auto' needs a cost model (measured bandwidth and prefill rate)")
+        if kv_offload not in KV_OFFLOAD_MODES:
+            raise ValueError(f"unknown {kv_offload=}; choose one of {KV_OFFLOAD_MODES}")
+        if kv_offload != "off" and host is None:
+            raise ValueError(f"{kv_offload=} needs a host tier: set host_kv_memory_gb > 0")
         self.host, self.preemption_mode, self.cost_model = host, preemption_mode, cost_model
+        self.kv_offload = kv_offload
+        self._offloading: dict[int, OffloadOp] = {}  # seq_id -> op decided last step, committed next step
+        self.num_offloaded_blocks = 0  # blocks moved to the host so far
+        self.num_offload_ops = 0
         self.swapped: dict[int, HostEntry] = {}  # seq_id -> host entry of a swapped-out waiting sequence
         self.num_swap_preemptions = 0
         self.num_recompute_preemptions = 0
@@ -115,6 +149,12 @@ class Scheduler:
         seq.error = error
 
     def _release(self, seq: Sequence) -> None:
+        op = self._offloading.pop(seq.seq_id, None)
+        if op is not None:  # finished before its offload was committed: its device blocks are still in the table
+            self.host.blocks.free(op.host_blocks)
+        if seq.host_blocks:
+            self.host.blocks.free(seq.host_blocks)
+            seq.host_blocks = []
         if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []
@@ -144,7 +184,7 @@ class Scheduler:
     def _reserve_swap(self, seq: Sequence) -> HostEntry | None:
         """A host entry for `seq`'s KV and state when the mode and the cost model say swap and it fits."""
         n = seq.num_computed
-        if self.preemption_mode == "recompute" or n == 0:
+        if self.preemption_mode == "recompute" or n == 0 or seq.host_blocks:  # offloaded KV: recompute
             return None
         if self.preemption_mode == "auto":
             nbytes = self.host.entry_bytes(self.blocks.blocks_needed(n))
@@ -157,7 +197,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
         """Gives `seq` blocks for positions < upto; False when none are left."""
-        need = self.blocks.blocks_needed(upto) - len(seq.block_table)
+        need = self.blocks.blocks_needed(upto) - _num_blocks(seq)
         if need <= 0:
             return True
         if not self.blocks.can_allocate(need):
@@ -173,6 +213,7 @@ class Scheduler:
         new_slots: list[int] = []
         swap_out: list[SwapOp] = []
         swap_in: list[SwapOp] = []
+        self._commit_offloads()
         # 1. running sequences, oldest first; preempt the newest when blocks run out
         i = 0
         while i < len(self.running) and budget > 0:
@@ -185,7 +226,7 @@ class Scheduler:
                 victim = self.running[-1]  # newest; not scheduled yet this step (we go oldest first)
                 self._preempt(victim, swap_out)
                 preempted.append(victim)
-            if self.blocks.blocks_needed(seq.num_computed + n) <= len(seq.block_table):
+            if self.blocks.blocks_needed(seq.num_computed + n) <= _num_blocks(seq):
                 rows.append(ScheduledRow(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
                 budget -= n
                 i += 1
@@ -223,4 +264,62 @@ class Scheduler:
             row.seq.num_computed += row.num_tokens
             if row.samples:
                 row.seq.num_pending += 1
-        return SchedulerOutput(rows, preempted, new_slots, swap_out, swap_in)
+        offload = self._plan_offload(rows) if self.kv_offload != "off" else []
+        return SchedulerOutput(rows, preempted, new_slots, swap_out, swap_in, offload)
+
+    # ----------------------------------------------------------------- offloading
+    def _commit_offloads(self) -> None:
+        """Last step's offloads: their data is on the host now; the device blocks become free."""
+        for op in self._offloading.values():
+            seq, n = op.seq, len(op.device_blocks)
+            assert seq.block_table[:n] == op.device_blocks, f"{seq}: offloaded blocks moved"
+            seq.host_blocks += op.host_blocks
+            seq.block_table = seq.block_table[n:]
+            self.blocks.free(op.device_blocks)
+        self._offloading.clear()
+
+    def _plan_offload(self, rows: list[ScheduledRow]) -> list[OffloadOp]:
+        """Offloads old blocks of the longest decoding sequences until the next step fits: every running
+        sequence's next token, and the first waiting sequence's first chunk when it could be admitted."""
+        bs = self.blocks.block_size
+        want = sum(self.blocks.blocks_needed(s.num_computed + 1) > _num_blocks(s) for s in self.running)
+        if self.waiting and len(self.running) < self.max_num_seqs and not self.waiting[0].num_pending:
+            head = self.waiting[0]
+            want += self.blocks.blocks_needed(head.num_computed + min(head.num_uncomputed, self.max_num_batched_tokens))
+        deficit = want - self.blocks.num_free
+        if deficit <= 0:
+            return []
+        fed = {r.seq.seq_id: r.num_tokens for r in rows}
+        ops: list[OffloadOp] = []
+        candidates = []
+        for seq in self.running:
+            if seq.num_uncomputed > 1:  # still in prefill
+                continue
+            # full blocks written before this step (the gather runs before it), not yet on the host
+            full = (seq.num_computed - fed.get(seq.seq_id, 0)) // bs - len(seq.host_blocks)
+            if full > 0:
+                candidates.append((full, seq))
+        candidates.sort(key=lambda c: -c[0])  # longest device-resident part first
+        for full, seq in candidates:
+            if deficit <= 0:
+                break
+            n = min(full, deficit, self.host.blocks.num_free)
+            if n <= 0:
+                break
+            op = OffloadOp(seq, seq.block_table[:n], self.host.blocks.allocate(n))
+            self._offloading[seq.seq_id] = op
+            ops.append(op)
+            deficit -= n
+            self.num_offloaded_blocks += n
+            self.num_offload_ops += 1
+        return ops
+
+    @property
+    def num_host_resident_blocks(self) -> int:
+        """Blocks of running sequences held in the host tier now (offloaded attention)."""
+        return sum(len(s.host_blocks) for s in self.running)
+
+
+def _num_blocks(seq: Sequence) -> int:
+    """KV blocks the sequence holds, in both tiers."""
+    return len(seq.host_blocks) + len(seq.block_table)

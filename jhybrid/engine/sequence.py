@@ -34,7 +34,8 @@ class Sequence:
         self.params = params
         self.arrival = arrival
         self.status = Status.WAITING
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # device blocks, for positions from len(host_blocks) * block_size on
+        self.host_blocks: list[int] = []  # offloaded (kv_offload): host blocks of the oldest positions
         self.slot: int = 0
         self.num_computed = 0
         self.num_pending = 0
@@ -71,5 +72,6 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, tokens={len(self.token_ids)}"
-            f"+{self.num_pending}, computed={self.num_computed}, blocks={len(self.block_table)}, slot={self.slot})"
+            f"+{self.num_pending}, computed={self.num_computed}, blocks={len(self.block_table)}"
+            f"{f'+{len(self.host_blocks)} host' if self.host_blocks else ''}, slot={self.slot})"
         )

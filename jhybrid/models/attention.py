@@ -11,6 +11,7 @@ from jhybrid.models.batch import Batch
 from jhybrid.models.layers import apply_rope, rms_norm
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import paged_attention, write_kv_pages
+from pallas_kernels.paged_attention import merge_attention
 
 
 def attention_layer(
@@ -23,9 +24,16 @@ def attention_layer(
     inv_freq: Array,
     decode: bool = False,
     kernels: dict | None = None,
+    host=None,
 ) -> tuple[Float[Array, "T D"], Array, Array]:
     """Projects, normalises and rotates q/k, writes this step's K/V into the pages, attends causally over
-    each row's cache, gates (if the family does) and projects out. Returns (out, k_pages, v_pages)."""
+    each row's cache, gates (if the family does) and projects out. Returns (out, k_pages, v_pages).
+
+    `host` (offloaded attention, `jhybrid.engine.offload.HostPart.layer(i)`): rows whose oldest KV blocks
+    are in the host tier. Their block tables then hold only the device blocks, which start at position
+    `host.offsets[t]` (a multiple of the block size), so the GPU part attends with positions shifted by
+    it (RoPE already used the true positions); `host(q)` returns the host part's (o, lse) and the two are
+    merged by LSE."""
     num_tokens = x.shape[0]
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q_out = h * hd * (2 if cfg.attn_output_gate else 1)
@@ -47,10 +55,18 @@ def attention_layer(
     q = apply_rope(q, batch.positions, inv_freq)
     k = apply_rope(k, batch.positions, inv_freq)
     k_pages, v_pages = write_kv_pages(k_pages, v_pages, k, v, batch.slot_mapping)
-    o = paged_attention(
-        q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions,
-        cu_seqlens=batch.cu_seqlens, decode=decode, scale=cfg.attention_scale, **(kernels or {}),
-    )
+    if host is None:
+        o = paged_attention(
+            q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions,
+            cu_seqlens=batch.cu_seqlens, decode=decode, scale=cfg.attention_scale, **(kernels or {}),
+        )
+    else:
+        o_dev, lse_dev = paged_attention(
+            q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions - host.offsets,
+            cu_seqlens=batch.cu_seqlens, decode=decode, scale=cfg.attention_scale, return_lse=True,
+            **(kernels or {}),
+        )
+        o, _ = merge_attention(o_dev, lse_dev, *host(q))
     o = o.reshape(num_tokens, h * hd)
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)

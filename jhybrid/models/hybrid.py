@@ -36,6 +36,7 @@ def forward(
     kernel_impl: str = "auto",
     interpret: bool = False,
     mesh=None,
+    host_attention=None,
 ) -> tuple[Float[Array, "B V"] | Float[Array, "T V"], HybridState]:
     """Runs one step over a ragged batch.
 
@@ -50,6 +51,8 @@ def forward(
         "reference"; "pallas"), with `interpret` to run Pallas in interpret mode (CPU tests).
       mesh: the tensor-parallel mesh (`jhybrid.parallel`) when the parameters are sharded over several
         devices (their packed projections then shard-major); the Pallas kernels then run per shard.
+      host_attention: offloaded attention (`jhybrid.engine.offload.HostPart`): rows with KV blocks in the
+        host tier; full layer i attends in two parts merged by LSE (`attention_layer`'s `host`).
 
     Returns:
       fp32 logits and the updated state.
@@ -70,7 +73,8 @@ def forward(
             normed = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
             if kind == "full_attention":
                 h, k_pages[i_full], v_pages[i_full] = attention_layer(
-                    cfg, p["attn"], normed, k_pages[i_full], v_pages[i_full], batch, inv_freq, decode, kernels
+                    cfg, p["attn"], normed, k_pages[i_full], v_pages[i_full], batch, inv_freq, decode, kernels,
+                    host=None if host_attention is None else host_attention.layer(i_full),
                 )
                 i_full += 1
                 alpha, beta = cfg.full_attn_alpha, cfg.full_attn_beta

@@ -1,0 +1,175 @@
+"""Offloaded attention (`kv_offload`): running sequences keep their oldest KV blocks in the host tier and
+attend over them on the CPU ("cpu") or over per-step copies on the GPU ("copy"), merged with the GPU part
+by LSE. Greedy outputs under forced offloading equal outputs without memory pressure, everything is freed,
+and the two-part attention equals attention over the whole context."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jhybrid import LLM, SamplingParams
+from tests.test_engine import GREEDY, assert_all_free, tiny  # noqa: F401 (fixture)
+
+
+def decode_heavy_prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 128, size=n).tolist() for n in (10, 30, 25, 14, 20)]
+
+
+PARAMS = SamplingParams(max_tokens=24, **GREEDY)
+SIZES = dict(dtype=None, max_num_seqs=4, max_model_len=64, block_size=8, max_num_batched_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """The same prompts without memory pressure (no offloading, no preemption)."""
+    llm = LLM(tiny[1], **SIZES)
+    outs = llm.generate(decode_heavy_prompts(), PARAMS)
+    assert llm.engine.num_preemptions == 0
+    return [o.token_ids for o in outs]
+
+
+def offloading(model, mode: str, **kw) -> LLM:
+    """4 sequences of up to 54 tokens need up to 28 blocks of 8; 12 force offloading (or preemption)."""
+    return LLM(model, **SIZES, num_kv_blocks=13, host_kv_memory_gb=0.01, preemption_mode="recompute",
+               kv_offload=mode, **kw)
+
+
+@pytest.mark.parametrize("mode,overlap", [("cpu", False), ("cpu", True), ("copy", False)])
+def test_forced_offloading_equals_no_pressure(tiny, reference, mode, overlap):
+    llm = offloading(tiny[1], mode, offload_overlap=overlap, offload_threads=2)
+    outs = llm.generate(decode_heavy_prompts(), PARAMS)
+    st = llm.engine.stats()
+    assert st["num_offloaded_blocks"] > 0 and st["num_steps_host"] > 0 and st["num_host_rows"] > 0, st
+    assert st["offload_bytes"] == st["num_offloaded_blocks"] * llm.engine.host.block_bytes
+    if mode == "cpu":
+        assert st["num_cpu_calls"] == st["num_steps_host"] * llm.model.cfg.num_full_layers, st
+        assert st["cpu_attention_seconds"] > 0 and st["copy_bytes"] == 0, st
+    else:
+        assert st["copy_bytes"] > 0 and st["num_cpu_calls"] == 0, st
+    for i, (out, want) in enumerate(zip(outs, reference)):
+        assert out.token_ids == want, f"prompt {i}: {mode} offloading changed the greedy tokens"
+        assert out.finish_reason == "length"
+    assert_all_free(llm)
+    host = llm.engine.host
+    assert host.blocks.num_used == 0 and host.slots.num_used == 0, "host tier leaked"
+    assert llm.engine.stats()["host_resident_blocks"] == 0
+
+
+def test_offloaded_sequences_preempted_or_aborted_free_their_host_blocks(tiny):
+    """Too little room even with offloading: some sequences are preempted (recompute) or aborted while
+    they hold host blocks; every request still completes (or is aborted) and everything is freed."""
+    llm = LLM(tiny[1], **SIZES, num_kv_blocks=9, host_kv_memory_gb=1e-5, preemption_mode="recompute",
+              kv_offload="cpu")  # a few host blocks
+    eng = llm.engine
+    seqs = [eng.add_request(f"r{i}", p, PARAMS) for i, p in enumerate(decode_heavy_prompts())]
+    aborted = None
+    while eng.has_unfinished():
+        eng.step()
+        if aborted is None:
+            holder = next((s for s in eng.scheduler.running if s.host_blocks), None)
+            if holder is not None and eng.stats()["num_preemptions"] > 0:
+                aborted = holder
+                eng.abort(holder.request_id)
+    st = eng.stats()
+    assert st["num_offloaded_blocks"] > 0 and st["num_recompute_preemptions"] > 0, st
+    assert aborted is not None and aborted.finish_reason == "abort"
+    assert all(s.finish_reason == "length" and len(s.output_ids) == 24 for s in seqs if s is not aborted)
+    assert_all_free(llm)
+    assert eng.host.blocks.num_used == 0
+
+
+def test_bad_offload_configs_are_refused(tiny):
+    _, model = tiny
+    with pytest.raises(ValueError, match="host_kv_memory_gb"):
+        LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, kv_offload="cpu")
+    with pytest.raises(ValueError, match="kv_offload"):
+        LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, host_kv_memory_gb=0.01, kv_offload="gpu")
+
+
+# ---------------------------------------------------------------- the two parts of one layer's attention
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("decode", [True, False])
+def test_two_part_attention_equals_whole(impl, decode):
+    """Rows whose first `n_host` blocks are in host arrays: the device part (compacted block table, positions
+    shifted by -n_host * BS; NaN-poisoned pages nobody owns) merged with the CPU part (threaded, through
+    `HostAttention`) equals attention over the whole context in one table. Rows with nothing on the host
+    (n_host = 0) and with only the current block on the device are included."""
+    from jhybrid.cache.host_attention import host_paged_attention  # noqa: F401 (what HostAttention runs)
+    from jhybrid.engine.offload import HostAttention
+    from pallas_kernels.paged_attention import merge_attention, paged_attention, paged_attention_reference
+
+    rng = np.random.default_rng(5 + decode)
+    bs, kvh, group, hd = 4, 2, 3, 16
+    h = kvh * group
+    lengths = np.array([1, 5, 9, 17, 32, 33, 12])  # context of each row, its query included
+    n_host = np.array([0, 1, 2, 4, 7, 0, 2])  # full blocks before the query's block
+    rows = len(lengths)
+    pages = 64
+    k_all = rng.normal(size=(pages, bs, kvh, hd)).astype(np.float32)
+    v_all = rng.normal(size=(pages, bs, kvh, hd)).astype(np.float32)
+    perm = rng.permutation(np.arange(1, pages))
+    m = 10
+    full_tables = np.zeros((rows, m), np.int32)
+    pos = 0
+    for b, n in enumerate(lengths):
+        nb = -(-n // bs)
+        full_tables[b, :nb] = perm[pos : pos + nb]
+        pos += nb
+    assert np.all(n_host * bs < lengths)  # the query's own block is always on the device
+    # device pool: only the device blocks hold data, the host blocks' device copies are poisoned
+    k_dev, v_dev = k_all.copy(), v_all.copy()
+    dev_tables = np.zeros_like(full_tables)
+    host_tables = np.zeros_like(full_tables)
+    owned = set()
+    for b in range(rows):
+        nb = -(-lengths[b] // bs)
+        host_tables[b, : n_host[b]] = full_tables[b, : n_host[b]]
+        dev_tables[b, : nb - n_host[b]] = full_tables[b, n_host[b] : nb]
+        owned.update(dev_tables[b, : nb - n_host[b]].tolist())
+    poison = [p for p in range(pages) if p not in owned]
+    k_dev[poison] = np.nan
+    v_dev[poison] = np.nan
+    k_host, v_host = np.full_like(k_all, np.nan), np.full_like(v_all, np.nan)  # only host blocks are valid
+    for b in range(rows):
+        k_host[host_tables[b, : n_host[b]]] = k_all[host_tables[b, : n_host[b]]]
+        v_host[host_tables[b, : n_host[b]]] = v_all[host_tables[b, : n_host[b]]]
+    # queries: one per row (decode) or the last 3 positions of each row with >= 3 keys on the device (ragged)
+    q_rows, q_pos = [], []
+    for b in range(rows):
+        last = lengths[b] - 1
+        firsts = [last] if decode else list(range(max(n_host[b] * bs, last - 2), last + 1))
+        q_rows += [b] * len(firsts)
+        q_pos += firsts
+    q_rows, q_pos = np.array(q_rows), np.array(q_pos)
+    cu = np.concatenate([[0], np.cumsum(np.bincount(q_rows, minlength=rows))])
+    q = rng.normal(size=(len(q_rows), h, hd)).astype(np.float32)
+    kw = dict(impl=impl, interpret=impl == "pallas", decode=decode, cu_seqlens=jnp.asarray(cu), return_lse=True)
+    o_all, lse_all = paged_attention_reference(jnp.asarray(q), jnp.asarray(k_all), jnp.asarray(v_all),
+                                               jnp.asarray(full_tables), jnp.asarray(q_rows), jnp.asarray(q_pos),
+                                               return_lse=True)
+    shifted = q_pos - n_host[q_rows] * bs
+    o_dev, lse_dev = paged_attention(jnp.asarray(q), jnp.asarray(k_dev), jnp.asarray(v_dev), jnp.asarray(dev_tables),
+                                     jnp.asarray(q_rows), jnp.asarray(shifted), **kw)
+
+    class Host:  # what HostAttention reads of the host tier
+        k, v = (k_host,), (v_host,)
+
+    class Cfg:
+        attention_scale = None
+
+    attn = HostAttention(Cfg(), Host(), "cpu", num_threads=3)
+    o_host, lse_host = attn.attend(0, q, host_tables[q_rows], n_host[q_rows] * bs)
+    assert np.all(np.isneginf(lse_host[n_host[q_rows] == 0]))
+    o, lse = merge_attention(o_dev, lse_dev, jnp.asarray(o_host), jnp.asarray(lse_host))
+    o, lse = np.asarray(o), np.asarray(lse)
+    assert np.isfinite(o).all(), "a poisoned page or an empty part leaked NaN"
+    err = np.abs(o - np.asarray(o_all)).max()
+    rel = np.sqrt(np.mean((o - np.asarray(o_all)) ** 2) / np.mean(np.asarray(o_all) ** 2))
+    assert err < 2e-5, f"{impl} decode={decode}: merged output max abs err {err:.2e}, rel rms {rel:.2e}"
+    np.testing.assert_allclose(lse, np.asarray(lse_all), rtol=1e-5, atol=1e-5)
+    # and the parts are not trivially equal to the whole: the host part matters for rows that have one
+    has_host = n_host[q_rows] > 0
+    assert np.abs(np.asarray(o_dev)[has_host] - np.asarray(o_all)[has_host]).max() > 1e-2
