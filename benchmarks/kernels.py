@@ -216,43 +216,6 @@ def check_chunk(label, args, **kw):
     return max(e_o[0], e_s[0]), max(e_o[1], e_s[1])
 
 
-def stage_breakdown(args):
-    """Each stage of the chunked kernel timed alone on the B1 T32768 inputs (ms), so the table says where
-    the time goes."""
-    from pallas_kernels.gated_delta_rule import chunk as ck
-
-    q, k, v, g, beta, cu, state, slots = args
-    c, scale = 64, q.shape[-1] ** -0.5
-    qp, kp, vp, gp, bp, cup, lay = ck._prepare(q, k, v, g, beta, cu, slots, c, False)
-    rows = {}
-
-    def timed(name, fn, fargs):
-        try:
-            rows[name] = time_jax(jax.jit(fn), fargs, reps=10)[0]
-        except Exception as e:  # a variant that does not compile is reported, not fatal
-            print(f"  stage {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-
-    for wp, kd in (("input", True), ("input", False), ("tf32", False)):
-        timed(f"wy {wp} decayed_keys={kd}", functools.partial(
-            ck.wy_stage, layout=lay, chunk_size=c, wy_precision=wp, num_warps=4, decayed_keys=kd,
-            interpret=False), (kp, vp, gp, bp))
-    w, u, kd = ck.wy_stage(kp, vp, gp, bp, lay, chunk_size=c, wy_precision="input", num_warps=4,
-                           decayed_keys=True, interpret=False)
-    for bv, nw, ns in ((16, 4, 3), (16, 4, 2), (16, 2, 3)):
-        for keys, label in ((kd, "decayed keys"), (kp, "packed keys")):
-            timed(f"state pass bv={bv} warps={nw} stages={ns} {label}", functools.partial(
-                ck.state_stage, layout=lay, chunk_size=c, block_v=bv, num_warps=nw, num_stages=ns,
-                interpret=False), (keys, gp, w, u, cup, state, slots))
-    h, v_new, _ = ck.state_stage(kd, gp, w, u, cup, state, slots, lay, chunk_size=c, block_v=16, num_warps=4,
-                                 num_stages=3, interpret=False)
-    timed("output bv=128 warps=4", functools.partial(
-        ck.output_stage, layout=lay, chunk_size=c, scale=scale, block_v=128, num_warps=4, interpret=False),
-        (qp, kp, gp, h, v_new))
-    for name, ms in rows.items():
-        print(f"  stage {name}: {ms:.4f} ms", flush=True)
-    SWEEPS.append(dict(op="gdn_chunk_stages", stages=rows))
-
-
 def bench_gdn_chunk(quick):
     T, H, HV, K, V = 32768, 16, 16, 128, 128
     shape = f"B1 T{T} H{H} HV{HV} K{K} V{V} bf16"
@@ -261,62 +224,36 @@ def bench_gdn_chunk(quick):
     rq = (*rq[:-1], rq[-1].at[1].set(0))
     e_r = check_chunk("gdn chunk ragged", rq)
     args = gdn_chunk_inputs([T], H, HV, K, V, jnp.bfloat16, 2)
-    err, rel = check_chunk("gdn chunk B1 T32768 split output", args, fused_output=False)
-    e_f = check_chunk("gdn chunk B1 T32768 fused_output", args, fused_output=True)
-    rel = max(rel, e_r[1], e_f[1])
-
-    # variants: the packed keys in the state pass, fp32 (TF32) WY dots; each is checked before it is timed
-    e_k = check_chunk("gdn chunk B1 T32768 packed keys", args, decayed_keys=False)
-    e_t = check_chunk("gdn chunk B1 T32768 wy tf32", args, wy_precision="tf32")
-    rel = max(rel, e_k[1], e_t[1])
-    stage_breakdown(args)
+    err, rel = check_chunk("gdn chunk B1 T32768", args)
+    e_s = check_chunk("gdn chunk B1 T32768 split output", args, fused_output=False)
+    rel = max(rel, e_r[1], e_s[1])
 
     def make(cfg):
-        bv, nw, ns, fused, kd, wp = cfg
+        bv, nw, ns, fused = cfg
         f = functools.partial(chunk_gated_delta_rule_pallas, block_v=bv, num_warps=nw, num_stages=ns,
-                              fused_output=fused, decayed_keys=kd, wy_precision=wp)
+                              fused_output=fused)
         return jax.jit(f)
 
-    configs = [(16, 4, 3, False, True, "input")] if quick else [
-        (16, 4, 3, False, True, "input"), (16, 4, 3, False, False, "input"), (16, 4, 2, False, True, "input"),
-        (16, 4, 3, True, False, "input"), (16, 4, 3, False, True, "tf32"),
-    ]
+    configs = [(16, 4, 3, True)] if quick else [(16, 4, 3, True), (16, 4, 3, False), (32, 4, 3, True)]
     cfg, ours = best_config("gdn_chunk", make, configs, lambda: args, reps=10)
     t_ref = time_jax(jax.jit(chunk_gated_delta_rule_reference), args, reps=5, inner=1)
     record("gdn_chunk", shape, ours, "jnp reference (XLA)", t_ref, err, rel, 2e-2, f"cfg={cfg}")
-    if torch is not None:
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-
-            tt = lambda x: torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda()[None]  # noqa: E731
-            q, k, v, g, beta = args[:5]
-            tq, tk, tv = (tt(x).to(torch.bfloat16) for x in (q, k, v))
-            tg, tb = tt(g), tt(beta).to(torch.bfloat16)
-            th0 = tt(args[6][1])
-            call = lambda: fla_chunk(tq, tk, tv, tg, tb, initial_state=th0, output_final_state=True)  # noqa: E731
-            o_f, _ = call()
-            want_o, _ = jax.jit(chunk_gated_delta_rule_reference)(*args)
-            e_f = errors(o_f[0].float().cpu().numpy(), np.asarray(want_o, np.float32))
-            t_fla = time_torch(call)
-            record("gdn_chunk", shape, ours, "fla chunk (Triton)", t_fla, err, rel, 2e-2,
-                   f"cfg={cfg}; fla rel err {e_f[1]:.2e}")
-        except Exception as e:
-            print(f"  fla chunk baseline failed: {type(e).__name__}: {e}", flush=True)
+    fla = fla_chunk_time(args)
+    if fla:
+        record("gdn_chunk", shape, ours, "fla chunk (Triton)", fla[0], err, rel, 2e-2,
+               f"cfg={cfg}; fla rel err {fla[1][1]:.2e}")
+    if not quick:
+        chunk_stage_times(args)
 
 
 CHUNK_AB = {  # name: chunk_gated_delta_rule_pallas options (the default first)
     "default": {},
-    "decay_values": dict(decay_values=True),
-    "wy bf16": dict(wy_precision="bf16"),
-    "decay_values wy bf16": dict(decay_values=True, wy_precision="bf16"),
-    "gcum wy bf16": dict(gcum=True, wy_precision="bf16"),
-    "gcum wy bf16 s2": dict(gcum=True, wy_precision="bf16", num_stages=2),
-    "gcum scores wy bf16": dict(gcum=True, scores=True, wy_precision="bf16"),
-    "gcum scores wy bf16 s2": dict(gcum=True, scores=True, wy_precision="bf16", num_stages=2),
-    "gcum scores wy bf16 bv32": dict(gcum=True, scores=True, wy_precision="bf16", block_v=32),
-    "split gcum wy bf16": dict(fused_output=False, gcum=True, wy_precision="bf16"),
-    "split gcum wy bf16 bv32": dict(fused_output=False, gcum=True, wy_precision="bf16", block_v=32),
-    "split gcum wy bf16 w2": dict(fused_output=False, gcum=True, wy_precision="bf16", num_warps=2),
+    "split output": dict(fused_output=False),
+    "no scores": dict(scores=False),
+    "scan (session 2 form)": dict(gcum=False, wy_precision="input"),
+    "wy input": dict(wy_precision="input"),
+    "bv32": dict(block_v=32),
+    "s4": dict(num_stages=4),
 }
 
 
@@ -336,7 +273,7 @@ def chunk_stage_times(args):
         except Exception as e:  # a variant that does not compile is reported, not fatal
             print(f"  stage {name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
 
-    wy = functools.partial(ck.wy_stage, layout=lay, chunk_size=c, num_warps=4, decayed_keys=False, interpret=False)
+    wy = functools.partial(ck.wy_stage, layout=lay, chunk_size=c, num_warps=4, interpret=False)
     timed("wy input", functools.partial(wy, wy_precision="input"), (kp, vp, gp, bp))
     timed("wy bf16", functools.partial(wy, wy_precision="bf16"), (kp, vp, gp, bp))
     timed("wy bf16 gcum", functools.partial(wy, wy_precision="bf16", gcum=True), (kp, vp, gp, bp))
@@ -346,10 +283,8 @@ def chunk_stage_times(args):
     for bv, nw, ns in ((16, 4, 3), (16, 4, 2), (32, 4, 3), (16, 2, 3)):
         tune = dict(layout=lay, chunk_size=c, block_v=bv, num_warps=nw, num_stages=ns, interpret=False)
         tag = f"bv{bv} w{nw} s{ns}"
-        timed(f"fused pass {tag}", functools.partial(ck.fused_state_stage, scale=scale, **tune),
+        timed(f"fused scan pass {tag}", functools.partial(ck.fused_state_stage, scale=scale, **tune),
               (qp, kp, vp, gp, w, u, cup, state, slots))
-        timed(f"fused pass decay_values {tag}", functools.partial(ck.fused_state_stage, scale=scale,
-              decay_values=True, **tune), (qp, kp, vp, gp, w, u, cup, state, slots))
         timed(f"fused gcum pass {tag}", functools.partial(ck.fused_state_stage, scale=scale, gcum=True, **tune),
               (qp, kp, vp, gc, w, u, cup, state, slots))
         timed(f"fused gcum scores pass {tag}", lambda *a, t=tune: ck.fused_state_stage(

@@ -7,23 +7,26 @@ token), so nothing is gathered into chunk buffers.
 
 1. `_wy_kernel`, grid `(N, HV)`, all chunks in parallel: the in-chunk cumulative decay G, the strictly
    lower `A = beta_i k_i.k_j exp(G_i - G_j)`, `W = (I + A)^-1` by the product form
-   `(I - A)(I + A^2)(I + A^4)...` (A is nilpotent, so log2(C) squarings are exact; fp32 dots), and the
-   pseudo-values `u = W (beta v)`, read-outs `w = W (beta exp(G) k)` and decayed keys
-   `k_dec = k exp(G_last - G)`, stored per chunk. By default (`wy_precision="input"`) `k k^T` and the
-   products with W take the input dtype, as fla's kkt and w/u kernels do.
-2. The state pass, grid `(B, HV, V // BV)`, sequential over each sequence's chunks from
-   `state[slot_ids[b]]` (zeros on the null slot 0), final state written back into the slot (aliased, in
-   place under jit with a donated state). Per chunk: `v_new = u - w S`, `S' = exp(G_last) S + k_dec^T v_new`.
-   By default (`fused_output=True`, `_state_kernel`) the pass also computes the output
-   `o = (q exp(G)) S + lower(q.k exp(G_i - G_j)) v_new`; with `fused_output=False`
-   (`_state_only_kernel`) it stores the state entering each chunk and `v_new` (and can take `k_dec` from
-   the WY stage, `decayed_keys`), and
+   `(I - A)(I + A^2)(I + A^4)...` (A is nilpotent, so log2(C) squarings are exact), and the
+   pseudo-values `u = W (beta v)` and read-outs `w = W (beta exp(G) k)`, stored per chunk. By default
+   (`wy_precision="bf16"`) every dot takes the input dtype (bf16 tensor cores, fp32 accumulation). It also
+   stores G itself (`gcum`) and the output's masked decayed scores `lower(q.k exp(G_i - G_j)) scale`
+   (`scores`), so that
+2. the sequential pass, grid `(B, HV, V // BV)`, over each sequence's chunks from `state[slot_ids[b]]`
+   (zeros on the null slot 0), final state written back into the slot (aliased, in place under jit with a
+   donated state), does no scan, reduction or `[C, C]` exp per chunk: `v_new = u - w S`,
+   `o = exp(G) scale (q S) + scores v_new` and `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`, with
+   G_last one scalar load (`_state_kernel`). With `fused_output=False` (`_state_only_kernel`) the pass
+   stores the state entering each chunk and `v_new`, and
 3. `_output_kernel`, grid `(N, HV, V // BV')`, computes the output over all chunks in parallel, as in fla.
-Dot operands are in v's dtype (bf16 tensor cores for bf16 inputs; q and k are cast), accumulation, the
-decays and the state are fp32; w, u, k_dec, the per-chunk states and v_new are stored in v's dtype.
-Tokens past a chunk's end are masked to zero on load, so their g = 0 keeps `G_last = G[C - 1]` right.
-On the H200 (B1 T32768 H16 K=V=128 bf16): WY 0.42 ms, state pass 0.89 ms, output 0.40 ms; fused state
-pass + output 1.18 ms; whole kernel 1.58 ms (fla 1.25 ms) — benchmarks/RESULTS.md.
+The older forms stay selectable and tested: `gcum=False` (the pass scans g per chunk), `scores=False`,
+`wy_precision="input"` or TF32 for the inverse.
+Dot operands are in v's dtype (q and k are cast), accumulation, the decays and the state are fp32; w, u,
+the scores, the per-chunk states and v_new are stored in v's dtype. Tokens past a chunk's end are masked
+to zero on load, so their g = 0 keeps `G_last = G[C - 1]` right.
+On the H200 (B1 T32768 H16 K=V=128 bf16, benchmarks/RESULTS.md): WY 0.38 ms, fused pass 0.74 ms, whole
+kernel 1.15 ms against fla's 1.25 ms in the same run. The scan and the sum of g inside the sequential loop
+had cost 0.35 ms (state-only pass 0.90 -> 0.55 ms without them).
 """
 
 from __future__ import annotations
@@ -60,13 +63,12 @@ def _wy_kernel(
     beta_ref,  # [T, HV] (whole)
     w_ref,  # [C, K] of chunk n, value head j
     u_ref,  # [C, V]
-    *extra_refs,  # [C, K] k_dec (decayed_keys); [C] in-chunk cumulative g (gcum); [C, C] masked scores (scores)
+    *extra_refs,  # [C] in-chunk cumulative g (gcum); [C, C] masked decayed scores (scores)
     chunk_size: int,
     group: int,
     precision,
     input_dots: bool,
     bf16_inverse: bool,
-    decayed_keys: bool,
     gcum: bool,
     scores: bool,
     scale: float,
@@ -105,9 +107,6 @@ def _wy_kernel(
     u_ref[...] = io_dot(inv, (v * beta[:, None]).astype(dt), _DOT).astype(u_ref.dtype)
     w_ref[...] = io_dot(inv, (k * (beta * jnp.exp(cum))[:, None]).astype(dt), _DOT).astype(w_ref.dtype)
     extra = list(extra_refs)
-    if decayed_keys:
-        kd_ref = extra.pop(0)
-        kd_ref[...] = (k * jnp.exp(jnp.sum(g) - cum)[:, None]).astype(kd_ref.dtype)
     if gcum:  # the sequential pass then reads G and G_last instead of scanning g (zeros past the end keep G flat)
         extra.pop(0)[...] = cum
     if scores:  # the output's masked decayed scores, so the fused pass computes neither q k^T nor a [C, C] exp
@@ -116,15 +115,25 @@ def _wy_kernel(
         s_ref[...] = (io_dot(q.astype(dt), k.astype(dt), _DOT_T) * (decay_incl * scale)).astype(s_ref.dtype)
 
 
+def _chunk_decays(g_ref, n, start, valid, j, chunk_size: int, gcum: bool):
+    """(G [C], G_last) of a chunk: loaded from the WY stage's `[N, C, HV]` G (`gcum`: no scan or reduction
+    in the sequential loop), or a scan and a sum of the packed g."""
+    if gcum:
+        return g_ref[n, :, j], g_ref[n, chunk_size - 1, j]
+    g = _load_chunk(g_ref, start, valid, j)  # [C]
+    return jnp.cumsum(g), jnp.sum(g)
+
+
 def _state_kernel(
     row_chunks_ref,  # [B + 1] first chunk slot of each row (cumulative)
     slot_ids_ref,  # [B]
     cu_seqlens_ref,  # [B + 1]
     q_ref,  # [T, H, K] (whole)
     k_ref,  # [T, H, K] (whole)
-    g_ref,  # [T, HV] (whole)
+    g_ref,  # [N, C, HV] (whole) the WY stage's G (gcum), or the packed g [T, HV]
     w_ref,  # [N, C, HV, K] (whole)
     u_ref,  # [N, C, HV, V] (whole)
+    s_ref,  # [N, C, HV, C] (whole) the WY stage's masked decayed scores (scores), else unused
     state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
     o_in_ref,  # [T, HV, V] zeros (whole, aliased with o_ref)
     o_ref,  # [T, HV, V] (whole)
@@ -135,76 +144,11 @@ def _state_kernel(
     block_v: int,
     scale: float,
     precision,
-    decay_values: bool,
-):
-    del o_in_ref
-    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = slot_ids_ref[b]
-    v_slice = pl.ds(i * block_v, block_v)
-    h = state_in_ref[slot, j, :, v_slice].astype(jnp.float32)  # [K, BV]
-    h = jnp.where(slot == 0, 0.0, h)
-    seq_start, seq_end = cu_seqlens_ref[b], cu_seqlens_ref[b + 1]
-    first_chunk = row_chunks_ref[b]
-    lane = jnp.arange(chunk_size)
-    causal = lane[:, None] >= lane[None, :]
-    dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-
-    def body(c, h):
-        start = seq_start + c * chunk_size
-        valid = lane < seq_end - start
-        dt = q_ref.dtype  # dot operands in the input dtype (bf16 tensor cores), fp32 accumulation
-        q = _load_chunk(q_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
-        k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
-        g = _load_chunk(g_ref, start, valid, j)  # [C]
-        cum = jnp.cumsum(g)
-        cum_last = jnp.sum(g)
-        w = w_ref[first_chunk + c, :, j, :]  # [C, K]
-        u = u_ref[first_chunk + c, :, j, v_slice].astype(jnp.float32)  # [C, BV]
-        v_new = u - dot(w, h.astype(w.dtype), _DOT)  # [C, BV]
-        decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], -jnp.inf))
-        attn = (dot(q, k, _DOT_T) * (decay * scale)).astype(dt)  # [C, C]
-        if decay_values:  # the decays scale [C, BV] tiles (the dot outputs / v_new), not [C, K] ones
-            o = dot(q, h.astype(dt), _DOT) * (jnp.exp(cum) * scale)[:, None] + dot(attn, v_new.astype(dt), _DOT)
-        else:
-            q_dec = (q.astype(jnp.float32) * (jnp.exp(cum) * scale)[:, None]).astype(dt)
-            o = dot(q_dec, h.astype(dt), _DOT) + dot(attn, v_new.astype(dt), _DOT)  # [C, BV]
-        plt.store(o_ref.at[pl.ds(start, chunk_size), j, v_slice], o.astype(o_ref.dtype), mask=valid[:, None])
-        if decay_values:
-            v_dec = (v_new * jnp.exp(cum_last - cum)[:, None]).astype(dt)
-            return jnp.exp(cum_last) * h + dot(k, v_dec, _T_DOT)
-        k_dec = (k.astype(jnp.float32) * jnp.exp(cum_last - cum)[:, None]).astype(dt)
-        return jnp.exp(cum_last) * h + dot(k_dec, v_new.astype(dt), _T_DOT)
-
-    num_chunks = (seq_end - seq_start + chunk_size - 1) // chunk_size
-    h = jax.lax.fori_loop(0, num_chunks, body, h)
-    state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
-
-
-def _state_gcum_kernel(
-    row_chunks_ref,  # [B + 1] first chunk slot of each row (cumulative)
-    slot_ids_ref,  # [B]
-    cu_seqlens_ref,  # [B + 1]
-    q_ref,  # [T, H, K] (whole)
-    k_ref,  # [T, H, K] (whole)
-    gcum_ref,  # [N, C, HV] (whole) in-chunk cumulative g
-    w_ref,  # [N, C, HV, K] (whole)
-    u_ref,  # [N, C, HV, V] (whole)
-    s_ref,  # [N, C, HV, C] (whole) masked decayed scores (scores), else unused
-    state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
-    o_in_ref,  # [T, HV, V] zeros (whole, aliased with o_ref)
-    o_ref,  # [T, HV, V] (whole)
-    state_ref,  # [S, HV, K, V] (whole)
-    *,
-    chunk_size: int,
-    group: int,
-    block_v: int,
-    scale: float,
-    precision,
+    gcum: bool,
     scores: bool,
 ):
-    """The fused pass over the WY stage's in-chunk cumulative decays (and, with `scores`, its masked decayed
-    scores): no scan or reduction per chunk, G_last is one scalar load, and the decays scale `[C, BV]` tiles:
-    `v_new = u - w S`, `o = exp(G) scale (q S) + scores v_new`, `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`."""
+    """The fused pass. Per chunk: `v_new = u - w S`, `o = exp(G) scale (q S) + scores v_new` and
+    `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`; the decays scale `[C, BV]` tiles, not `[C, K]` ones."""
     del o_in_ref
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ids_ref[b]
@@ -216,7 +160,7 @@ def _state_gcum_kernel(
     lane = jnp.arange(chunk_size)
     causal = lane[:, None] >= lane[None, :]
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-    dt = w_ref.dtype
+    dt = w_ref.dtype  # dot operands in the input dtype (bf16 tensor cores), fp32 accumulation
 
     def body(c, h):
         start = seq_start + c * chunk_size
@@ -224,8 +168,7 @@ def _state_gcum_kernel(
         n = first_chunk + c
         q = _load_chunk(q_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
         k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
-        cum = gcum_ref[n, :, j]  # [C]
-        cum_last = gcum_ref[n, chunk_size - 1, j]
+        cum, cum_last = _chunk_decays(g_ref, n, start, valid, j, chunk_size, gcum)
         hb = h.astype(dt)
         v_new = u_ref[n, :, j, v_slice].astype(jnp.float32) - dot(w_ref[n, :, j, :], hb, _DOT)  # [C, BV]
         if scores:
@@ -247,8 +190,8 @@ def _state_only_kernel(
     row_chunks_ref,  # [B + 1]
     slot_ids_ref,  # [B]
     cu_seqlens_ref,  # [B + 1]
-    k_ref,  # [T, H, K] (whole), or k_dec [N, C, HV, K] with decayed_keys
-    g_ref,  # [T, HV] (whole), or the in-chunk cumulative g [N, C, HV] with gcum
+    k_ref,  # [T, H, K] (whole)
+    g_ref,  # [N, C, HV] (whole) the WY stage's G (gcum), or the packed g [T, HV]
     w_ref,  # [N, C, HV, K] (whole)
     u_ref,  # [N, C, HV, V] (whole)
     state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
@@ -260,15 +203,10 @@ def _state_only_kernel(
     group: int,
     block_v: int,
     precision,
-    decayed_keys: bool,
     gcum: bool,
 ):
-    """The sequential part only: per chunk, snapshot S, v_new = u - w S, S' = decay S + k_dec^T v_new.
-
-    With `decayed_keys`, k_ref is the WY stage's `[N, C, HV, K]` k_dec, so the loop does no decay math
-    beyond the chunk's total decay. With `gcum`, g_ref holds the WY stage's in-chunk cumulative g: G_last
-    is a scalar load (no reduction per chunk) and the decays scale v_new, `S' = exp(G_last) S +
-    k^T (exp(G_last - G) v_new)`."""
+    """The sequential part only: per chunk, snapshot S, `v_new = u - w S`,
+    `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`."""
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ids_ref[b]
     v_slice = pl.ds(i * block_v, block_v)
@@ -287,19 +225,10 @@ def _state_only_kernel(
         h_ref[n, j, :, v_slice] = h.astype(h_ref.dtype)
         v_new = u_ref[n, :, j, v_slice].astype(jnp.float32) - dot(w_ref[n, :, j, :], h.astype(dt), _DOT)
         v_new_ref[n, :, j, v_slice] = v_new.astype(v_new_ref.dtype)
-        if gcum:
-            cum, cum_last = g_ref[n, :, j], g_ref[n, chunk_size - 1, j]
-            k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
-            v_dec = (v_new * jnp.exp(cum_last - cum)[:, None]).astype(dt)
-            return jnp.exp(cum_last) * h + dot(k, v_dec, _T_DOT)
-        g = _load_chunk(g_ref, start, valid, j)  # [C]
-        cum_last = jnp.sum(g)
-        if decayed_keys:
-            k_dec = k_ref[n, :, j, :]  # [C, K], zero past the chunk's end
-        else:
-            k = _load_chunk(k_ref, start, valid, j // group, slice(None))  # [C, K] fp32
-            k_dec = (k * jnp.exp(cum_last - jnp.cumsum(g))[:, None]).astype(dt)
-        return jnp.exp(cum_last) * h + dot(k_dec, v_new.astype(dt), _T_DOT)
+        cum, cum_last = _chunk_decays(g_ref, n, start, valid, j, chunk_size, gcum)
+        k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
+        v_dec = (v_new * jnp.exp(cum_last - cum)[:, None]).astype(dt)
+        return jnp.exp(cum_last) * h + dot(k, v_dec, _T_DOT)
 
     num_chunks = (seq_end - seq_start + chunk_size - 1) // chunk_size
     h = jax.lax.fori_loop(0, num_chunks, body, h)
@@ -372,10 +301,9 @@ _PRECISIONS = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "tf32": No
 
 
 def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: str, num_warps: int,
-             decayed_keys: bool, interpret: bool, gcum: bool = False, q=None, scale: float = 1.0):
-    """w, u `[N, C, HV, K|V]` (v's dtype) for every chunk, all in parallel; then k_dec `[N, C, HV, K]` with
-    `decayed_keys`, the in-chunk cumulative g `[N, C, HV]` (fp32) with `gcum`, and given `q` the masked
-    decayed scores `[N, C, HV, C]` (v's dtype)."""
+             interpret: bool, gcum: bool = False, q=None, scale: float = 1.0):
+    """w, u `[N, C, HV, K|V]` (v's dtype) for every chunk, all in parallel; then the in-chunk cumulative g
+    `[N, C, HV]` (fp32) with `gcum`, and given `q` the masked decayed scores `[N, C, HV, C]` (v's dtype)."""
     num_value_heads, value_dim = v.shape[1:]
     key_dim = k.shape[-1]
     group = num_value_heads // k.shape[1]
@@ -385,11 +313,10 @@ def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: s
     precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[wy_precision]
     kernel = functools.partial(_wy_kernel, chunk_size=c, group=group, precision=precision,
                                input_dots=wy_precision in ("input", "bf16"), bf16_inverse=wy_precision == "bf16",
-                               decayed_keys=decayed_keys, gcum=gcum, scores=scores, scale=scale)
+                               gcum=gcum, scores=scores, scale=scale)
     spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, j: (n, 0, j, 0))  # noqa: E731
-    shape = lambda d, dt=v.dtype: jax.ShapeDtypeStruct((n, c, num_value_heads, d), dt)  # noqa: E731
-    dims = [key_dim, value_dim] + [key_dim] * decayed_keys
-    out_specs, out_shape = [spec(d) for d in dims], [shape(d) for d in dims]
+    shape = lambda d: jax.ShapeDtypeStruct((n, c, num_value_heads, d), v.dtype)  # noqa: E731
+    out_specs, out_shape = [spec(key_dim), spec(value_dim)], [shape(key_dim), shape(value_dim)]
     if gcum:
         out_specs.append(pl.BlockSpec((None, c, None), lambda n, j: (n, 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((n, c, num_value_heads), jnp.float32))
@@ -404,58 +331,47 @@ def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: s
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"gdn_chunk_wy_c{c}_{wy_precision}_w{num_warps}{'_kd' if decayed_keys else ''}"
-             f"{'_gc' if gcum else ''}{'_sc' if scores else ''}",
+        name=f"gdn_chunk_wy_c{c}_{wy_precision}_w{num_warps}{'_gc' if gcum else ''}{'_sc' if scores else ''}",
     )(layout.chunk_start, layout.chunk_len, k if q is None else q, k, v, g, beta)
 
 
 def fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int,
                       block_v: int, scale: float, num_warps: int, num_stages: int, interpret: bool,
-                      decay_values: bool = False, gcum: bool = False, scores=None):
+                      gcum: bool = False, scores=None):
     """The sequential pass with the output computed inside it: (o [T', HV, V], new state). With `gcum`, `g`
-    is the WY stage's in-chunk cumulative g and `scores` optionally its masked decayed scores."""
+    is the WY stage's in-chunk cumulative g; `scores` optionally its masked decayed scores."""
     num_value_heads, value_dim = v.shape[1:]
     group = num_value_heads // k.shape[1]
-    precision = jax.lax.Precision.HIGHEST if interpret else None
+    kernel = functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
+                               precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum,
+                               scores=scores is not None)
     zeros_o = jnp.zeros(v.shape, v.dtype)
-    if gcum:
-        kernel = functools.partial(_state_gcum_kernel, chunk_size=chunk_size, group=group, block_v=block_v,
-                                   scale=scale, precision=precision, scores=scores is not None)
-        args = (q, k, g, w, u, w if scores is None else scores, state, zeros_o)
-        tag = "_gc" + ("_sc" if scores is not None else "")
-    else:
-        kernel = functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
-                                   precision=precision, decay_values=decay_values)
-        args = (q, k, g, w, u, state, zeros_o)
-        tag = "_dv" if decay_values else ""
     return pl.pallas_call(
         kernel,
         grid=(slot_ids.shape[0], num_value_heads, value_dim // block_v),
-        in_specs=[_WHOLE] * (len(args) + 3),
+        in_specs=[_WHOLE] * 11,
         out_specs=[_WHOLE, _WHOLE],
         out_shape=[
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),
         ],
-        input_output_aliases={len(args) + 2: 0, len(args) + 1: 1},
+        input_output_aliases={10: 0, 9: 1},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"gdn_chunk_fused_c{chunk_size}_bv{block_v}_w{num_warps}_s{num_stages}{tag}",
-    )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, *args)
+        name=f"gdn_chunk_fused_c{chunk_size}_bv{block_v}_w{num_warps}_s{num_stages}{'_gc' if gcum else ''}"
+             f"{'_sc' if scores is not None else ''}",
+    )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, q, k, g, w, u, w if scores is None else scores, state,
+      zeros_o)
 
 
 def state_stage(k, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int, block_v: int,
                 num_warps: int, num_stages: int, interpret: bool, gcum: bool = False):
     """The sequential pass alone: (h [N, HV, K, V] entering each chunk, v_new [N, C, HV, V], new state).
-
-    `k` is either the packed keys `[T, H, K]` or the WY stage's decayed keys `[N, C, HV, K]`; with `gcum`,
-    `g` is the WY stage's in-chunk cumulative g."""
+    With `gcum`, `g` is the WY stage's in-chunk cumulative g."""
     num_value_heads, key_dim, value_dim = state.shape[1:]
-    decayed_keys = k.ndim == 4
-    group = 1 if decayed_keys else num_value_heads // k.shape[1]
+    group = num_value_heads // k.shape[1]
     kernel = functools.partial(_state_only_kernel, chunk_size=chunk_size, group=group, block_v=block_v,
-                               precision=jax.lax.Precision.HIGHEST if interpret else None,
-                               decayed_keys=decayed_keys, gcum=gcum)
+                               precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum)
     n, c = layout.num_chunks, chunk_size
     return pl.pallas_call(
         kernel,
@@ -470,8 +386,7 @@ def state_stage(k, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size:
         input_output_aliases={7: 2},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"gdn_chunk_state_c{c}_bv{block_v}_w{num_warps}_s{num_stages}{'_kd' if decayed_keys else ''}"
-             f"{'_gc' if gcum else ''}",
+        name=f"gdn_chunk_state_c{c}_bv{block_v}_w{num_warps}_s{num_stages}{'_gc' if gcum else ''}",
     )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, k, g, w, u, state)
 
 
@@ -517,7 +432,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, chunk_size, interpret):
     jax.jit,
     static_argnames=(
         "scale", "chunk_size", "block_v", "num_warps", "num_stages", "wy_num_warps", "wy_precision",
-        "decayed_keys", "decay_values", "fused_output", "gcum", "scores", "out_block_v", "interpret",
+        "fused_output", "gcum", "scores", "out_block_v", "interpret",
     ),
 )
 def chunk_gated_delta_rule_pallas(
@@ -536,12 +451,10 @@ def chunk_gated_delta_rule_pallas(
     num_warps: int = 4,
     num_stages: int = 3,
     wy_num_warps: int = 4,
-    wy_precision: str = "input",
-    decayed_keys: bool = False,
-    decay_values: bool = False,
+    wy_precision: str = "bf16",
     fused_output: bool = True,
-    gcum: bool = False,
-    scores: bool = False,
+    gcum: bool = True,
+    scores: bool = True,
     out_block_v: int = 128,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T HV V"], Float[Array, "S HV K V"]]:
@@ -549,18 +462,14 @@ def chunk_gated_delta_rule_pallas(
 
     K, V and `chunk_size` must be powers of two (>= 16); `block_v` is clipped to V. q and k are cast to
     v's dtype (the dot operand dtype; accumulation and the state are fp32). `wy_precision` picks the WY
-    stage's dots on the GPU: "input" (k k^T and the products with the inverse in the input dtype, the
-    inverse in TF32), "bf16" (the inverse's squarings in the input dtype too), "tf32" or "tf32x3" (all fp32
-    dots in one or three TF32 passes). `decayed_keys`: the WY stage also stores `k exp(G_last - G)` for the
-    state pass (split output only). `decay_values` (fused output only): the fused pass scales its `[C, BV]`
-    tiles by the decays instead of q and k. `gcum`: the WY stage stores the in-chunk cumulative g, so the
-    sequential pass does no scan or reduction per chunk (G_last is a scalar load) and scales values by the
-    decays; `scores` (with `gcum`, fused output): the WY stage also stores the masked decayed scores
-    `lower(q.k exp(G_i - G_j)) scale`, so the fused pass computes neither `q k^T` nor a `[C, C]` exp.
-    `fused_output` computes the output inside the sequential state pass; otherwise the pass stores the state
-    entering each chunk and the corrected values, and a parallel kernel over all chunks (`out_block_v` values
-    per program) computes the output. The defaults are the fastest checked configuration on the H200
-    (benchmarks/RESULTS.md).
+    stage's dots on the GPU: "bf16" (all in the input dtype), "input" (the inverse in TF32, the other dots
+    in the input dtype), "tf32" or "tf32x3" (all fp32 dots in one or three TF32 passes). `gcum`: the WY
+    stage stores the in-chunk cumulative g, so the sequential pass does no scan or reduction per chunk
+    (otherwise it scans g). `scores` (with `gcum` and `fused_output`): the WY stage also stores the masked
+    decayed scores, so the fused pass computes neither `q k^T` nor a `[C, C]` exp. `fused_output` computes
+    the output inside the sequential pass; otherwise the pass stores the state entering each chunk and the
+    corrected values, and a parallel kernel over all chunks (`out_block_v` values per program) computes the
+    output. The defaults are the fastest checked configuration on the H200 (benchmarks/RESULTS.md).
     """
     if wy_precision not in _PRECISIONS:
         raise ValueError(f"unknown {wy_precision=}; choose one of {tuple(_PRECISIONS)}")
@@ -569,21 +478,17 @@ def chunk_gated_delta_rule_pallas(
     c = chunk_size
     block_v = min(block_v, value_dim)
     scale = key_dim**-0.5 if scale is None else scale
-    decayed_keys = decayed_keys and not fused_output and not gcum
     scores = scores and gcum and fused_output
     q, k, v, g, beta, cu, layout = _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, c, interpret)
     tuning = dict(chunk_size=c, block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
     w, u, *extra = wy_stage(k, v, g, beta, layout, chunk_size=c, wy_precision=wy_precision, num_warps=wy_num_warps,
-                            decayed_keys=decayed_keys, interpret=interpret, gcum=gcum, q=q if scores else None,
-                            scale=scale)
+                            interpret=interpret, gcum=gcum, q=q if scores else None, scale=scale)
     g_pass = extra[0] if gcum else g
     if fused_output:
-        o, new_state = fused_state_stage(q, k, v, g_pass, w, u, cu, state, slot_ids, layout, scale=scale,
-                                         decay_values=decay_values, gcum=gcum,
+        o, new_state = fused_state_stage(q, k, v, g_pass, w, u, cu, state, slot_ids, layout, scale=scale, gcum=gcum,
                                          scores=extra[1] if scores else None, **tuning)
         return o[:num_tokens], new_state
-    h, v_new, new_state = state_stage(extra[0] if decayed_keys else k, g_pass, w, u, cu, state, slot_ids, layout,
-                                      gcum=gcum, **tuning)
+    h, v_new, new_state = state_stage(k, g_pass, w, u, cu, state, slot_ids, layout, gcum=gcum, **tuning)
     o = output_stage(q, k, g_pass, h, v_new, layout, chunk_size=c, scale=scale, block_v=out_block_v,
                      num_warps=wy_num_warps, interpret=interpret, gcum=gcum)
     return o[:num_tokens], new_state
