@@ -219,6 +219,10 @@ def main(argv=None) -> int:
             for b in batches:
                 row[f"decode_b{b}"] = decode_bench(cfg, params, mesh, b, context, args.block_size, iters)
             results.append(row)
+            print("row " + json.dumps(row), flush=True)  # as it lands: a run cut short keeps what it measured
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"machine_info": info, "config": vars(args), "results": results}, f, indent=2)
             del params
         del base
     print(f"{'model':6} {'tp':>3} {'ok':>3} {'prefill ms':>11} {'prefill tok/s':>14} " +
