@@ -1,8 +1,9 @@
-"""The host memory tier on the GPU: recompute vs swap preemption end to end, and CPU attention over
-host-resident KV vs copying those blocks to the GPU every step.
+"""The host memory tier on the GPU: recompute vs swap preemption vs offloaded attention end to end (CPU
+attention over host-resident KV, or those blocks copied to the GPU every step).
 
     PYTHONPATH=. python -m benchmarks.offload [--json out.json] [--kv-gb 2] [--host-gb 48] [--num-requests 64]
                                               [--prompt-len 16384] [--max-tokens 128] [--max-num-seqs 64]
+                                              [--modes recompute,swap,auto,offload-cpu,offload-cpu-sync,offload-copy]
     PYTHONPATH=. python -m benchmarks.offload --tiny     # CPU smoke test: a tiny model, short prompts
 
 Model: the 2.2 B Qwen3-Next-shaped dense hybrid of benchmarks/generate.py (random bf16 weights; 6 full
@@ -17,9 +18,16 @@ Measured in the same run, in this order:
    blocks to the GPU and attending there; both outputs are checked against each other first (a mismatch
    voids the row); times are per full layer (a decode step has `num_full_layers` of them, 6 here), so
    the CPU part hides only if it fits under the GPU work between two full layers;
-3. end to end with `preemption_mode` = recompute, swap and auto: wall time, generated tokens/s, requests
-   completed, preemptions by mode, bytes swapped each way, and greedy-token agreement with the recompute
-   run (bf16 batches of different composition may legitimately diverge late; fp32 `--tiny` must agree).
+3. end to end, `--modes`: `preemption_mode` = recompute, swap and auto (no offloading), and offloaded
+   attention (`kv_offload`, preemption by recompute as the fallback): "offload-cpu" (CPU attention over the
+   host blocks, two-sub-batch pipeline), "offload-cpu-sync" (the same, the GPU waiting at every full layer)
+   and "offload-copy" (the host blocks copied to the GPU every step and attended there). Reported: wall
+   time, generated tokens/s, requests completed, preemptions by mode, bytes swapped each way, and greedy-
+   token agreement with the recompute run (bf16 batches of different composition may legitimately diverge
+   late; fp32 `--tiny` must agree); then for the offload modes: blocks offloaded and bytes moved to the host,
+   steps with host-KV rows vs plain steps, host tokens attended, CPU attention time (summed over worker
+   threads), CPU job wall time and how much of it the step waited for (hidden = 1 - wait / job), and the
+   copy mode's host -> device bytes.
 A CPU path should be on by default only where these tables show it winning.
 """
 
@@ -66,7 +74,7 @@ def timed(fn, repeats: int) -> tuple[float, float, float]:
     return tuple(float(np.percentile(times, p)) for p in (50, 20, 80))
 
 
-def attention_paths(cfg, rows: int, host_tokens: int, block_size: int, repeats: int) -> dict:
+def attention_paths(cfg, rows: int, host_tokens: int, block_size: int, repeats: int, threads: int) -> dict:
     """One full layer's decode attention over `host_tokens` host-resident tokens per row: CPU vs copy + GPU."""
     from jhybrid.cache.host_attention import host_paged_attention
     from pallas_kernels.paged_attention import paged_attention
@@ -86,6 +94,16 @@ def attention_paths(cfg, rows: int, host_tokens: int, block_size: int, repeats: 
 
     o_cpu, _ = host_paged_attention(q, host_k, host_v, tables, lengths)
     cpu = timed(lambda: host_paged_attention(q, host_k, host_v, tables, lengths), repeats)
+    from jhybrid.engine.offload import HostAttention
+
+    class _Host:  # what HostAttention reads of a host tier
+        k, v = (host_k,), (host_v,)
+
+    pool = HostAttention(cfg, _Host(), "cpu", num_threads=threads)
+    step = pool.register_step(tables)
+    o_pool, _ = pool.attend(0, step, 0, q, lengths)
+    err_pool = float(np.abs(o_pool - o_cpu).max())
+    cpu_pool = timed(lambda: pool.attend(0, step, 0, q, lengths), repeats)
 
     positions = jnp.full((rows,), host_tokens - 1, jnp.int32)
     row_ids = jnp.arange(rows, dtype=jnp.int32)
@@ -99,9 +117,17 @@ def attention_paths(cfg, rows: int, host_tokens: int, block_size: int, repeats: 
     o_gpu = np.asarray(copy_and_attend(), np.float32)
     err = float(np.abs(o_gpu - o_cpu).max())
     copy = timed(copy_and_attend, repeats)
-    return dict(rows=rows, host_tokens=host_tokens, kv_bytes=kv_bytes, max_abs_err=err, ok=err < 3e-2,
-                cpu_s=cpu[0], cpu_p20=cpu[1], cpu_p80=cpu[2], copy_s=copy[0], copy_p20=copy[1], copy_p80=copy[2],
-                cpu_tokens_per_s=rows * host_tokens / cpu[0], cpu_bytes_per_s=kv_bytes / cpu[0])
+    return dict(rows=rows, host_tokens=host_tokens, kv_bytes=kv_bytes, max_abs_err=max(err, err_pool),
+                ok=err < 3e-2 and err_pool < 1e-5, cpu_s=cpu[0], cpu_p20=cpu[1], cpu_p80=cpu[2],
+                cpu_threads=threads, cpu_pool_s=cpu_pool[0], cpu_pool_p20=cpu_pool[1], cpu_pool_p80=cpu_pool[2],
+                copy_s=copy[0], copy_p20=copy[1], copy_p80=copy[2],
+                cpu_tokens_per_s=rows * host_tokens / cpu_pool[0], cpu_bytes_per_s=kv_bytes / cpu_pool[0])
+
+
+OFFLOAD_MODES = {"offload-cpu": ("cpu", True), "offload-cpu-sync": ("cpu", False), "offload-copy": ("copy", False)}
+OFFLOAD_STATS = ("num_offloaded_blocks", "offload_bytes", "num_steps_plain", "num_steps_host", "num_host_rows",
+                 "host_tokens_attended", "num_cpu_calls", "cpu_attention_seconds", "cpu_job_seconds",
+                 "cpu_wait_seconds", "copy_bytes", "copy_seconds", "host_blocks_total")
 
 
 def end_to_end(model, mode: str, args, kv_blocks: int) -> dict:
@@ -110,21 +136,29 @@ def end_to_end(model, mode: str, args, kv_blocks: int) -> dict:
     rng = np.random.default_rng(1)
     vocab = model.cfg.vocab_size
     prompts = [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(args.num_requests)]
+    offload = OFFLOAD_MODES.get(mode)
+    kw = dict(preemption_mode=mode)
+    if offload is not None:
+        kw = dict(preemption_mode="recompute", kv_offload=offload[0], offload_overlap=offload[1],
+                  offload_threads=args.cpu_threads)
     llm = jhybrid.LLM(model, dtype=None, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens,
                       num_kv_blocks=kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-                      host_kv_memory_gb=0.0 if mode == "recompute" else args.host_gb, preemption_mode=mode)
+                      host_kv_memory_gb=0.0 if mode == "recompute" else args.host_gb, **kw)
     params = jhybrid.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    wall = time.perf_counter() - t0
-    st = llm.engine.stats()
+    for _ in range(args.repeats):  # one engine: earlier runs compile its shapes; the last is reported
+        before = llm.engine.stats()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+    after = llm.engine.stats()
+    st = {k: v if k.endswith("_total") else v - before[k] for k, v in after.items()}  # the reported run only
     cost = llm.engine.cost_model
     done = sum(o.finish_reason == "length" and len(o.token_ids) == args.max_tokens for o in outs)
     result = dict(mode=mode, wall_s=wall, completed=done, requests=len(prompts),
                   gen_tokens_per_s=sum(len(o.token_ids) for o in outs) / wall, tokens=[o.token_ids for o in outs],
                   **{k: st[k] for k in ("num_recompute_preemptions", "num_swap_preemptions", "num_swap_fallbacks",
                                         "swap_out_bytes", "swap_in_bytes", "swap_out_seconds", "swap_in_seconds",
-                                        "host_bytes_total")})
+                                        "host_bytes_total", *OFFLOAD_STATS)})
     if cost is not None:
         result.update(probe_h2d_gbps=cost.h2d_bytes_per_s / 1e9, probe_d2h_gbps=cost.d2h_bytes_per_s / 1e9,
                       probe_prefill_tokens_per_s=cost.prefill_tokens_per_s)
@@ -146,8 +180,9 @@ def main(argv=None):
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--attn-rows", default="8,32", help="decode rows with host KV (part 2)")
     parser.add_argument("--attn-host-tokens", default="4096,16384", help="host tokens per row (part 2)")
-    parser.add_argument("--modes", default="recompute,swap,auto")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per mode; the last is reported")
+    parser.add_argument("--modes", default="recompute,swap,auto,offload-cpu,offload-cpu-sync,offload-copy")
+    parser.add_argument("--cpu-threads", type=int, default=None, help="CPU attention workers (default: cores / 2, <= 8)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode (one engine); the last is reported")
     args = parser.parse_args(argv)
     from jhybrid.config import ModelConfig
     from jhybrid.engine.generate import LoadedModel
@@ -172,35 +207,51 @@ def main(argv=None):
 
     # 2. attention over host-resident KV: CPU vs copy to the GPU (per full layer)
     attn = []
-    log(f"\n{'rows':>5} {'host tok':>9} {'KV MB':>8} {'CPU ms':>9} {'copy+GPU ms':>12} {'CPU GB/s':>9} {'wins':>6}")
+    import os
+
+    threads = args.cpu_threads or max(1, min(8, (os.cpu_count() or 2) // 2))  # the engine's default
+    log(f"\n{'rows':>5} {'host tok':>9} {'KV MB':>8} {'CPU ms':>9} {f'CPU x{threads} ms':>11} {'copy+GPU ms':>12} "
+        f"{'CPU GB/s':>9} {'wins':>6}")
     for rows in (int(x) for x in args.attn_rows.split(",")):
         for n in (int(x) for x in args.attn_host_tokens.split(",")):
-            r = attention_paths(cfg, rows, n, block_size, repeats=3 if args.tiny else 5)
-            r["wins"] = ("cpu" if r["cpu_s"] < r["copy_s"] else "copy") if r["ok"] else "INVALID"
+            r = attention_paths(cfg, rows, n, block_size, repeats=3 if args.tiny else 5, threads=threads)
+            r["wins"] = ("cpu" if r["cpu_pool_s"] < r["copy_s"] else "copy") if r["ok"] else "INVALID"
             attn.append(r)
-            log(f"{rows:5d} {n:9d} {r['kv_bytes'] / 1e6:8.1f} {r['cpu_s'] * 1e3:9.2f} {r['copy_s'] * 1e3:12.2f} "
+            log(f"{rows:5d} {n:9d} {r['kv_bytes'] / 1e6:8.1f} {r['cpu_s'] * 1e3:9.2f} {r['cpu_pool_s'] * 1e3:11.2f} "
+                f"{r['copy_s'] * 1e3:12.2f} "
                 f"{r['cpu_bytes_per_s'] / 1e9:9.2f} {r['wins']:>6}" + ("" if r["ok"] else f"  (max err {r['max_abs_err']:.2e})"))
 
-    # 3. end to end: recompute vs swap vs auto under a capped GPU KV pool
+    # 3. end to end: recompute vs swap vs auto vs offloaded attention under a capped GPU KV pool
     model = LoadedModel(cfg=cfg, params=random_params(cfg))
     block_bytes = block_size * cfg.kv_bytes_per_token(2)
     kv_blocks = max(int(args.kv_gb * 2**30 // block_bytes), -(-(args.prompt_len + args.max_tokens) // block_size) + 1)
     log(f"\nGPU KV pool: {kv_blocks} blocks of {block_size} ({kv_blocks * block_bytes / 2**30:.2f} GiB); "
         f"{args.num_requests} requests x {args.prompt_len} prompt + {args.max_tokens} new tokens")
-    # each mode runs `--repeats` times and the last run is reported: earlier ones compile its shapes
-    runs = [[end_to_end(model, mode, args, kv_blocks) for _ in range(args.repeats)][-1] for mode in args.modes.split(",")]
+    # each mode runs `--repeats` times on one engine and the last run is reported: earlier ones compile
+    runs = [end_to_end(model, mode, args, kv_blocks) for mode in args.modes.split(",")]
     base = next((r for r in runs if r["mode"] == "recompute"), runs[0])
-    log(f"{'mode':>10} {'wall s':>8} {'tok/s':>9} {'done':>7} {'recomp':>7} {'swaps':>6} {'fallbk':>6} "
+    log(f"{'mode':>16} {'wall s':>8} {'tok/s':>9} {'done':>7} {'recomp':>7} {'swaps':>6} {'fallbk':>6} "
         f"{'out MB':>9} {'in MB':>9} {'agree':>6}")
     for r in runs:
         agree = np.mean([a == b for a, b in zip(r["tokens"], base["tokens"])])
         r["agreement"] = float(agree)
-        log(f"{r['mode']:>10} {r['wall_s']:8.2f} {r['gen_tokens_per_s']:9.1f} {r['completed']:3d}/{r['requests']:<3d} "
+        log(f"{r['mode']:>16} {r['wall_s']:8.2f} {r['gen_tokens_per_s']:9.1f} {r['completed']:3d}/{r['requests']:<3d} "
             f"{r['num_recompute_preemptions']:7d} {r['num_swap_preemptions']:6d} {r['num_swap_fallbacks']:6d} "
             f"{r['swap_out_bytes'] / 1e6:9.1f} {r['swap_in_bytes'] / 1e6:9.1f} {agree:6.2f}")
         if "probe_prefill_tokens_per_s" in r:
-            log(f"{'':>10} auto's probe: H2D {r['probe_h2d_gbps']:.2f} GB/s, D2H {r['probe_d2h_gbps']:.2f} GB/s, "
+            log(f"{'':>16} auto's probe: H2D {r['probe_h2d_gbps']:.2f} GB/s, D2H {r['probe_d2h_gbps']:.2f} GB/s, "
                 f"prefill {r['probe_prefill_tokens_per_s']:.0f} tokens/s")
+    offloaded = [r for r in runs if r["mode"] in OFFLOAD_MODES]
+    if offloaded:
+        log(f"\n{'mode':>16} {'offl blk':>9} {'offl MB':>8} {'host st':>8} {'plain st':>8} {'host rows':>9} "
+            f"{'Mtok att':>9} {'CPU s':>7} {'job s':>7} {'wait s':>7} {'hidden':>7} {'copy MB':>9} {'copy s':>7}")
+        for r in offloaded:
+            job = r["cpu_job_seconds"]
+            r["cpu_hidden_fraction"] = hidden = 1.0 - r["cpu_wait_seconds"] / job if job > 0 else float("nan")
+            log(f"{r['mode']:>16} {r['num_offloaded_blocks']:9d} {r['offload_bytes'] / 1e6:8.1f} "
+                f"{r['num_steps_host']:8d} {r['num_steps_plain']:8d} {r['num_host_rows']:9d} "
+                f"{r['host_tokens_attended'] / 1e6:9.2f} {r['cpu_attention_seconds']:7.2f} {job:7.2f} "
+                f"{r['cpu_wait_seconds']:7.2f} {hidden:7.2f} {r['copy_bytes'] / 1e6:9.1f} {r['copy_seconds']:7.2f}")
     incomplete = [r["mode"] for r in runs if r["completed"] != r["requests"]]
     if incomplete:
         log(f"INCOMPLETE runs (no throughput claim): {incomplete}")

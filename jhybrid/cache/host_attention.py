@@ -1,33 +1,34 @@
 """Decode attention on the CPU over KV blocks resident in the host tier (NumPy, no JAX), returning (o, lse)
 so that `pallas_kernels.paged_attention.merge.merge_attention` can combine it with the GPU's part.
 
-Status: the function and its merge are built and tested (tests/test_host_tier.py); offloaded attention is
-NOT wired into the engine yet. The design it is meant for:
+Status: wired into the engine as offloaded attention (`kv_offload="cpu"`, off by default; the engine side is
+`jhybrid.engine.offload` and `jhybrid.engine.pipeline`; tests in tests/test_offload_attention.py). The design:
 
 * Placement. A long sequence keeps its oldest `n_host` blocks in the host tier (whole blocks, the same
   layout as the device pool: `[HP, BS, KVH, hd]` per full layer) and the rest on the GPU. The host part is
   append-free: new tokens are always written on the GPU, and blocks move to the host only when they are
   old (a block table row becomes `host_table[:n_host] + device_table`). The GPU kernel reads the device
-  blocks as today (positions offset by `n_host * BS`, a sliding-window-style lower bound), returning
-  (o_gpu, lse_gpu); the CPU reads the host blocks (this function), returning (o_cpu, lse_cpu); the layer
-  output is `merge_attention(o_gpu, lse_gpu, o_cpu, lse_cpu)`. A sequence with nothing on the host passes
-  lse_cpu = -inf (weight 0).
-* Overlap. Per layer the CPU part needs q (after the layer's projections and RoPE) and the GPU needs the
-  CPU's (o, lse) before the output projection, so a naive placement stalls every full layer on a D2H of q
-  plus the CPU's attention plus an H2D. Two ways to hide it, to be chosen by measurement:
-  1. NEO-style two sub-batches: split the decode batch into A (sequences with host KV) and B (the rest);
-     the GPU runs B's layer i (and A's non-attention work) while the CPU runs A's attention for layer i;
-     host callbacks (`jax.pure_callback` / `io_callback` with an ordered effect) or a split jitted step
-     per full layer carry q out and (o, lse) back. Full layers are 1 in 4 in the target models, so the
-     three linear layers between them are the GPU work that covers the CPU's attention.
-  2. Layer-ahead: the CPU computes layer i's host attention while the GPU runs layers i..i+3 (the linear
-     layers do not need it), merging at layer i's output projection; only q must be ready early.
-  Either way the CPU's work per step is `2 * n_host_tokens * KVH * hd * itemsize` bytes per full layer from
-  host memory, so the CPU part hides when host memory bandwidth / (those bytes) exceeds the GPU step rate.
-* What the H200 run must measure (benchmarks/offload.py): host-device bandwidth (pinned and pageable),
-  host memory bandwidth (a NumPy read), this function's rate in tokens of host KV per second (with threads),
-  and end-to-end decode throughput with CPU attention over host KV versus copying those blocks to the GPU
-  every step (the alternative this must beat); CPU attention goes on by default only where it wins.
+  blocks as today (positions offset by `n_host * BS`: the kernel uses positions only for the causal bound,
+  RoPE was applied before the cache write), returning (o_gpu, lse_gpu); the CPU reads the host blocks
+  (this function), returning (o_cpu, lse_cpu); the layer output is
+  `merge_attention(o_gpu, lse_gpu, o_cpu, lse_cpu)`. A row with nothing on the host has lse_cpu = -inf.
+* Overlap. Per layer the CPU part needs q (after the layer's projections and RoPE) and the layer's output
+  needs the CPU's (o, lse), and layer i+1's input is layer i's output: the CPU cannot lag across layers
+  (an earlier note here proposed letting it run "one layer ahead"; that is wrong for exactly this reason,
+  even when the layers in between are linear-attention layers: they consume layer i's output). So a naive
+  placement stalls every full layer on a D2H of q plus the CPU's attention plus an H2D. What can overlap is
+  *other rows'* work: NEO-style two sub-batches (`jhybrid.engine.pipeline`): the decode batch is split
+  into halves A and B; while the CPU attends for A's layer i, the GPU runs B's segment (its GPU attention
+  part, then its layers up to its next full layer), and vice versa. Full layers are 1 in 4 in the target
+  models, so three linear layers and four MLPs of the other half cover each CPU part.
+  The CPU's work per step is `2 * n_host_tokens * KVH * hd * itemsize` bytes per full layer from host
+  memory, so the CPU part hides when host memory bandwidth / (those bytes) exceeds the rate of the other
+  half's GPU segments.
+* What the H200 run measures (benchmarks/offload.py): host-device bandwidth, host memory bandwidth, this
+  function's rate per full layer versus copying the blocks to the GPU and attending there, and end to end:
+  recompute and swap preemption versus offloading with CPU attention (synchronous and pipelined) versus
+  offloading with the blocks copied to the GPU every step ("copy"); CPU attention goes on by default only
+  where it wins.
 """
 
 from __future__ import annotations
@@ -69,15 +70,16 @@ def host_paged_attention(
         if n == 0:
             continue
         pages = block_tables[b, : -(-n // block_size)]
-        k = k_pages[pages].reshape(-1, num_kv_heads, head_dim)[:n].astype(np.float32)  # [S, KVH, D]
-        v = v_pages[pages].reshape(-1, num_kv_heads, head_dim)[:n].astype(np.float32)
+        # [KVH, S, D] fp32, contiguous: one gather + cast each, then batched BLAS matmuls over the kv heads
+        k = np.ascontiguousarray(k_pages[pages].transpose(2, 0, 1, 3), dtype=np.float32).reshape(num_kv_heads, -1, head_dim)[:, :n]
+        v = np.ascontiguousarray(v_pages[pages].transpose(2, 0, 1, 3), dtype=np.float32).reshape(num_kv_heads, -1, head_dim)[:, :n]
         q_g = q[b].astype(np.float32).reshape(num_kv_heads, group, head_dim)  # [KVH, G, D]
-        s = np.einsum("kgd,skd->kgs", q_g, k) * scale  # [KVH, G, S]
+        s = np.matmul(q_g, k.transpose(0, 2, 1)) * scale  # [KVH, G, S]
         if soft_cap is not None:
             s = soft_cap * np.tanh(s / soft_cap)
         m = s.max(axis=-1, keepdims=True)
         p = np.exp(s - m)
         denom = p.sum(axis=-1, keepdims=True)
-        o[b] = (np.einsum("kgs,skd->kgd", p, v) / denom).reshape(num_heads, head_dim)
+        o[b] = (np.matmul(p, v) / denom).reshape(num_heads, head_dim)
         lse[b] = (m + np.log(denom))[..., 0].reshape(num_heads)
     return o, lse

@@ -23,6 +23,7 @@ and `merge_attention` combines them (a row with nothing on the host has lse = -i
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -38,6 +39,9 @@ from jhybrid.cache.host_tier import HostTier
 from jhybrid.cache.state import HybridState
 from jhybrid.config import ModelConfig
 from jhybrid.engine.scheduler import OffloadOp
+
+
+_KEEP_STEPS = 8
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -61,7 +65,8 @@ class OffloadStats:
     host_tokens_attended: int = 0  # host tokens summed over rows, steps (per full layer)
     num_cpu_calls: int = 0  # CPU attention calls (one per full layer per host step)
     cpu_attention_seconds: float = 0.0  # CPU time in them (worker threads, summed)
-    cpu_wait_seconds: float = 0.0  # time the step waited for the CPU part (pipeline finish)
+    cpu_job_seconds: float = 0.0  # wall time from submitting each CPU job to its last result, summed
+    cpu_wait_seconds: float = 0.0  # of which the step waited (blocked in `finish`): not hidden
     copy_bytes: int = 0  # "copy": host -> device staging bytes
     copy_seconds: float = 0.0  # "copy": host time gathering + dispatching the staging arrays
 
@@ -78,18 +83,33 @@ class HostAttention:
         self.stats = OffloadStats()
         self.num_threads = max(1, num_threads)
         self._pool = concurrent.futures.ThreadPoolExecutor(self.num_threads, thread_name_prefix="jhybrid-cpu-attn")
-        self._jobs: dict[int, list[concurrent.futures.Future]] = {}
+        self._jobs: dict[int, tuple] = {}  # job id -> (futures, their row chunks, q shape, submit time)
         self._next_job = 1
+        # step id -> host block tables `[B, M]` of its rows: host data never crosses to the device and back
+        self._steps: collections.OrderedDict[int, np.ndarray] = collections.OrderedDict()
+        self._next_step = 1
         self._lock = threading.Lock()
+
+    def register_step(self, tables: np.ndarray) -> int:
+        """Keeps a step's host block tables `[B, M]` (a snapshot) for its callbacks; returns its id. The last
+        `_KEEP_STEPS` steps are kept (the engine has at most two in flight)."""
+        with self._lock:
+            step = self._next_step
+            self._next_step = self._next_step % (2**31 - 2) + 1
+            self._steps[step] = tables
+            while len(self._steps) > _KEEP_STEPS:
+                self._steps.popitem(last=False)
+        return step
 
     # ------------------------------------------------------------- the CPU part
     def _attend_rows(self, layer: int, q, tables, lengths):
         t0 = time.perf_counter()
         o, lse = host_paged_attention(q, self.host.k[layer], self.host.v[layer], tables, lengths,
                                       scale=self.cfg.attention_scale)
+        t1 = time.perf_counter()
         with self._lock:
-            self.stats.cpu_attention_seconds += time.perf_counter() - t0
-        return o, lse
+            self.stats.cpu_attention_seconds += t1 - t0
+        return o, lse, t1
 
     def _chunks(self, lengths) -> list[np.ndarray]:
         """Rows with host tokens, split into up to `num_threads` groups of similar total length."""
@@ -99,19 +119,25 @@ class HostAttention:
         parts = min(self.num_threads, len(live))
         return [c for c in np.array_split(live, parts) if len(c)]
 
-    def attend(self, layer: int, q, tables, lengths):
-        """Synchronous CPU attention of one full layer: q `[R, H, D]` -> (o `[R, H, D]`, lse `[R, H]`) fp32."""
-        return self.finish(self.start(layer, q, tables, lengths))
+    def attend(self, layer: int, step, first_row, q, lengths):
+        """Synchronous CPU attention of one full layer (`start` then `finish`)."""
+        return self.finish(self.start(layer, step, first_row, q, lengths))
 
-    def start(self, layer: int, q, tables, lengths) -> np.ndarray:
-        """Submits one full layer's CPU attention to the workers; returns a job id (int32 scalar) at once."""
-        q, tables, lengths = np.asarray(q, np.float32), np.asarray(tables), np.asarray(lengths)
+    def start(self, layer: int, step, first_row, q, lengths) -> np.ndarray:
+        """Submits one full layer's CPU attention to the workers and returns a job id (int32 scalar) at once.
+
+        q `[R, H, D]`: the queries of the step's rows `first_row .. first_row + R - 1`; lengths `[R]` their
+        host tokens (0: nothing to do); their host block tables come from `register_step(step)`."""
+        q, lengths = np.asarray(q, np.float32), np.asarray(lengths)
+        first_row = int(first_row)
+        tables = self._steps[int(step)][first_row : first_row + len(q)]
         chunks = self._chunks(lengths)
+        submitted = time.perf_counter()
         futures = [self._pool.submit(self._attend_rows, layer, q[c], tables[c], lengths[c]) for c in chunks]
         with self._lock:
             job = self._next_job
             self._next_job = self._next_job % (2**31 - 2) + 1
-            self._jobs[job] = (futures, chunks, q.shape)
+            self._jobs[job] = (futures, chunks, q.shape, submitted)
             self.stats.num_cpu_calls += 1
         return np.int32(job)
 
@@ -119,13 +145,16 @@ class HostAttention:
         """Waits for job `job` and returns its (o, lse)."""
         t0 = time.perf_counter()
         with self._lock:
-            futures, chunks, shape = self._jobs.pop(int(job))
+            futures, chunks, shape, submitted = self._jobs.pop(int(job))
         o = np.zeros(shape, np.float32)
         lse = np.full(shape[:2], -np.inf, np.float32)
+        done = submitted
         for rows, fut in zip(chunks, futures):
-            o[rows], lse[rows] = fut.result()
+            o[rows], lse[rows], end = fut.result()
+            done = max(done, end)
         with self._lock:
             self.stats.cpu_wait_seconds += time.perf_counter() - t0
+            self.stats.cpu_job_seconds += done - submitted
         return o, lse
 
     # ------------------------------------------------------------- copy mode
@@ -136,7 +165,7 @@ class HostAttention:
         block 0 is zeros (padding)."""
         t0 = time.perf_counter()
         ids = [b for t in host_tables for b in t]
-        num = _pow2(len(ids) + 1, 4)
+        num = _pow2(len(ids) + 1, 64)
         order = np.zeros(num, np.int64)
         order[1 : len(ids) + 1] = ids
         staged = []
@@ -197,15 +226,17 @@ class HostPart:
     """The traced host-part metadata of one step (built inside the jitted step).
 
     offsets `[T]`: host tokens before each query token's device part (0 for rows without host KV);
-    rows `[R]`: packed token index of each host-KV row (padding: T, dropped); lengths `[R]` host tokens;
-    tables `[R, M]`: host block ids ("cpu") or staging block ids ("copy"); stage: the staging arrays."""
+    row_tokens `[B]`: packed index of each row's (single) query token; row_lengths `[B]`: host tokens of
+    each row (0: none, and for padding rows); step: the `HostAttention.register_step` id ("cpu"); tables
+    `[B, MH]` and stage: "copy"'s staging block tables and arrays."""
 
     attn: HostAttention
     offsets: jax.Array
-    rows: jax.Array
-    lengths: jax.Array
-    tables: jax.Array
-    stage: tuple | None
+    row_tokens: jax.Array
+    row_lengths: jax.Array
+    step: jax.Array | None = None
+    tables: jax.Array | None = None
+    stage: tuple | None = None
 
     def layer(self, i: int) -> "LayerHostPart":
         return LayerHostPart(self, i)
@@ -213,22 +244,25 @@ class HostPart:
     def attend(self, i: int, q):
         """Host part of full layer `i` for all T query tokens: (o `[T, H, D]`, lse `[T, H]` fp32, -inf where
         a token has no host KV)."""
-        num_tokens, num_heads, head_dim = q.shape
-        q_h = q[jnp.minimum(self.rows, num_tokens - 1)]  # [R, H, D]
+        num_tokens, num_heads, _ = q.shape
+        q_rows = q[self.row_tokens]  # [B, H, D]
         if self.attn.mode == "copy":
             from pallas_kernels import paged_attention
 
             k_stage, v_stage = self.stage[0][i], self.stage[1][i]
-            o_h, lse_h = paged_attention(q_h, k_stage, v_stage, self.tables, jnp.arange(q_h.shape[0]),
-                                         self.lengths - 1, decode=True, scale=self.attn.cfg.attention_scale,
+            o_h, lse_h = paged_attention(q_rows, k_stage, v_stage, self.tables, jnp.arange(q_rows.shape[0]),
+                                         self.row_lengths - 1, decode=True, scale=self.attn.cfg.attention_scale,
                                          return_lse=True)
-            lse_h = jnp.where(self.lengths[:, None] > 0, lse_h, -jnp.inf)  # an empty row read nothing
         else:
-            shapes = (jax.ShapeDtypeStruct(q_h.shape, jnp.float32), jax.ShapeDtypeStruct(q_h.shape[:2], jnp.float32))
-            o_h, lse_h = jax.pure_callback(functools.partial(self.attn.attend, i), shapes, q_h.astype(jnp.float32),
-                                           self.tables, self.lengths)
-        o = jnp.zeros(q.shape, q.dtype).at[self.rows].set(o_h.astype(q.dtype), mode="drop")
-        lse = jnp.full((num_tokens, num_heads), -jnp.inf, jnp.float32).at[self.rows].set(lse_h, mode="drop")
+            shapes = (jax.ShapeDtypeStruct(q_rows.shape, jnp.float32),
+                      jax.ShapeDtypeStruct(q_rows.shape[:2], jnp.float32))
+            o_h, lse_h = jax.pure_callback(functools.partial(self.attn.attend, i), shapes, self.step, jnp.int32(0),
+                                           q_rows.astype(jnp.float32), self.row_lengths)
+        live = self.row_lengths > 0  # padding rows repeat the last token: never scatter them
+        target = jnp.where(live, self.row_tokens, num_tokens)
+        lse_h = jnp.where(live[:, None], lse_h, -jnp.inf)  # an empty row read nothing
+        o = jnp.zeros(q.shape, q.dtype).at[target].set(o_h.astype(q.dtype), mode="drop")
+        lse = jnp.full((num_tokens, num_heads), -jnp.inf, jnp.float32).at[target].set(lse_h, mode="drop")
         return o, lse
 
 

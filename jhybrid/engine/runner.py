@@ -71,9 +71,9 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
     step's output (row 0: its sampled tokens). Returns (`[2, R]` int32: tokens and their bit-cast fp32 logprobs, top logprobs,
     top ids, state).
 
-    Offloaded attention: `host_meta` packs the host-KV rows of `host_layout = (RH, MH)`: their packed token
-    index `[RH]` (padding: T), host tokens `[RH]` and host (or, "copy", staging) block tables `[RH, MH]`;
-    `stage` is "copy"'s staging arrays; `host_attn` the engine's `HostAttention` (static, by identity)."""
+    Offloaded attention (`host_attn`: the engine's `HostAttention`, static, by identity): `host_layout` is
+    None for a step without host-KV rows, `(0,)` for "cpu" (`host_meta [1]`: the step's registered id) and
+    `(MH,)` for "copy" (`host_meta [B * MH]`: staging block tables; `stage`: the staging arrays)."""
     f = _unpack(meta, *layout)
     num_tokens = layout[0]
     token_src = f["token_src"]
@@ -88,12 +88,19 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
     if host_layout is not None:
         from jhybrid.engine.offload import HostPart
 
-        rh, mh = host_layout
         real = jnp.arange(num_tokens) < f["cu_seqlens"][-1]  # padding tokens keep their positions
         offsets = jnp.where(real, f["host_offsets"][f["token_seq"]], 0)
-        host = HostPart(attn=host_attn, offsets=offsets, rows=host_meta[:rh],
-                        lengths=host_meta[rh : 2 * rh], tables=host_meta[2 * rh :].reshape(rh, mh), stage=stage)
-    logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh, host_attention=host)
+        (mh,) = host_layout
+        host = HostPart(attn=host_attn, offsets=offsets, row_tokens=f["logits_index"], row_lengths=f["host_offsets"],
+                        step=host_meta[0] if mh == 0 else None,
+                        tables=host_meta.reshape(layout[1], mh) if mh else None, stage=stage)
+    if host is not None and decode and host_attn.overlap:
+        from jhybrid.engine.pipeline import forward_pipelined
+
+        logits, state = forward_pipelined(cfg, params, state, batch, host,
+                                          kernels=dict(impl="auto", interpret=False, mesh=None))
+    else:
+        logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh, host_attention=host)
     if mesh is not None:  # sample on the gathered logits; keep the state in its shards
         logits, state = parallel.replicated(logits, mesh), parallel.constrain_state(state, cfg, mesh)
     tokens, token_logp, top_lp, top_ids = sample(
@@ -166,6 +173,8 @@ class ModelRunner:
             self._table_len[slot] = len(table)
 
     def execute(self, sched: SchedulerOutput, prev: StepResult | None) -> StepResult:
+        if self.host_attn is not None and self.host_attn.overlap and sched.is_decode:
+            _spread_host_rows(sched.rows, min(_pow2(len(sched.rows), 4), self.max_rows) // 2)
         rows = sched.rows
         num_real = len(rows)
         decode = sched.is_decode
@@ -242,7 +251,7 @@ class ModelRunner:
             stats.num_steps_host += bool(host_rows)
             stats.num_steps_plain += not host_rows
         if host_rows:
-            host_meta, stage, statics["host_layout"] = self._host_part(rows, host_rows, cu, num_tokens)
+            host_meta, stage, statics["host_layout"] = self._host_part(rows, host_rows, num_rows)
             statics["host_attn"] = self.host_attn
         self.compiled_shapes.add(tuple(statics.values()))
         prev_out = prev.out if prev is not None else self._no_prev
@@ -250,33 +259,46 @@ class ModelRunner:
                                                        stage, **statics)
         return StepResult(sched, out, top_lp, top_ids)
 
-    def _host_part(self, rows, host_rows: list[int], cu, num_tokens: int):
-        """The host-KV rows' metadata (packed), "copy"'s staging arrays and the static `(RH, MH)`."""
+    def _host_part(self, rows, host_rows: list[int], num_rows: int):
+        """The host-KV rows' metadata: "cpu": their host block tables registered with the `HostAttention`
+        (the callbacks look them up by step id); "copy": the staging arrays and the tables into them."""
         attn = self.host_attn
-        tables = [rows[i].seq.host_blocks for i in host_rows]
-        rh = _pow2(len(host_rows), 4)
-        mh = _pow2(max(len(t) for t in tables), 4)
-        token_index = np.full(rh, num_tokens, np.int64)  # padding: out of range, dropped
-        token_index[: len(host_rows)] = cu[np.asarray(host_rows) + 1] - 1
-        lengths = np.zeros(rh, np.int64)
-        lengths[: len(host_rows)] = [len(t) * self.cache.block_size for t in tables]
-        table = np.zeros((rh, mh), np.int64)
-        stage = None
-        if attn.mode == "copy":
-            stage = attn.stage(tables)
-            ids = 1  # staging block 0 is the zero page
-            for j, t in enumerate(tables):
-                table[j, : len(t)] = np.arange(ids, ids + len(t))
-                ids += len(t)
-        else:
-            for j, t in enumerate(tables):
-                table[j, : len(t)] = t
+        tables = {i: rows[i].seq.host_blocks for i in host_rows}
+        width = max(len(t) for t in tables.values())
         attn.stats.num_host_rows += len(host_rows)
-        attn.stats.host_tokens_attended += int(lengths.sum())
-        host_meta = np.concatenate([token_index, lengths, table.ravel()]).astype(np.int32)
-        return host_meta, stage, (rh, mh)
+        attn.stats.host_tokens_attended += sum(len(t) for t in tables.values()) * self.cache.block_size
+        if attn.mode == "cpu":
+            table = np.zeros((num_rows, width), np.int32)
+            for i, t in tables.items():
+                table[i, : len(t)] = t
+            return np.asarray([attn.register_step(table)], np.int32), None, (0,)
+        mh = _pow2(width, 16)
+        table = np.zeros((num_rows, mh), np.int32)
+        ordered = [tables[i] for i in host_rows]
+        stage = attn.stage(ordered)
+        first = 1  # staging block 0 is the zero page
+        for i, t in zip(host_rows, ordered):
+            table[i, : len(t)] = np.arange(first, first + len(t))
+            first += len(t)
+        return table.ravel(), stage, (mh,)
 
     def _seed(self, seq) -> int:
         if seq.params.seed is not None:
             return seq.params.seed
         return (self.seed * 1_000_003 + seq.seq_id * 7919) % 2**32
+
+
+def _spread_host_rows(rows: list, half: int) -> None:
+    """Reorders a decode step's rows (in place: the step's result follows `sched.rows`) so that rows with
+    host KV alternate between the pipeline's halves `[0, half)` and `[half, ...)`."""
+    host = [r for r in rows if r.seq.host_blocks]
+    if not host or len(rows) <= half:
+        return
+    plain = [r for r in rows if not r.seq.host_blocks]
+    first = host[0::2]
+    second = host[1::2]
+    num_first = half - len(first)
+    if num_first < 0:  # more host rows than the first half holds
+        first, second = host[:half], host[half:]
+        num_first = 0
+    rows[:] = first + plain[:num_first] + second + plain[num_first:]

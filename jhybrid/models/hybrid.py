@@ -61,9 +61,7 @@ def forward(
         raise ValueError("forward runs on packed parameters: call jhybrid.models.params.pack_params(params) once")
     kernels = dict(impl=kernel_impl, interpret=interpret, mesh=mesh)
     shards = num_shards(mesh)
-    x = params["embed"][batch.token_ids]  # [T, D]
-    if cfg.embedding_multiplier != 1.0:  # Granite
-        x = x * cfg.embedding_multiplier
+    x = embed(cfg, params, batch)  # [T, D]
     inv_freq = rope_inv_freq(cfg) if cfg.num_full_layers else None
     k_pages, v_pages = list(state.k_pages), list(state.v_pages)
     conv, ssm = list(state.conv), list(state.ssm)
@@ -85,24 +83,43 @@ def forward(
                 i_lin += 1
                 alpha, beta = cfg.linear_attn_alpha, cfg.linear_attn_beta
             x = _residual(normed if cfg.residual_from_norm else x, h, alpha, beta)
-        if mlp_kind != "none":
-            normed = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
-            if mlp_kind == "moe":
-                h = moe(p["mlp"], normed, cfg.num_experts_per_tok, cfg.norm_topk_prob, act=cfg.mlp_act,
-                        router=cfg.moe_router, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
-                        scaling=cfg.routed_scaling_factor, num_shards=shards)
-            else:
-                h = dense_mlp(p["mlp"], normed, cfg.mlp_act, shards)
-            x = _residual(normed if cfg.residual_from_norm else x, h, cfg.mlp_alpha, cfg.mlp_beta)
+        x = mlp_block(cfg, mlp_kind, p, x, shards)
     if not all_logits:
         x = x[batch.logits_index]  # [B, D]
+    logits = lm_head(cfg, params, x)
+    new_state = dataclasses.replace(state, k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
+    return logits, new_state
+
+
+def embed(cfg: ModelConfig, params: dict, batch: Batch) -> Float[Array, "T D"]:
+    x = params["embed"][batch.token_ids]  # [T, D]
+    if cfg.embedding_multiplier != 1.0:  # Granite
+        x = x * cfg.embedding_multiplier
+    return x
+
+
+def lm_head(cfg: ModelConfig, params: dict, x: Float[Array, "B D"]) -> Float[Array, "B V"]:
+    """Final norm and the LM head: fp32 logits."""
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     logits = (x @ head).astype(jnp.float32)
     if cfg.logits_scaling != 1.0:  # Granite divides its logits
         logits = logits / cfg.logits_scaling
-    new_state = dataclasses.replace(state, k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
-    return logits, new_state
+    return logits
+
+
+def mlp_block(cfg: ModelConfig, mlp_kind: str, p: dict, x: Float[Array, "T D"], shards: int = 1) -> Float[Array, "T D"]:
+    """A layer's MLP (dense or MoE) with its norm and residual; `x` unchanged for kind "none"."""
+    if mlp_kind == "none":
+        return x
+    normed = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
+    if mlp_kind == "moe":
+        h = moe(p["mlp"], normed, cfg.num_experts_per_tok, cfg.norm_topk_prob, act=cfg.mlp_act,
+                router=cfg.moe_router, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
+                scaling=cfg.routed_scaling_factor, num_shards=shards)
+    else:
+        h = dense_mlp(p["mlp"], normed, cfg.mlp_act, shards)
+    return _residual(normed if cfg.residual_from_norm else x, h, cfg.mlp_alpha, cfg.mlp_beta)
 
 
 def _residual(r: Array, h: Array, alpha: float, beta: float) -> Array:
