@@ -31,56 +31,48 @@ def reference(tiny):
     return [o.token_ids for o in outs]
 
 
-def offloading(model, mode: str, **kw) -> LLM:
-    """4 sequences of up to 54 tokens need up to 28 blocks of 8; 12 force offloading (or preemption)."""
-    return LLM(model, **SIZES, num_kv_blocks=13, host_kv_memory_gb=0.01, preemption_mode="recompute",
-               kv_offload=mode, **kw)
-
-
-@pytest.mark.parametrize("mode,overlap", [("cpu", False), ("cpu", True), ("copy", False)])
-def test_forced_offloading_equals_no_pressure(tiny, reference, mode, overlap):
-    llm = offloading(tiny[1], mode, offload_overlap=overlap, offload_threads=2)
-    outs = llm.generate(decode_heavy_prompts(), PARAMS)
-    st = llm.engine.stats()
-    assert st["num_offloaded_blocks"] > 0 and st["num_steps_host"] > 0 and st["num_host_rows"] > 0, st
-    assert st["offload_bytes"] == st["num_offloaded_blocks"] * llm.engine.host.block_bytes
-    if mode == "cpu":
-        calls = st["num_steps_host"] * llm.model.cfg.num_full_layers  # the pipeline: one per half in decode steps
-        assert calls < st["num_cpu_calls"] <= 2 * calls if overlap else st["num_cpu_calls"] == calls, st
-        assert 0 <= st["cpu_wait_seconds"] <= st["cpu_job_seconds"] + 1e-3, st
-        assert st["cpu_attention_seconds"] > 0 and st["copy_bytes"] == 0, st
-    else:
-        assert st["copy_bytes"] > 0 and st["num_cpu_calls"] == 0, st
-    for i, (out, want) in enumerate(zip(outs, reference)):
-        assert out.token_ids == want, f"prompt {i}: {mode} offloading changed the greedy tokens"
-        assert out.finish_reason == "length"
-    assert_all_free(llm)
-    host = llm.engine.host
-    assert host.blocks.num_used == 0 and host.slots.num_used == 0, "host tier leaked"
-    assert llm.engine.stats()["host_resident_blocks"] == 0
-
-
-def test_offloaded_sequences_preempted_or_aborted_free_their_host_blocks(tiny):
-    """Too little room even with offloading: some sequences are preempted (recompute) or aborted while
-    they hold host blocks; every request still completes (or is aborted) and everything is freed."""
-    llm = LLM(tiny[1], **SIZES, num_kv_blocks=9, host_kv_memory_gb=1e-5, preemption_mode="recompute",
-              kv_offload="cpu")  # a few host blocks
+def run_with_abort(llm: LLM):
+    """Runs every prompt; once a sequence holding host blocks exists after a preemption, aborts it."""
     eng = llm.engine
     seqs = [eng.add_request(f"r{i}", p, PARAMS) for i, p in enumerate(decode_heavy_prompts())]
     aborted = None
     while eng.has_unfinished():
         eng.step()
-        if aborted is None:
-            holder = next((s for s in eng.scheduler.running if s.host_blocks), None)
-            if holder is not None and eng.stats()["num_preemptions"] > 0:
-                aborted = holder
-                eng.abort(holder.request_id)
-    st = eng.stats()
-    assert st["num_offloaded_blocks"] > 0 and st["num_recompute_preemptions"] > 0, st
-    assert aborted is not None and aborted.finish_reason == "abort"
-    assert all(s.finish_reason == "length" and len(s.output_ids) == 24 for s in seqs if s is not aborted)
+        if aborted is None and eng.num_preemptions > 0:
+            aborted = next((s for s in eng.scheduler.running if s.host_blocks), None)
+            if aborted is not None:
+                eng.abort(aborted.request_id)
+    return seqs, aborted
+
+
+@pytest.mark.parametrize("mode,overlap", [("cpu", False), ("cpu", True), ("copy", False)])
+def test_forced_offloading_equals_no_pressure(tiny, reference, mode, overlap):
+    """4 sequences of up to 54 tokens need up to 28 blocks of 8; 8 blocks and a host tier of a few blocks
+    force offloading, and preemption (recompute) of sequences holding host blocks when the host is full.
+    One sequence is aborted while it holds host blocks. The others' greedy tokens equal the reference."""
+    llm = LLM(tiny[1], **SIZES, num_kv_blocks=9, host_kv_memory_gb=1e-5, preemption_mode="recompute",
+              kv_offload=mode, offload_overlap=overlap, offload_threads=2)
+    seqs, aborted = run_with_abort(llm)
+    st = llm.engine.stats()
+    assert aborted is not None and aborted.finish_reason == "abort", "no sequence held host blocks after a preemption"
+    for i, (seq, want) in enumerate(zip(seqs, reference)):
+        if seq is not aborted:
+            assert seq.output_ids == want, f"prompt {i}: {mode} offloading changed the greedy tokens"
+            assert seq.finish_reason == "length"
+    assert st["num_offloaded_blocks"] > 0 and st["num_steps_host"] > 0 and st["num_host_rows"] > 0, st
+    assert st["num_recompute_preemptions"] > 0 and st["num_swap_preemptions"] == 0, st
+    assert st["offload_bytes"] == st["num_offloaded_blocks"] * llm.engine.host.block_bytes
+    if mode == "cpu":
+        calls = st["num_steps_host"] * llm.model.cfg.num_full_layers  # the pipeline: one per half in decode steps
+        assert calls < st["num_cpu_calls"] <= 2 * calls if overlap else st["num_cpu_calls"] == calls, st
+        assert st["cpu_attention_seconds"] > 0 and st["copy_bytes"] == 0, st
+        assert 0 <= st["cpu_wait_seconds"] <= st["cpu_job_seconds"] + 1e-3, st
+    else:
+        assert st["copy_bytes"] > 0 and st["num_cpu_calls"] == 0, st
     assert_all_free(llm)
-    assert eng.host.blocks.num_used == 0
+    host = llm.engine.host
+    assert host.blocks.num_used == 0 and host.slots.num_used == 0, "host tier leaked"
+    assert st["host_resident_blocks"] == 0
 
 
 def test_bad_offload_configs_are_refused(tiny):

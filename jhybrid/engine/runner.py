@@ -272,7 +272,7 @@ class ModelRunner:
             for i, t in tables.items():
                 table[i, : len(t)] = t
             return np.asarray([attn.register_step(table)], np.int32), None, (0,)
-        mh = _pow2(width, 16)
+        mh = self.max_blocks  # fixed: one compile per staging size only (the kernel reads up to each row's length)
         table = np.zeros((num_rows, mh), np.int32)
         ordered = [tables[i] for i in host_rows]
         stage = attn.stage(ordered)

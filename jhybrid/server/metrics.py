@@ -17,6 +17,11 @@ Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
 | `jhybrid:preemptions_by_mode_total{mode}` | counter | preemptions by `swap` / `recompute` |
 | `jhybrid:swap_bytes_total{direction}`, `jhybrid:swaps_total{direction}` | counter | KV + state moved `out` (device -> host) / `in` |
 | `jhybrid:swap_seconds_total{direction}` | counter | host time spent dispatching and storing swaps |
+| `jhybrid:host_resident_kv_blocks` | gauge | KV blocks of running sequences held in the host tier (`kv_offload`) |
+| `jhybrid:offloaded_kv_blocks_total`, `jhybrid:offload_bytes_total` | counter | blocks (bytes) moved device -> host by offloading |
+| `jhybrid:offload_steps_total{path}` | counter | steps with host-KV rows (`host`) or without (`plain`) |
+| `jhybrid:cpu_attention_calls_total`, `jhybrid:cpu_attention_seconds_total`, `jhybrid:cpu_attention_wait_seconds_total` | counter | CPU attention over host KV: calls, worker time, time the step waited |
+| `jhybrid:offload_copy_bytes_total` | counter | `kv_offload="copy"`: host blocks copied to the device |
 | `jhybrid:request_success_total{finished_reason}` | counter | finished requests: stop, length, abort, error |
 | `jhybrid:http_requests_total{method,route,status}` | counter | HTTP responses (rejections included) |
 
@@ -80,6 +85,8 @@ class EngineMetrics:
             "host_bytes_used": ("jhybrid:host_tier_bytes_used", "Host-tier bytes in use (KV + state)."),
             "host_bytes_total": ("jhybrid:host_tier_bytes_total", "Host-tier bytes (KV + state)."),
         }
+        host["host_resident_blocks"] = ("jhybrid:host_resident_kv_blocks",
+                                        "KV blocks of running sequences held in the host tier (offloaded attention).")
         self.host_gauges = {key: gauge(name, doc) for key, (name, doc) in host.items()}
         by_mode = Counter("jhybrid:preemptions_by_mode", "Preemptions by mode (swap / recompute).",
                           ["model_name", "mode"], registry=r)
@@ -97,7 +104,18 @@ class EngineMetrics:
             "num_swap_in": swaps.labels(model_name=model_name, direction="in"),
             "swap_out_seconds": swap_s.labels(model_name=model_name, direction="out"),
             "swap_in_seconds": swap_s.labels(model_name=model_name, direction="in"),
+            "num_offloaded_blocks": counter("jhybrid:offloaded_kv_blocks", "KV blocks moved to the host tier by offloading."),
+            "offload_bytes": counter("jhybrid:offload_bytes", "Bytes of KV moved to the host tier by offloading."),
+            "num_cpu_calls": counter("jhybrid:cpu_attention_calls", "CPU attention calls over host-resident KV."),
+            "cpu_attention_seconds": counter("jhybrid:cpu_attention_seconds", "CPU attention worker seconds."),
+            "cpu_wait_seconds": counter("jhybrid:cpu_attention_wait_seconds",
+                                        "Seconds steps waited for CPU attention (not hidden by the GPU's work)."),
+            "copy_bytes": counter("jhybrid:offload_copy_bytes", "Host KV bytes copied to the device (kv_offload='copy')."),
         }
+        steps = Counter("jhybrid:offload_steps", "Steps with host-KV rows (host) or without (plain).",
+                        ["model_name", "path"], registry=r)
+        self.engine_counters["num_steps_host"] = steps.labels(model_name=model_name, path="host")
+        self.engine_counters["num_steps_plain"] = steps.labels(model_name=model_name, path="plain")
         self._last: dict[str, float] = {}
 
     def observe_engine(self, engine) -> None:
