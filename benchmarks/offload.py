@@ -159,6 +159,7 @@ def end_to_end(model, mode: str, args, kv_blocks: int) -> dict:
                   **{k: st[k] for k in ("num_recompute_preemptions", "num_swap_preemptions", "num_swap_fallbacks",
                                         "swap_out_bytes", "swap_in_bytes", "swap_out_seconds", "swap_in_seconds",
                                         "host_bytes_total", *OFFLOAD_STATS)})
+    log(f"  {mode}: {wall:.2f} s, {result['gen_tokens_per_s']:.1f} tok/s, {done}/{len(prompts)} done")
     if cost is not None:
         result.update(probe_h2d_gbps=cost.h2d_bytes_per_s / 1e9, probe_d2h_gbps=cost.d2h_bytes_per_s / 1e9,
                       probe_prefill_tokens_per_s=cost.prefill_tokens_per_s)

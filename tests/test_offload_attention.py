@@ -168,3 +168,20 @@ def test_two_part_attention_equals_whole(impl, decode):
     # and the parts are not trivially equal to the whole: the host part matters for rows that have one
     has_host = n_host[q_rows] > 0
     assert np.abs(np.asarray(o_dev)[has_host] - np.asarray(o_all)[has_host]).max() > 1e-2
+
+
+def test_host_attention_widens_bfloat16_exactly():
+    """The host tier's bf16 pages are widened by bit shifts (not ml_dtypes' cast): same result as fp32 pages."""
+    import ml_dtypes
+
+    from jhybrid.cache.host_attention import host_paged_attention
+
+    rng = np.random.default_rng(1)
+    k, v = (rng.standard_normal((9, 4, 2, 16), np.float32).astype(ml_dtypes.bfloat16) for _ in range(2))
+    q = rng.standard_normal((3, 4, 16), np.float32)
+    tables, lengths = np.array([[1, 2, 3], [4, 5, 0], [6, 7, 8]]), np.array([10, 6, 0])
+    o_bf16, lse_bf16 = host_paged_attention(q, k, v, tables, lengths)
+    o_f32, lse_f32 = host_paged_attention(q, k.astype(np.float32), v.astype(np.float32), tables, lengths)
+    np.testing.assert_array_equal(o_bf16, o_f32)
+    np.testing.assert_array_equal(lse_bf16, lse_f32)
+    assert np.isneginf(lse_bf16[2]).all() and np.isfinite(lse_bf16[:2]).all()

@@ -70,9 +70,8 @@ def host_paged_attention(
         if n == 0:
             continue
         pages = block_tables[b, : -(-n // block_size)]
-        # [KVH, S, D] fp32, contiguous: one gather + cast each, then batched BLAS matmuls over the kv heads
-        k = np.ascontiguousarray(k_pages[pages].transpose(2, 0, 1, 3), dtype=np.float32).reshape(num_kv_heads, -1, head_dim)[:, :n]
-        v = np.ascontiguousarray(v_pages[pages].transpose(2, 0, 1, 3), dtype=np.float32).reshape(num_kv_heads, -1, head_dim)[:, :n]
+        k = _gather_f32(k_pages, pages, n)  # [KVH, S, D] fp32, contiguous
+        v = _gather_f32(v_pages, pages, n)
         q_g = q[b].astype(np.float32).reshape(num_kv_heads, group, head_dim)  # [KVH, G, D]
         s = np.matmul(q_g, k.transpose(0, 2, 1)) * scale  # [KVH, G, S]
         if soft_cap is not None:
@@ -83,3 +82,20 @@ def host_paged_attention(
         o[b] = (np.matmul(p, v) / denom).reshape(num_heads, head_dim)
         lse[b] = (m + np.log(denom))[..., 0].reshape(num_heads)
     return o, lse
+
+
+def _gather_f32(pages: np.ndarray, ids: np.ndarray, n: int) -> np.ndarray:
+    """Pages `ids` of `[P, BS, KVH, D]` as one fp32 `[KVH, S, D]` array (first n keys; one gather, one cast).
+
+    bfloat16 is widened by shifting its bits (uint16 -> uint32 << 16): ml_dtypes' own cast runs at about
+    1 GB/s and holds the GIL, so worker threads could not run it in parallel; integer casts and shifts are
+    plain NumPy loops that release it."""
+    num_kv_heads, head_dim = pages.shape[2], pages.shape[3]
+    if pages.dtype.name == "bfloat16":
+        x = pages.view(np.uint16)[ids].transpose(2, 0, 1, 3)  # [KVH, NB, BS, D]
+        wide = np.ascontiguousarray(x, dtype=np.uint32)
+        wide <<= 16
+        out = wide.view(np.float32)
+    else:
+        out = np.ascontiguousarray(pages[ids].transpose(2, 0, 1, 3), dtype=np.float32)
+    return out.reshape(num_kv_heads, -1, head_dim)[:, :n]
