@@ -6,6 +6,9 @@ attention over host-resident KV, or those blocks copied to the GPU every step).
                                               [--modes recompute,swap,auto,offload-cpu,offload-cpu-sync,offload-copy]
     PYTHONPATH=. python -m benchmarks.offload --tiny     # CPU smoke test: a tiny model, short prompts
 
+Set OPENBLAS_NUM_THREADS=1 for the CPU attention rows: its worker threads call BLAS concurrently, and a
+multi-threaded OpenBLAS serialises or oversubscribes them (measured: 8 workers slower than 1).
+
 Model: the 2.2 B Qwen3-Next-shaped dense hybrid of benchmarks/generate.py (random bf16 weights; 6 full
 layers, 16 q / 2 kv heads of dim 256: 12 KiB of KV per token). The GPU KV pool is capped at `--kv-gb`, so
 `--num-requests` prompts of `--prompt-len` tokens cannot all stay resident and the scheduler preempts.
@@ -229,7 +232,10 @@ def main(argv=None):
     log(f"\nGPU KV pool: {kv_blocks} blocks of {block_size} ({kv_blocks * block_bytes / 2**30:.2f} GiB); "
         f"{args.num_requests} requests x {args.prompt_len} prompt + {args.max_tokens} new tokens")
     # each mode runs `--repeats` times on one engine and the last run is reported: earlier ones compile
-    runs = [end_to_end(model, mode, args, kv_blocks) for mode in args.modes.split(",")]
+    runs = []
+    for mode in args.modes.split(","):
+        runs.append(end_to_end(model, mode, args, kv_blocks))
+        _write_json(args, info, h2d, d2h, host_bw, attn, runs)  # partial results survive a timeout
     base = next((r for r in runs if r["mode"] == "recompute"), runs[0])
     log(f"{'mode':>16} {'wall s':>8} {'tok/s':>9} {'done':>7} {'recomp':>7} {'swaps':>6} {'fallbk':>6} "
         f"{'out MB':>9} {'in MB':>9} {'agree':>6}")
@@ -258,6 +264,10 @@ def main(argv=None):
         log(f"INCOMPLETE runs (no throughput claim): {incomplete}")
     if args.tiny:  # the smoke test fails loudly on a lost request
         assert not incomplete, incomplete
+    return _write_json(args, info, h2d, d2h, host_bw, attn, runs)
+
+
+def _write_json(args, info, h2d, d2h, host_bw, attn, runs) -> dict:
     results = dict(args=vars(args), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, host_read_bytes_per_s=host_bw,
                    attention=attn, end_to_end=[{k: v for k, v in r.items() if k != "tokens"} for r in runs])
     if args.json:
