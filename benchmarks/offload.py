@@ -27,7 +27,8 @@ Measured in the same run, in this order:
    and "offload-copy" (the host blocks copied to the GPU every step and attended there). Reported: wall
    time, generated tokens/s, requests completed, preemptions by mode, bytes swapped each way, and greedy-
    token agreement with the recompute run (bf16 batches of different composition may legitimately diverge
-   late; fp32 `--tiny` must agree); then for the offload modes: blocks offloaded and bytes moved to the host,
+   late: `--tiny` is bf16 too, and offload-cpu's two half-size batches round differently there; in fp32
+   every mode agrees, tests/test_offload_attention.py); then for the offload modes: blocks offloaded and bytes moved to the host,
    steps with host-KV rows vs plain steps, host tokens attended, CPU attention time (summed over worker
    threads), CPU job wall time and how much of it the step waited for (hidden = 1 - wait / job), and the
    copy mode's host -> device bytes.
@@ -251,14 +252,17 @@ def main(argv=None):
     offloaded = [r for r in runs if r["mode"] in OFFLOAD_MODES]
     if offloaded:
         log(f"\n{'mode':>16} {'offl blk':>9} {'offl MB':>8} {'host st':>8} {'plain st':>8} {'host rows':>9} "
-            f"{'Mtok att':>9} {'CPU s':>7} {'job s':>7} {'wait s':>7} {'hidden':>7} {'copy MB':>9} {'copy s':>7}")
+            f"{'Mtok att':>9} {'CPU s':>7} {'job s':>7} {'wait s':>7} {'wait ms/st':>10} {'hidden':>7} {'copy MB':>9} "
+            f"{'copy s':>7}")
         for r in offloaded:
             job = r["cpu_job_seconds"]
             r["cpu_hidden_fraction"] = hidden = 1.0 - r["cpu_wait_seconds"] / job if job > 0 else float("nan")
+            r["cpu_wait_ms_per_host_step"] = wait_ms = 1e3 * r["cpu_wait_seconds"] / max(r["num_steps_host"], 1)
             log(f"{r['mode']:>16} {r['num_offloaded_blocks']:9d} {r['offload_bytes'] / 1e6:8.1f} "
                 f"{r['num_steps_host']:8d} {r['num_steps_plain']:8d} {r['num_host_rows']:9d} "
                 f"{r['host_tokens_attended'] / 1e6:9.2f} {r['cpu_attention_seconds']:7.2f} {job:7.2f} "
-                f"{r['cpu_wait_seconds']:7.2f} {hidden:7.2f} {r['copy_bytes'] / 1e6:9.1f} {r['copy_seconds']:7.2f}")
+                f"{r['cpu_wait_seconds']:7.2f} {wait_ms:10.2f} {hidden:7.2f} {r['copy_bytes'] / 1e6:9.1f} "
+                f"{r['copy_seconds']:7.2f}")
     incomplete = [r["mode"] for r in runs if r["completed"] != r["requests"]]
     if incomplete:
         log(f"INCOMPLETE runs (no throughput claim): {incomplete}")
