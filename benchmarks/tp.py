@@ -185,12 +185,31 @@ def truncated(cfg: ModelConfig, num_layers: int) -> ModelConfig:
     """The same shapes with the first `num_layers` layers: the correctness check's model. A deep random-weight
     routed MoE in bf16 is chaotic (one flipped expert choice changes the token's output, and 40 layers flip
     most tokens): on the CPU, at this model's depth and expert count with a small hidden size, bf16 at TP 1
-    is 0.72 (median per-token) from the same weights in fp32 while fp32 TP 2 vs TP 1 is 1.4e-3, so a
+    is 0.82 (median per-token) from the same weights in fp32 while fp32 TP 2 vs TP 1 is 1e-4
+    (`--routing-chaos 40`), so a
     full-depth bf16 comparison cannot tell a layout bug from routing flips. A few layers can."""
     if num_layers >= cfg.num_layers:
         return cfg
     return dataclasses.replace(cfg, num_layers=num_layers, layer_kinds=cfg.layer_kinds[:num_layers],
                                mlp_kinds=cfg.mlp_kinds[:num_layers])
+
+
+def routing_chaos(num_layers: int, tokens: int = 128) -> dict:
+    """The tiny `moe` shape at `num_layers` layers with 256 experts, top 8: median per-token logits error of
+    bf16 TP 1 vs fp32, bf16 TP 2 vs fp32 and fp32 TP 2 vs TP 1 (needs 2 devices; CPU is fine)."""
+    cfg = dataclasses.replace(truncated(model_config("moe", True), 1), num_layers=num_layers, num_experts=256,
+                              num_experts_per_tok=8, mlp_kinds=("moe",) * num_layers,
+                              layer_kinds=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                                for i in range(num_layers)))
+    f32 = dataclasses.replace(cfg, dtype="float32")
+    base = random_params(cfg)
+    base32 = jax.tree.map(lambda x: x.astype(jnp.float32), base)
+    mesh = make_mesh(2)
+    run = lambda c, p, m: check_logits(c, p if m is None else shard_params(c, p, m), m, tokens, 16)  # noqa: E731
+    ref = run(f32, base32, None)
+    med = lambda a, b: float(np.median(np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)))  # noqa: E731
+    return {"bf16_tp1_vs_fp32": med(run(cfg, base, None), ref), "bf16_tp2_vs_fp32": med(run(cfg, base, mesh), ref),
+            "fp32_tp2_vs_tp1": med(run(f32, base32, mesh), ref)}
 
 
 def link_bench(n: int) -> dict:
@@ -251,6 +270,9 @@ def main(argv=None) -> int:
                     "(default 512; 64 with --tiny)")
     ap.add_argument("--check-layers", type=int, default=4, help="layers of the same-shaped model whose TP-N logits are "
                     "checked against TP 1 (default 4: see `truncated`)")
+    ap.add_argument("--routing-chaos", type=int, default=None, metavar="LAYERS",
+                    help="only measure how far bf16 drifts from fp32 in a tiny LAYERS-deep 256-expert top-8 MoE, "
+                    "at TP 1 and 2, and exit (CPU: XLA_FLAGS=--xla_force_host_platform_device_count=2)")
     ap.add_argument("--link", action="store_true", help="also time all-reduces over the mesh (the link's bandwidth)")
     ap.add_argument("--tiny", action="store_true", help="small models and sizes: a CPU smoke test")
     ap.add_argument("--json", default=None, metavar="PATH")
@@ -265,6 +287,9 @@ def main(argv=None) -> int:
     info = machine_info()
     print(f"# {info['device']} x{info['num_devices']}  jax {info['jax']}  commit {info['commit']}", flush=True)
     args.check_tokens = args.check_tokens or (64 if args.tiny else 512)
+    if args.routing_chaos:
+        print(json.dumps(routing_chaos(args.routing_chaos)))
+        return 0
     if args.link:
         for n in sizes:
             if n > 1:
