@@ -19,7 +19,7 @@ def decode_heavy_prompts():
 
 
 PARAMS = SamplingParams(max_tokens=24, **GREEDY)
-SIZES = dict(dtype=None, max_num_seqs=4, max_model_len=64, block_size=8, max_num_batched_tokens=32)
+SIZES = dict(dtype=None, max_num_seqs=4, max_model_len=64, block_size=8, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")
