@@ -6,8 +6,9 @@ attention over host-resident KV, or those blocks copied to the GPU every step).
                                               [--modes recompute,swap,auto,offload-cpu,offload-cpu-sync,offload-copy]
     PYTHONPATH=. python -m benchmarks.offload --tiny     # CPU smoke test: a tiny model, short prompts
 
-Set OPENBLAS_NUM_THREADS=1 for the CPU attention rows: its worker threads call BLAS concurrently, and a
-multi-threaded OpenBLAS serialises or oversubscribes them (measured: 8 workers slower than 1).
+NumPy's OpenBLAS is made single-threaded (`jhybrid.engine.offload.single_threaded_blas`, as the engine does
+with kv_offload="cpu"): the CPU attention workers call BLAS concurrently, and a multi-threaded OpenBLAS
+serialises or oversubscribes them (on the H200 host, 8 workers were slower than 1 before this).
 
 Model: the 2.2 B Qwen3-Next-shaped dense hybrid of benchmarks/generate.py (random bf16 weights; 6 full
 layers, 16 q / 2 kv heads of dim 256: 12 KiB of KV per token). The GPU KV pool is capped at `--kv-gb`, so
@@ -214,7 +215,10 @@ def main(argv=None):
     attn = []
     import os
 
+    from jhybrid.engine.offload import single_threaded_blas
+
     threads = args.cpu_threads or max(1, min(8, (os.cpu_count() or 2) // 2))  # the engine's default
+    log(f"\nCPU attention per full layer ({threads} workers as in the engine; NumPy BLAS: {single_threaded_blas()})")
     log(f"\n{'rows':>5} {'host tok':>9} {'KV MB':>8} {'CPU ms':>9} {f'CPU x{threads} ms':>11} {'copy+GPU ms':>12} "
         f"{'CPU GB/s':>9} {'wins':>6}")
     for rows in (int(x) for x in args.attn_rows.split(",")):

@@ -24,6 +24,9 @@ and `merge_attention` combines them (a row with nothing on the host has lse = -i
 from __future__ import annotations
 
 import collections
+import ctypes
+import logging
+import os
 import concurrent.futures
 import dataclasses
 import functools
@@ -42,6 +45,7 @@ from jhybrid.engine.scheduler import OffloadOp
 
 
 _KEEP_STEPS = 8
+log = logging.getLogger("jhybrid.engine")
 
 
 def _pow2(n: int, minimum: int = 1) -> int:
@@ -82,6 +86,8 @@ class HostAttention:
         self.cfg, self.host, self.mode, self.overlap = cfg, host, mode, overlap and mode == "cpu"
         self.stats = OffloadStats()
         self.num_threads = max(1, num_threads)
+        if self.mode == "cpu" and self.num_threads > 1:
+            log.info("CPU attention: %d workers; NumPy's BLAS: %s", self.num_threads, single_threaded_blas())
         self._pool = concurrent.futures.ThreadPoolExecutor(self.num_threads, thread_name_prefix="jhybrid-cpu-attn")
         self._jobs: dict[int, tuple] = {}  # job id -> (futures, their row chunks, q shape, submit time)
         self._next_job = 1
@@ -183,6 +189,36 @@ class HostAttention:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=False)
+
+
+def single_threaded_blas() -> str:
+    """Makes NumPy's OpenBLAS run each call in its caller's thread (one thread).
+
+    The CPU attention workers call BLAS concurrently; a multi-threaded OpenBLAS then serialises or
+    oversubscribes them (measured: 2 workers slower than 1; with one BLAS thread they scale). Setting
+    `OPENBLAS_NUM_THREADS=1` before NumPy loads does the same; this does it afterwards, through OpenBLAS's
+    own `*set_num_threads*` entry point of the library NumPy loaded. Only NumPy's BLAS is affected (XLA
+    does not use it). Returns what was done."""
+    if os.environ.get("OPENBLAS_NUM_THREADS") == "1":
+        return "OPENBLAS_NUM_THREADS=1"
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "openblas" in line.lower() and "/" in line})
+    except OSError:
+        paths = []
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                     "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int], None
+                fn(1)
+                return f"{name}(1) in {os.path.basename(path)}"
+    return "not OpenBLAS or not found: set OPENBLAS_NUM_THREADS=1 (or the BLAS's equivalent) if workers do not scale"
 
 
 class Offloader:
