@@ -19,17 +19,22 @@ inside the jitted step); every full layer then attends in two parts, each return
       "copy": the baseline: the rows' host blocks are copied to the GPU before every step (one staging
               array per full layer, H2D) and attended there by the same paged kernel;
 and `merge_attention` combines them (a row with nothing on the host has lse = -inf there: weight 0).
+
+`HostAttention` is a static argument of the jitted step, hashed by identity: each engine compiles its
+host-part programs once (steps without host-KV rows share the usual programs). The host block tables
+never cross to the device: the runner registers each step's tables (`register_step`) and the callbacks
+receive the step id.
 """
 
 from __future__ import annotations
 
 import collections
-import ctypes
-import logging
-import os
 import concurrent.futures
+import ctypes
 import dataclasses
 import functools
+import logging
+import os
 import threading
 import time
 
@@ -67,7 +72,7 @@ class OffloadStats:
     num_steps_host: int = 0  # steps with at least one host-KV row
     num_host_rows: int = 0  # host-KV rows summed over steps
     host_tokens_attended: int = 0  # host tokens summed over rows, steps (per full layer)
-    num_cpu_calls: int = 0  # CPU attention calls (one per full layer per host step)
+    num_cpu_calls: int = 0  # CPU attention jobs (per full layer per host step; the pipeline: one per half)
     cpu_attention_seconds: float = 0.0  # CPU time in them (worker threads, summed)
     cpu_job_seconds: float = 0.0  # wall time from submitting each CPU job to its last result, summed
     cpu_wait_seconds: float = 0.0  # of which the step waited (blocked in `finish`): not hidden
@@ -118,12 +123,20 @@ class HostAttention:
         return o, lse, t1
 
     def _chunks(self, lengths) -> list[np.ndarray]:
-        """Rows with host tokens, split into up to `num_threads` groups of similar total length."""
-        live = np.flatnonzero(np.asarray(lengths) > 0)
+        """Rows with host tokens in up to `num_threads` groups of similar total length (longest first, each
+        to the lightest group)."""
+        lengths = np.asarray(lengths)
+        live = np.flatnonzero(lengths > 0)
         if len(live) == 0:
             return []
         parts = min(self.num_threads, len(live))
-        return [c for c in np.array_split(live, parts) if len(c)]
+        groups: list[list[int]] = [[] for _ in range(parts)]
+        load = np.zeros(parts)
+        for row in live[np.argsort(-lengths[live], kind="stable")]:
+            g = int(load.argmin())
+            groups[g].append(int(row))
+            load[g] += lengths[row]
+        return [np.asarray(sorted(g)) for g in groups if g]
 
     def attend(self, layer: int, step, first_row, q, lengths):
         """Synchronous CPU attention of one full layer (`start` then `finish`)."""
