@@ -185,3 +185,48 @@ def test_host_attention_widens_bfloat16_exactly():
     np.testing.assert_array_equal(o_bf16, o_f32)
     np.testing.assert_array_equal(lse_bf16, lse_f32)
     assert np.isneginf(lse_bf16[2]).all() and np.isfinite(lse_bf16[:2]).all()
+
+
+def test_scheduler_offloads_oldest_full_blocks_of_the_longest_decoding_sequence():
+    """Host bookkeeping only: the plan takes the longest decoding sequence's oldest full blocks (written
+    before this step), the device blocks stay in its table until the next schedule() commits the move, and
+    finishing frees both tiers."""
+    from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
+    from jhybrid.cache.host_tier import HostAllocator
+    from jhybrid.engine.scheduler import Scheduler
+    from jhybrid.engine.sequence import Sequence
+
+    blocks, slots, host = BlockAllocator(9, 4), SlotAllocator(3), HostAllocator(20, 3, 4)
+    sched = Scheduler(blocks, slots, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, host=host,
+                      preemption_mode="recompute", kv_offload="cpu")
+    long, short = Sequence("long", list(range(13)), PARAMS), Sequence("short", list(range(6)), PARAMS)
+    sched.add(long)
+    sched.add(short)
+
+    def step(out):  # the engine's read: every sampled token arrives
+        for row in out.rows:
+            if row.samples:
+                row.seq.num_pending -= 1
+                row.seq.token_ids.append(0)
+
+    out = sched.schedule()  # both prefill: 4 + 2 blocks of the 8
+    assert not out.offload and blocks.num_free == 2
+    step(out)
+    for _ in range(12):  # decode until the next step would not fit
+        out = sched.schedule()
+        step(out)
+        if out.offload:
+            break
+    assert out.offload, "no offload when the pool ran short"
+    assert blocks.num_free < sum(blocks.blocks_needed(s.num_computed + 1) > len(s.block_table) for s in (long, short))
+    (op,) = out.offload
+    assert op.seq is long and op.device_blocks == long.block_table[: len(op.device_blocks)]
+    assert long.host_blocks == [], "committed before the data reached the host"
+    moved = list(op.device_blocks)
+    out = sched.schedule()  # commits: the device blocks are free for reuse, the host blocks hold them
+    assert long.host_blocks == op.host_blocks and not set(moved) & set(long.block_table)
+    assert len(long.host_blocks) * 4 <= long.num_computed - 1, "offloaded a block that was not full"
+    assert sched.num_host_resident_blocks == len(long.host_blocks)
+    sched.finish(long, "abort")
+    sched.finish(short, "abort")
+    assert blocks.num_used == 0 and host.blocks.num_used == 0 and slots.num_used == 0
