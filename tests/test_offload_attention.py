@@ -66,7 +66,8 @@ def test_forced_offloading_equals_no_pressure(tiny, reference, mode, overlap):
         calls = st["num_steps_host"] * llm.model.cfg.num_full_layers  # the pipeline: one per half in decode steps
         assert calls < st["num_cpu_calls"] <= 2 * calls if overlap else st["num_cpu_calls"] == calls, st
         assert st["cpu_attention_seconds"] > 0 and st["copy_bytes"] == 0, st
-        assert 0 <= st["cpu_wait_seconds"] <= st["cpu_job_seconds"] + 1e-3, st
+        # waiting starts after submitting and ends a thread wake-up after the last result
+        assert 0 <= st["cpu_wait_seconds"] <= st["cpu_job_seconds"] + 2e-3 * st["num_cpu_calls"], st
     else:
         assert st["copy_bytes"] > 0 and st["num_cpu_calls"] == 0, st
     assert_all_free(llm)
