@@ -186,7 +186,7 @@ class HostAttention:
         block 0 is zeros (padding)."""
         t0 = time.perf_counter()
         ids = [b for t in host_tables for b in t]
-        num = _pow2(len(ids) + 1, 64)
+        num = _pow2(len(ids) + 1, 256)  # bucketed: each size is a compile
         order = np.zeros(num, np.int64)
         order[1 : len(ids) + 1] = ids
         staged = []

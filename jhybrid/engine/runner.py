@@ -173,13 +173,18 @@ class ModelRunner:
             self._table_len[slot] = len(table)
 
     def execute(self, sched: SchedulerOutput, prev: StepResult | None) -> StepResult:
-        if self.host_attn is not None and self.host_attn.overlap and sched.is_decode:
-            _spread_host_rows(sched.rows, min(_pow2(len(sched.rows), 4), self.max_rows) // 2)
         rows = sched.rows
         num_real = len(rows)
         decode = sched.is_decode
         num_rows = min(_pow2(num_real, 4), self.max_rows)  # num_real <= max_num_seqs <= max_rows
         num_tokens = num_rows if decode else min(_pow2(sched.num_tokens, 16), self.max_tokens_bucket)
+        if self.host_attn is not None and any(r.seq.host_blocks for r in rows):
+            # steps with host-KV rows compile per engine: mixed steps take one shape; decode steps keep
+            # their row buckets (the pipeline's halves are the bucket's halves)
+            if decode and self.host_attn.overlap:
+                _spread_host_rows(rows, num_rows // 2)
+            elif not decode:
+                num_rows, num_tokens = self.max_rows, self.max_tokens_bucket
         bs, m = self.cache.block_size, self.max_blocks
         prev_row = {r.seq.seq_id: i for i, r in enumerate(prev.sched.rows)} if prev is not None else {}
 
