@@ -230,16 +230,21 @@ def link_bench(n: int) -> dict:
     return out
 
 
-def collectives(cfg, params, mesh, block_size: int) -> dict:
-    """The collectives XLA put into one decode step (batch 4): op and shape -> count."""
+def collectives(cfg, params, mesh, block_size: int, prefill_tokens: int = 0) -> dict:
+    """The collectives XLA put into one decode step (batch 4), or with `prefill_tokens` into one prefill step
+    of that many tokens: op and shape -> count."""
     import collections
     import re
 
-    blocks = 4
-    cache = CacheConfig(num_blocks=4 * blocks + 1, block_size=block_size, num_slots=5, kv_dtype="bfloat16")
-    rows = [RowSpec([1], 40, list(range(1 + r * blocks, 1 + (r + 1) * blocks)), r + 1) for r in range(4)]
-    b = jax.tree.map(jnp.asarray, make_batch(rows, block_size=block_size, max_blocks_per_seq=blocks))
-    txt = _step_fn(mesh).lower(cfg, params, _state(cfg, cache, mesh), b, decode=True).compile().as_text()
+    if prefill_tokens:
+        cache, b, step = prefill_logits(cfg, params, mesh, prefill_tokens, block_size)
+    else:
+        blocks = 4
+        cache = CacheConfig(num_blocks=4 * blocks + 1, block_size=block_size, num_slots=5, kv_dtype="bfloat16")
+        rows = [RowSpec([1], 40, list(range(1 + r * blocks, 1 + (r + 1) * blocks)), r + 1) for r in range(4)]
+        b = jax.tree.map(jnp.asarray, make_batch(rows, block_size=block_size, max_blocks_per_seq=blocks))
+        step = _step_fn(mesh)
+    txt = step.lower(cfg, params, _state(cfg, cache, mesh), b, decode=not prefill_tokens).compile().as_text()
     ops = collections.Counter()
     for line in txt.splitlines():
         m = re.search(r"= (\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(", line)
@@ -323,6 +328,7 @@ def main(argv=None) -> int:
             row["correct"] = row["logits_rel_err"] < 5e-2
             if n > 1:
                 row["collectives_decode"] = collectives(cfg, params, mesh, args.block_size)
+                row["collectives_prefill"] = collectives(cfg, params, mesh, args.block_size, prefill)
             for b in batches:
                 row[f"decode_b{b}"] = decode_bench(cfg, params, mesh, b, context, args.block_size, iters)
             results.append(row)
