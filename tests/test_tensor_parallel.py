@@ -106,6 +106,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_swap_and_recompute_preemption_under_tensor_parallelism(worker):
+    """A TP run whose KV pool is too small preempts (by swapping the sharded pages and state slot to the host
+    and back, or by recomputing) and still produces the unpressured one-device tokens."""
+    r = worker["swap"]
+    assert r["swap_preemptions"]["num_swap_preemptions"] >= 1 and r["swap_preemptions"]["num_swap_in"] >= 1
+    assert r["recompute_preemptions"]["num_recompute_preemptions"] >= 1
+    assert r["swap"] == r["want"], f"TP {r} swap run diverged"
+    assert r["recompute"] == r["want"]
+
+
 def test_two_processes_over_loopback_equal_single_device(worker):
     """Two processes with two host devices each form one 4-device mesh (gloo collectives over loopback)."""
     coordinator = f"127.0.0.1:{_free_port()}"

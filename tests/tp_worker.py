@@ -109,6 +109,28 @@ def greedy_tokens(model, tp: int) -> tuple[list[list[int]], dict]:
     return [o.token_ids for o in outs], fractions
 
 
+def swap_under_tp(model, tp: int) -> dict:
+    """Greedy tokens at TP `tp` with a KV pool too small for the batch, preempting by swap and by recompute,
+    against one device without memory pressure; and the engine's preemption counters."""
+    import numpy as np
+
+    from jhybrid import LLM, SamplingParams
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, model.cfg.vocab_size, size=n).tolist() for n in (30, 41, 25, 37)]
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    free = LLM(model, dtype=None, max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=64)
+    out = {"want": [o.token_ids for o in free.generate(prompts, sp)]}
+    for mode in ("swap", "recompute"):
+        llm = LLM(model, dtype=None, max_num_seqs=4, max_model_len=128, num_kv_blocks=22, block_size=8,
+                  max_num_batched_tokens=64, tensor_parallel_size=tp, host_kv_memory_gb=0.01, preemption_mode=mode)
+        out[mode] = [o.token_ids for o in llm.generate(prompts, sp)]
+        stats = llm.engine.stats()
+        out[f"{mode}_preemptions"] = {k: stats[k] for k in ("num_swap_preemptions", "num_recompute_preemptions",
+                                                             "num_swap_in")}
+    return out
+
+
 def _prefill_batch(cfg, lengths, block_size=16, max_blocks=4, seed=2):
     import jax.numpy as jnp
     import numpy as np
@@ -184,7 +206,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--tp", default="1,2,4")
-    ap.add_argument("--checks", default="tokens,bad_n,unpermuted,pallas")
+    ap.add_argument("--checks", default="tokens,bad_n,unpermuted,pallas,swap")
     ap.add_argument("--coordinator")
     ap.add_argument("--num-processes", type=int)
     ap.add_argument("--process-id", type=int)
@@ -237,6 +259,10 @@ def main(argv=None) -> int:
         got = forward_logits(model.cfg, model.params, tp, kernel_impl="pallas", interpret=True, decode_steps=1)
         result["pallas"] = {"tp": tp, "vs_one_device": _rel(got, want)}
         result["timings"]["pallas"] = round(time.perf_counter() - t0, 2)
+    if "swap" in checks:
+        t0 = time.perf_counter()
+        result["swap"] = swap_under_tp(_model("qwen3_next"), max(sizes))
+        result["timings"]["swap"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(result), flush=True)
     return 0
 
