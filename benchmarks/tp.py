@@ -42,8 +42,13 @@ from jhybrid.models.params import is_shape, pack_params, param_shapes
 from jhybrid.parallel import init_sharded_state, make_mesh, shard_params
 
 
+def _layer_kinds(num_layers: int) -> tuple[str, ...]:
+    """Every 4th layer full attention, the others Gated DeltaNet."""
+    return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers))
+
+
 def _hybrid(num_layers: int, **kw) -> ModelConfig:
-    kinds = tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers))
+    kinds = _layer_kinds(num_layers)
     mlp = "moe" if kw.get("num_experts") else "dense"
     base = dict(model_type="qwen3_next", num_layers=num_layers, layer_kinds=kinds, mlp_kinds=(mlp,) * num_layers,
                 norm_zero_centred=True, attn_output_gate=True, qk_norm=True, max_position_embeddings=65536,
@@ -197,10 +202,8 @@ def truncated(cfg: ModelConfig, num_layers: int) -> ModelConfig:
 def routing_chaos(num_layers: int, tokens: int = 128) -> dict:
     """The tiny `moe` shape at `num_layers` layers with 256 experts, top 8: median per-token logits error of
     bf16 TP 1 vs fp32, bf16 TP 2 vs fp32 and fp32 TP 2 vs TP 1 (needs 2 devices; CPU is fine)."""
-    cfg = dataclasses.replace(truncated(model_config("moe", True), 1), num_layers=num_layers, num_experts=256,
-                              num_experts_per_tok=8, mlp_kinds=("moe",) * num_layers,
-                              layer_kinds=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                                                for i in range(num_layers)))
+    cfg = dataclasses.replace(model_config("moe", True), num_layers=num_layers, layer_kinds=_layer_kinds(num_layers),
+                              mlp_kinds=("moe",) * num_layers, num_experts=256, num_experts_per_tok=8)
     f32 = dataclasses.replace(cfg, dtype="float32")
     base = random_params(cfg)
     base32 = jax.tree.map(lambda x: x.astype(jnp.float32), base)
