@@ -94,6 +94,14 @@ def test_layout_without_shard_major_permutation_is_caught(worker):
     assert worker["unpermuted"]["wrong"] > 1e-2
 
 
+def test_parameters_built_into_their_shards_equal_shard_params(worker):
+    """`shard_params_from` (no whole model on one device) places the same values with the same shardings
+    as sharding the whole packed pytree, asking for each leaf once."""
+    built = worker["from_leaves"]
+    assert built["mismatched"] == [], built
+    assert built["made"] == built["leaves"] > 10, built
+
+
 def test_pallas_kernels_per_shard_equal_one_device(worker):
     pallas = worker["pallas"]
     assert pallas["tp"] == 4

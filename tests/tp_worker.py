@@ -8,6 +8,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts, 
   * `bad_n`: the ValueError message for a tensor_parallel_size that does not divide the head counts;
   * `unpermuted`: logit error when the packed projections are sharded without the shard-major layout
     (the negative control: it must be large);
+  * `from_leaves`: parameters built leaf by leaf into their shards (`shard_params_from`) vs `shard_params`;
   * `pallas`: prefill + decode logits of the Pallas path (interpret mode) per shard under shard_map vs
     one device.
 With `--coordinator/--num-processes/--process-id` it first joins a multi-process job (gloo on CPU).
@@ -196,6 +197,31 @@ def forward_logits(cfg, packed, tp: int, *, permute: bool = True, kernel_impl="r
     return np.stack(out)
 
 
+def sharded_from_leaves(cfg, params, tp: int) -> dict:
+    """`shard_params_from` (each packed leaf made on demand from a stand-in with a `.shape`) against
+    `shard_params` on the whole packed pytree: the leaves whose values or shardings differ, and how many
+    leaves `make_leaf` was asked for."""
+    import jax
+    import numpy as np
+
+    from jhybrid.parallel import make_mesh, shard_params, shard_params_from
+
+    class Stand:
+        def __init__(self, value):
+            self.value, self.shape = value, value.shape
+
+    packed = params  # the runtime (packed) layout, as `forward_logits` takes it
+    mesh = make_mesh(tp)
+    calls = []
+    make = lambda s: calls.append(1) or s.value  # noqa: E731
+    got = shard_params_from(cfg, jax.tree.map(Stand, packed), mesh, make)
+    want = shard_params(cfg, packed, mesh)
+    bad = [jax.tree_util.keystr(path) for (path, g), w in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(want),
+                                                              strict=True)
+           if g.sharding != w.sharding or not np.array_equal(np.asarray(g), np.asarray(w))]
+    return {"mismatched": bad, "leaves": len(jax.tree.leaves(want)), "made": len(calls)}
+
+
 def _rel(a, b) -> float:
     import numpy as np
 
@@ -250,6 +276,7 @@ def main(argv=None) -> int:
         right = forward_logits(model.cfg, model.params, 2, decode_steps=0)
         wrong = forward_logits(model.cfg, model.params, 2, permute=False, decode_steps=0)
         result["unpermuted"] = {"right": _rel(right, want), "wrong": _rel(wrong, want)}
+        result["from_leaves"] = sharded_from_leaves(model.cfg, model.params, max(sizes))
         result["timings"]["unpermuted"] = round(time.perf_counter() - t0, 2)
     if "pallas" in checks:
         t0 = time.perf_counter()

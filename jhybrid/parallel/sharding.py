@@ -25,6 +25,7 @@ that divides the kv heads.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -187,6 +188,23 @@ def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
     return _walk(cfg, params, n, leaf)
 
 
+def shard_params_from(cfg: ModelConfig, leaves: dict, mesh: Mesh, make_leaf) -> dict:
+    """Like `shard_params`, but builds each parameter as it goes: `leaves` is the packed pytree with any
+    leaf objects that have a `.shape`, and `make_leaf(leaf)` returns that parameter's packed single-device
+    value, which is re-laid out and split at once. So at most one whole parameter exists at a time, and a
+    model that only fits split (Qwen3.5-35B-A3B's 69 GB on two GPUs) never needs a whole copy on one
+    device (random weights in benchmarks; a checkpoint read one tensor at a time)."""
+    n = num_shards(mesh)
+    validate_tensor_parallel(cfg, n)
+
+    def leaf(spec_leaf, spec, seg):
+        value = make_leaf(spec_leaf)
+        value = value if seg is None or n == 1 else interleave(value, seg[0], n, seg[1])
+        return _put(value, NamedSharding(mesh, spec))
+
+    return _walk(cfg, leaves, n, leaf)
+
+
 # ----------------------------------------------------------------------------- state
 def state_specs(cfg: ModelConfig) -> HybridState:
     """PartitionSpecs of the state pytree (lightning attention's empty conv state is replicated)."""
@@ -207,8 +225,14 @@ def state_shardings(cfg: ModelConfig, mesh: Mesh) -> HybridState:
 def init_sharded_state(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh) -> HybridState:
     """Zeroed caches created directly in their shards (no device ever holds the whole pool)."""
     validate_tensor_parallel(cfg, num_shards(mesh))
-    make = jax.jit(lambda: init_state(cfg, cache), out_shardings=state_shardings(cfg, mesh))
-    return make()
+    return _state_maker(cfg, cache, mesh)()
+
+
+@functools.lru_cache(maxsize=8)
+def _state_maker(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh):
+    """One compiled zero-state maker per (model, cache, mesh): a fresh `jax.jit` of a fresh lambda would
+    recompile on every call (~0.1 s on the H200, which once passed for a slow TP prefill in benchmarks.tp)."""
+    return jax.jit(functools.partial(init_state, cfg, cache), out_shardings=state_shardings(cfg, mesh))
 
 
 def replicated(x, mesh: Mesh):
@@ -235,6 +259,7 @@ __all__ = [
     "replicated",
     "shard_fraction",
     "shard_params",
+    "shard_params_from",
     "state_shardings",
     "state_specs",
     "to_shard_major",
