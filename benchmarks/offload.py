@@ -135,6 +135,27 @@ OFFLOAD_STATS = ("num_offloaded_blocks", "offload_bytes", "num_steps_plain", "nu
                  "cpu_wait_seconds", "copy_bytes", "copy_seconds", "host_blocks_total")
 
 
+def _generate_within(llm, prompts, params, seconds: float, tag: str):
+    """Runs every prompt through the engine until all finish or `seconds` pass; the unfinished ones are
+    then aborted (a slow mode reports how many it completed, not a timeout). Returns ([(token ids,
+    finish reason)], wall seconds, whether the budget cut the run)."""
+    eng = llm.engine
+    t0 = time.perf_counter()
+    seqs = [eng.add_request(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)]
+    while eng.has_unfinished() and time.perf_counter() - t0 < seconds:
+        eng.step()
+    wall = time.perf_counter() - t0
+    cut = eng.has_unfinished()
+    for seq in seqs:
+        eng.abort(seq.request_id)  # no-op for finished ones
+    while eng.has_unfinished():  # steps still in flight after the aborts
+        eng.step()
+    outs = [(list(seq.output_ids), seq.finish_reason) for seq in seqs]
+    for seq in seqs:
+        eng.release(seq.request_id)
+    return outs, wall, cut
+
+
 def end_to_end(model, mode: str, args, kv_blocks: int) -> dict:
     import jhybrid
 
@@ -150,21 +171,20 @@ def end_to_end(model, mode: str, args, kv_blocks: int) -> dict:
                       num_kv_blocks=kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                       host_kv_memory_gb=0.0 if mode == "recompute" else args.host_gb, **kw)
     params = jhybrid.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    for _ in range(args.repeats):  # one engine: earlier runs compile its shapes; the last is reported
+    for i in range(args.repeats):  # one engine: earlier runs compile its shapes; the last is reported
         before = llm.engine.stats()
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        wall = time.perf_counter() - t0
+        outs, wall, cut = _generate_within(llm, prompts, params, args.mode_seconds, f"{mode}-{i}")
     after = llm.engine.stats()
     st = {k: v if k.endswith("_total") else v - before[k] for k, v in after.items()}  # the reported run only
     cost = llm.engine.cost_model
-    done = sum(o.finish_reason == "length" and len(o.token_ids) == args.max_tokens for o in outs)
-    result = dict(mode=mode, wall_s=wall, completed=done, requests=len(prompts),
-                  gen_tokens_per_s=sum(len(o.token_ids) for o in outs) / wall, tokens=[o.token_ids for o in outs],
+    done = sum(reason == "length" and len(toks) == args.max_tokens for toks, reason in outs)
+    result = dict(mode=mode, wall_s=wall, completed=done, requests=len(prompts), cut_at_budget=cut,
+                  gen_tokens_per_s=sum(len(toks) for toks, _ in outs) / wall, tokens=[toks for toks, _ in outs],
                   **{k: st[k] for k in ("num_recompute_preemptions", "num_swap_preemptions", "num_swap_fallbacks",
                                         "swap_out_bytes", "swap_in_bytes", "swap_out_seconds", "swap_in_seconds",
                                         "host_bytes_total", *OFFLOAD_STATS)})
-    log(f"  {mode}: {wall:.2f} s, {result['gen_tokens_per_s']:.1f} tok/s, {done}/{len(prompts)} done")
+    log(f"  {mode}: {wall:.2f} s, {result['gen_tokens_per_s']:.1f} tok/s, {done}/{len(prompts)} done"
+        + (f" (cut at the {args.mode_seconds:g} s budget)" if cut else ""))
     if cost is not None:
         result.update(probe_h2d_gbps=cost.h2d_bytes_per_s / 1e9, probe_d2h_gbps=cost.d2h_bytes_per_s / 1e9,
                       probe_prefill_tokens_per_s=cost.prefill_tokens_per_s)
@@ -189,6 +209,9 @@ def main(argv=None):
     parser.add_argument("--modes", default="recompute,swap,auto,offload-cpu,offload-cpu-sync,offload-copy")
     parser.add_argument("--cpu-threads", type=int, default=None, help="CPU attention workers (default: cores / 2, <= 8)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode (one engine); the last is reported")
+    parser.add_argument("--mode-seconds", type=float, default=120.0,
+                        help="time budget of each run of a mode: requests unfinished by then are aborted and the "
+                             "mode reports how many completed (throughput counts the tokens it made)")
     args = parser.parse_args(argv)
     from jhybrid.config import ModelConfig
     from jhybrid.engine.generate import LoadedModel

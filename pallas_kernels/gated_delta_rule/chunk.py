@@ -449,7 +449,7 @@ def chunk_gated_delta_rule_pallas(
     chunk_size: int = 64,
     block_v: int = 16,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     wy_num_warps: int = 4,
     wy_precision: str = "bf16",
     fused_output: bool = True,
@@ -470,6 +470,8 @@ def chunk_gated_delta_rule_pallas(
     the output inside the sequential pass; otherwise the pass stores the state entering each chunk and the
     corrected values, and a parallel kernel over all chunks (`out_block_v` values per program) computes the
     output. The defaults are the fastest checked configuration on the H200 (benchmarks/RESULTS.md).
+    `num_stages` of the sequential pass defaults to 3, or 2 for 4-byte inputs: its loop pipelines the q and
+    k tiles and the scores (80 KiB a stage in fp32; three stages exceed the H200's 227 KiB of shared memory).
     """
     if wy_precision not in _PRECISIONS:
         raise ValueError(f"unknown {wy_precision=}; choose one of {tuple(_PRECISIONS)}")
@@ -477,6 +479,7 @@ def chunk_gated_delta_rule_pallas(
     value_dim = v.shape[-1]
     c = chunk_size
     block_v = min(block_v, value_dim)
+    num_stages = num_stages or (3 if jnp.dtype(v.dtype).itemsize <= 2 else 2)
     scale = key_dim**-0.5 if scale is None else scale
     scores = scores and gcum and fused_output
     q, k, v, g, beta, cu, layout = _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, c, interpret)

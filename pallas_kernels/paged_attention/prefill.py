@@ -122,7 +122,7 @@ def paged_attention_prefill_pallas(
     soft_cap: float | None = None,
     return_lse: bool = False,
     block_q: int | None = None,
-    pages_per_block: int = 4,
+    pages_per_block: int | None = None,
     num_warps: int = 8,
     num_stages: int = 2,
     per_page: bool = False,
@@ -133,13 +133,17 @@ def paged_attention_prefill_pallas(
 
     q is cast to the pages' dtype for the dots (fp32 accumulation). D and BS must be powers of two.
     `block_q` query tokens per tile (default: 128 query rows per program, at least one token). Each loop
-    step reads `pages_per_block` pages: page by page (`per_page`) or as one gathered `[NP*BS, D]` tile.
+    step reads `pages_per_block` pages (default 4): page by page (`per_page`) or as one gathered `[NP*BS, D]`
+    tile. With 4-byte pages both defaults halve, so the tiles take the bytes of the bf16 ones: at head_dim
+    256 the bf16 sizes in fp32 ask for 320 KiB of shared memory, over the H200's 227 KiB.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     gp = _next_pow2(group)
-    block_q = block_q or max(1, 128 // gp)
+    wide = jnp.dtype(k_pages.dtype).itemsize > 2
+    block_q = block_q or max(1, (64 if wide else 128) // gp)
+    pages_per_block = pages_per_block or (2 if wide else 4)
     rows = block_q * gp
     if rows < 16:
         block_q, rows = 16 // gp, 16
