@@ -11,12 +11,16 @@ with kv_offload="cpu"): the CPU attention workers call BLAS concurrently, and a 
 serialises or oversubscribes them (on the H200 host, 8 workers were slower than 1 before this).
 
 Model: the 2.2 B Qwen3-Next-shaped dense hybrid of benchmarks/generate.py (random bf16 weights; 6 full
-layers, 16 q / 2 kv heads of dim 256: 12 KiB of KV per token). The GPU KV pool is capped at `--kv-gb`, so
-`--num-requests` prompts of `--prompt-len` tokens cannot all stay resident and the scheduler preempts.
+layers, 16 q / 2 kv heads of dim 256: 12 KiB of KV per token). The GPU KV pool is capped at `--kv-gb`.
+The scheduler admits only the prompts that fit and runs the rest later, so it preempts (recompute or
+swap) only when running sequences outgrow the pool while decoding: give `--max-tokens` room to grow
+(the H200 run of session 4, 4096 + 32 tokens, never preempted). Each run of a mode has a time budget
+(`--mode-seconds`); what it has not finished by then is aborted and reported as not completed.
 
 Measured in the same run, in this order:
-1. host -> device and device -> host bandwidth (`jhybrid.engine.swap.measure_transfer_bandwidth`), host
-   memory read bandwidth (NumPy sum), and the engine's prefill rate is reported by the auto run's probe;
+1. host -> device and device -> host bandwidth (`jhybrid.engine.swap.measure_transfer_bandwidth`, the
+   engine's pageable NumPy path), the same through page-locked ("pinned_host") memory, host memory read
+   bandwidth (NumPy sum), and the engine's prefill rate is reported by the auto run's probe;
 2. per full layer, for a decode batch whose older KV lives on the host: (a) CPU attention over it
    (`jhybrid.cache.host_attention.host_paged_attention`, returning (o, lse)) and (b) copying the same
    blocks to the GPU and attending there; both outputs are checked against each other first (a mismatch
@@ -67,6 +71,30 @@ def host_read_bandwidth(nbytes: int) -> float:
         a.sum()
         times.append(time.perf_counter() - t0)
     return nbytes / float(np.median(times))
+
+
+def pinned_transfer_bandwidth(nbytes: int) -> dict:
+    """Transfers through page-locked host memory (JAX's "pinned_host" memory kind) next to the engine's
+    pageable NumPy path, bytes/s each: device -> pinned, pinned -> device, a jitted gather whose output
+    lands in pinned memory (how a swap out could go), and pinned -> NumPy (whether reading it on the CPU
+    costs a copy). Empty where the backend has no pinned_host memory."""
+    dev = jax.devices()[0]
+    if "pinned_host" not in {m.kind for m in dev.addressable_memories()}:
+        return {}
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    x = jnp.ones(nbytes // 2, jnp.bfloat16).block_until_ready()
+    xp = jax.device_put(x, pinned).block_until_ready()
+    rows = x.reshape(-1, 4096)
+    half = jnp.arange(0, rows.shape[0], 2)
+    gather = jax.jit(lambda a, i: a[i], out_shardings=pinned)
+    rate = lambda fn, n=nbytes: n / timed(fn, 3)[0]  # noqa: E731
+    return {
+        "d2h_pinned": rate(lambda: jax.device_put(x, pinned).block_until_ready()),
+        "h2d_pinned": rate(lambda: jax.device_put(xp, on_dev).block_until_ready()),
+        "gather_to_pinned": rate(lambda: gather(rows, half).block_until_ready(), nbytes // 2),
+        "pinned_to_numpy": rate(lambda: np.array(xp, copy=True)),
+    }
 
 
 def timed(fn, repeats: int) -> tuple[float, float, float]:
@@ -233,6 +261,10 @@ def main(argv=None):
     h2d, d2h = measure_transfer_bandwidth(probe)
     host_bw = host_read_bandwidth((64 << 20) if args.tiny else (2 << 30))
     log(f"host->device {h2d / 1e9:.2f} GB/s | device->host {d2h / 1e9:.2f} GB/s | host memory read {host_bw / 1e9:.2f} GB/s")
+    pinned = pinned_transfer_bandwidth(probe)
+    info["pinned_bytes_per_s"] = pinned
+    if pinned:
+        log("pinned host memory: " + " | ".join(f"{k.replace('_', ' ')} {v / 1e9:.2f} GB/s" for k, v in pinned.items()))
 
     # 2. attention over host-resident KV: CPU vs copy to the GPU (per full layer)
     attn = []
