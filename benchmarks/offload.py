@@ -33,7 +33,8 @@ Measured in the same run, in this order:
    time, generated tokens/s, requests completed, preemptions by mode, bytes swapped each way, and greedy-
    token agreement with the recompute run (bf16 batches of different composition may legitimately diverge
    late: `--tiny` is bf16 too, and offload-cpu's two half-size batches round differently there; in fp32
-   every mode agrees, tests/test_offload_attention.py); then for the offload modes: blocks offloaded and bytes moved to the host,
+   every mode agrees, tests/test_offload_attention.py); "swap-pinned" and "auto-pinned" swap through
+   page-locked host memory (`swap_transfer="pinned"`); then for the offload modes: blocks offloaded and bytes moved to the host,
    steps with host-KV rows vs plain steps, host tokens attended, CPU attention time (summed over worker
    threads), CPU job wall time and how much of it the step waited for (hidden = 1 - wait / job), and the
    copy mode's host -> device bytes.
@@ -191,7 +192,7 @@ def end_to_end(model, mode: str, args, kv_blocks: int) -> dict:
     vocab = model.cfg.vocab_size
     prompts = [rng.integers(0, vocab, size=args.prompt_len).tolist() for _ in range(args.num_requests)]
     offload = OFFLOAD_MODES.get(mode)
-    kw = dict(preemption_mode=mode)
+    kw = dict(preemption_mode=mode.removesuffix("-pinned"), swap_transfer="pinned" if mode.endswith("-pinned") else "pageable")
     if offload is not None:
         kw = dict(preemption_mode="recompute", kv_offload=offload[0], offload_overlap=offload[1],
                   offload_threads=args.cpu_threads)

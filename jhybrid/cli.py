@@ -101,6 +101,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="auto", choices=("auto", "swap", "recompute"),
                    help="what a preempted sequence does: swap to the host tier, recompute its prompt, or pick by "
                    "estimated cost (default auto; swap needs --host-kv-memory-gb)")
+    g.add_argument("--swap-transfer", default="pageable", choices=("pageable", "pinned"),
+                   help="how swapped-out KV and state reach the host: through pageable NumPy memory or through "
+                   "JAX's page-locked pinned_host memory (default pageable)")
     g.add_argument("--kv-offload", default="off", choices=("off", "cpu", "copy"),
                    help="let running sequences keep their oldest KV blocks in the host tier instead of being preempted, "
                    "attending over them on the CPU or over per-step copies on the GPU (default off; needs "
@@ -223,7 +226,7 @@ def _serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, memory_fraction=args.memory_fraction,
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, host_kv_memory_gb=args.host_kv_memory_gb,
-        preemption_mode=args.preemption_mode, kv_offload=args.kv_offload,
+        preemption_mode=args.preemption_mode, swap_transfer=args.swap_transfer, kv_offload=args.kv_offload,
     )
     return 0
 

@@ -36,14 +36,14 @@ def assert_host_free(llm: LLM):
     assert not llm.engine.scheduler.swapped
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
-def test_swap_out_and_in_is_bit_exact(tiny, kv_dtype):
+@pytest.mark.parametrize("kv_dtype,transfer", [("float32", "pageable"), ("bfloat16", "pageable"), ("bfloat16", "pinned")])
+def test_swap_out_and_in_is_bit_exact(tiny, kv_dtype, transfer):
     cfg = tiny[1].cfg
     cache = CacheConfig(num_blocks=12, block_size=4, num_slots=5, kv_dtype=kv_dtype)
     state = random_state(cfg, cache, seed=1)
     before = jax.tree.map(np.asarray, state)
     host = host_for(cfg, cache)
-    swapper = Swapper(host)
+    swapper = Swapper(host, transfer)
     src_blocks, src_slot = [3, 7, 5], 2
     entry = host.reserve(3 * 4 - 1)  # 11 tokens: 3 blocks
     swapper.swap_out(state, [SwapOp("seq", src_blocks, src_slot, entry)])
@@ -103,6 +103,8 @@ def test_engine_options_are_checked(tiny):
         LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, preemption_mode="sometimes")
     with pytest.raises(ValueError, match="host_kv_memory_gb"):
         LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, host_kv_memory_gb=1e-9, preemption_mode="swap")
+    with pytest.raises(ValueError, match="swap_transfer='dma'"):
+        LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, host_kv_memory_gb=0.01, swap_transfer="dma")
     with pytest.raises(ValueError, match="rates must be > 0"):
         SwapCostModel(h2d_bytes_per_s=1.0, d2h_bytes_per_s=0.0, prefill_tokens_per_s=1.0)
 
@@ -142,6 +144,24 @@ def test_forced_swapping_equals_no_pressure_and_hf(tiny):
         with torch.no_grad():
             want = hf_model.generate(torch.tensor([prompts[i]]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
         assert swapped[i].token_ids == want[0, len(prompts[i]):].tolist(), f"prompt {i}: differs from HF"
+
+
+def test_swapping_through_pinned_host_memory_equals_no_pressure(tiny):
+    """swap_transfer="pinned" (swap outs via a device_put into JAX's pinned_host memory) under the same
+    pressure: the same swaps and bytes, and the tokens of a run with no memory pressure."""
+    _, model = tiny
+    prompts = prompts_1_to_300()
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    llm = pressured(model, host_kv_memory_gb=0.01, preemption_mode="swap", swap_transfer="pinned")
+    assert llm.engine.swapper.transfer == "pinned"
+    pinned = llm.generate(prompts, params)
+    st = llm.engine.stats()
+    assert st["num_swap_preemptions"] > 0 and st["num_swap_out"] == st["num_swap_in"], st
+    assert st["swap_out_bytes"] == st["swap_in_bytes"] > 0
+    assert_all_free(llm)
+    assert_host_free(llm)
+    reference = LLM(model, dtype=None, max_num_seqs=4, max_model_len=320, max_num_batched_tokens=128).generate(prompts, params)
+    assert [o.token_ids for o in pinned] == [o.token_ids for o in reference]
 
 
 def test_auto_mode_follows_the_cost_model(tiny):
@@ -201,6 +221,17 @@ def test_measured_cost_model(tiny):
     fresh = LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32)
     p = prompts_1_to_300()[2]
     assert llm.generate([p], params)[0].token_ids == fresh.generate([p], params)[0].token_ids
+
+
+def test_transfer_probe_through_pinned_memory_returns_the_data():
+    from jhybrid.engine import swap
+
+    h2d, d2h = swap.measure_transfer_bandwidth(1 << 20, repeats=1, transfer="pinned")
+    assert h2d > 0 and d2h > 0
+    x = jnp.arange(1000, dtype=jnp.bfloat16)
+    (pinned,) = jax.tree.leaves(swap._to_pinned((x,)))
+    assert pinned.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(pinned), np.asarray(x))
 
 
 def test_plan_host_tier_sizes(tiny):

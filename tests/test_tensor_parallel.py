@@ -116,11 +116,15 @@ def _free_port() -> int:
 
 def test_swap_and_recompute_preemption_under_tensor_parallelism(worker):
     """A TP run whose KV pool is too small preempts (by swapping the sharded pages and state slot to the host
-    and back, or by recomputing) and still produces the unpressured one-device tokens."""
+    and back, through pageable or pinned host memory, or by recomputing) and still produces the unpressured
+    one-device tokens."""
     r = worker["swap"]
     assert r["swap_preemptions"]["num_swap_preemptions"] >= 1 and r["swap_preemptions"]["num_swap_in"] >= 1
     assert r["recompute_preemptions"]["num_recompute_preemptions"] >= 1
     assert r["swap"] == r["want"], f"TP {r} swap run diverged"
+    pinned = r["swap-pinned_preemptions"]
+    assert pinned["num_swap_preemptions"] >= 1 and pinned["num_swap_in"] >= 1
+    assert r["swap-pinned"] == r["want"], "TP swap through pinned host memory diverged"
     assert r["recompute"] == r["want"]
 
 

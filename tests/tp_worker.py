@@ -122,9 +122,11 @@ def swap_under_tp(model, tp: int) -> dict:
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     free = LLM(model, dtype=None, max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=64)
     out = {"want": [o.token_ids for o in free.generate(prompts, sp)]}
-    for mode in ("swap", "recompute"):
+    for mode in ("swap", "swap-pinned", "recompute"):  # swap-pinned: through pinned_host memory (sharded)
         llm = LLM(model, dtype=None, max_num_seqs=4, max_model_len=128, num_kv_blocks=22, block_size=8,
-                  max_num_batched_tokens=64, tensor_parallel_size=tp, host_kv_memory_gb=0.01, preemption_mode=mode)
+                  max_num_batched_tokens=64, tensor_parallel_size=tp, host_kv_memory_gb=0.01,
+                  preemption_mode=mode.removesuffix("-pinned"),
+                  swap_transfer="pinned" if mode.endswith("-pinned") else "pageable")
         out[mode] = [o.token_ids for o in llm.generate(prompts, sp)]
         stats = llm.engine.stats()
         out[f"{mode}_preemptions"] = {k: stats[k] for k in ("num_swap_preemptions", "num_recompute_preemptions",

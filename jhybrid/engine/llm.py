@@ -56,6 +56,8 @@ class LLM:
       preemption_mode: "auto" (swap to the host tier when the cost model says it is cheaper than recomputing),
         "swap" (whenever the host tier has room) or "recompute"; without a host tier, always recompute.
       swap_bandwidth_gbps, prefill_tokens_per_s: the cost model's rates; None measures them at start.
+      swap_transfer: how swapped-out data reaches the host: "pageable" (default) or "pinned" (through JAX's
+        page-locked pinned_host memory).
       kv_offload: "off" (default), "cpu" or "copy": running sequences may keep their oldest KV blocks in the
         host tier (needs host_kv_memory_gb > 0) instead of being preempted; attention over them runs on the
         CPU ("cpu") or on the GPU over copies sent each step ("copy"). `offload_overlap` pipelines the CPU
@@ -67,8 +69,8 @@ class LLM:
                  memory_fraction: float = 0.9, seed: int = 0, max_num_batched_tokens: int | None = None,
                  tensor_parallel_size: int = 1,
                  host_kv_memory_gb: float = 0.0, preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None,
-                 prefill_tokens_per_s: float | None = None, kv_offload: str = "off", offload_overlap: bool = True,
-                 offload_threads: int | None = None):
+                 prefill_tokens_per_s: float | None = None, swap_transfer: str = "pageable", kv_offload: str = "off",
+                 offload_overlap: bool = True, offload_threads: int | None = None):
         from jhybrid.engine.generate import load
 
         self.model = load(model, dtype)
@@ -78,7 +80,7 @@ class LLM:
                                 tensor_parallel_size=tensor_parallel_size,
                                 host_kv_memory_gb=host_kv_memory_gb, preemption_mode=preemption_mode,
                                 swap_bandwidth_gbps=swap_bandwidth_gbps, prefill_tokens_per_s=prefill_tokens_per_s,
-                                kv_offload=kv_offload, offload_overlap=offload_overlap,
+                                swap_transfer=swap_transfer, kv_offload=kv_offload, offload_overlap=offload_overlap,
                                 offload_threads=offload_threads)
         self._ids = itertools.count()
 

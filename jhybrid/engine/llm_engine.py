@@ -31,7 +31,7 @@ from jhybrid.engine.runner import ModelRunner, StepResult
 from jhybrid.engine.sampling import SamplingParams
 from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
-from jhybrid.engine.swap import Swapper, measure_prefill_rate, measure_transfer_bandwidth
+from jhybrid.engine.swap import Swapper, check_transfer, measure_prefill_rate, measure_transfer_bandwidth
 from jhybrid.engine.offload import HostAttention, Offloader, OffloadStats
 
 log = logging.getLogger("jhybrid.engine")
@@ -52,7 +52,7 @@ class LLMEngine:
                  num_kv_blocks: int | None = None, memory_fraction: float = 0.9, seed: int = 0,
                  tensor_parallel_size: int = 1,
                  max_num_batched_tokens: int | None = None, host_kv_memory_gb: float = 0.0,
-                 preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None,
+                 preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None, swap_transfer: str = "pageable",
                  prefill_tokens_per_s: float | None = None, kv_offload: str = "off",
                  offload_overlap: bool = True, offload_threads: int | None = None):
         cfg = model.cfg
@@ -86,7 +86,7 @@ class LLMEngine:
                                   max_num_batched_tokens=max_num_batched_tokens, seed=seed, mesh=self.mesh)
         self.host, self.swapper, self.cost_model = self._host_tier(
             host_kv_memory_gb, preemption_mode, swap_bandwidth_gbps, prefill_tokens_per_s, max_num_seqs,
-            max_num_batched_tokens)
+            max_num_batched_tokens, swap_transfer)
         self.host_attn = self.offloader = None
         if kv_offload != "off":
             import os
@@ -107,9 +107,11 @@ class LLMEngine:
         log.info("KV pool: %d blocks of %d tokens; %d state slots", self.cache.num_blocks - 1, block_size,
                  self.cache.num_slots - 1)
 
-    def _host_tier(self, host_kv_memory_gb, mode, bandwidth_gbps, prefill_rate, max_num_seqs, max_num_batched_tokens):
+    def _host_tier(self, host_kv_memory_gb, mode, bandwidth_gbps, prefill_rate, max_num_seqs, max_num_batched_tokens,
+                   transfer):
         if mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"unknown preemption_mode={mode!r}; choose 'auto', 'swap' or 'recompute'")
+        check_transfer(transfer)
         if host_kv_memory_gb < 0:
             raise ValueError(f"{host_kv_memory_gb=} must be >= 0 (0: no host tier)")
         if not host_kv_memory_gb:
@@ -123,7 +125,7 @@ class LLMEngine:
             if bandwidth_gbps is not None:
                 h2d = d2h = bandwidth_gbps * 1e9
             else:
-                h2d, d2h = measure_transfer_bandwidth()
+                h2d, d2h = measure_transfer_bandwidth(transfer=transfer)
             if prefill_rate is None:
                 prefill_rate = measure_prefill_rate(self.runner, min(max_num_batched_tokens, self.max_model_len - 1))
             cost = SwapCostModel(h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, prefill_tokens_per_s=prefill_rate)
@@ -131,7 +133,7 @@ class LLMEngine:
                      prefill_rate)
         log.info("host tier: %d KV blocks, %d state slots (%.2f GiB)", host.blocks.capacity - 1, host.slots.capacity - 1,
                  host.bytes_total / 2**30)
-        return host, Swapper(host), cost
+        return host, Swapper(host, transfer), cost
 
     # ----------------------------------------------------------------- requests
     def add_request(self, request_id: Any, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:

@@ -3,7 +3,8 @@ and its state slot (conv + recurrent) in every linear layer, always together.
 
 Swap out (`Swapper.swap_out`): one jitted gather of the sequence's pages and slot is dispatched *before*
 the step that reuses them (JAX orders it after the step that last wrote them), and its copy to the host
-starts at once (`copy_to_host_async`); `flush()` stores the arrived data into the host arrays. The engine
+starts at once (`copy_to_host_async`, or with `transfer="pinned"` a device_put into page-locked host
+memory); `flush()` stores the arrived data into the host arrays. The engine
 flushes after it has read the previous step, and always before a swap in.
 
 Swap in (`Swapper.swap_in`): the entry is copied out of the host arrays (so its host blocks can be freed
@@ -77,9 +78,30 @@ class SwapStats:
     seconds_in: float = 0.0
 
 
+TRANSFERS = ("pageable", "pinned")
+
+
+def check_transfer(transfer: str) -> None:
+    """Raises ValueError unless `transfer` names a device -> host path this backend has."""
+    if transfer not in TRANSFERS:
+        raise ValueError(f"unknown swap_transfer={transfer!r}; choose one of {TRANSFERS}")
+    if transfer == "pinned" and "pinned_host" not in {m.kind for m in jax.devices()[0].addressable_memories()}:
+        raise ValueError(f"swap_transfer='pinned' needs JAX's pinned_host memory, which {jax.devices()[0]} lacks")
+
+
+def _to_pinned(data):
+    """Starts the copy of device arrays into page-locked host memory (same sharding, memory kind
+    "pinned_host"): one DMA instead of a copy through a pageable staging path."""
+    return jax.device_put(data, jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), data))
+
+
 class Swapper:
-    def __init__(self, host: HostTier):
-        self.host = host
+    """`transfer`: how swapped-out data reaches the host: "pageable" (`copy_to_host_async`, then NumPy) or
+    "pinned" (a device_put into JAX's pinned_host memory, then NumPy)."""
+
+    def __init__(self, host: HostTier, transfer: str = "pageable"):
+        check_transfer(transfer)
+        self.host, self.transfer = host, transfer
         self.stats = SwapStats()
         self._pending: list[tuple[HostEntry, tuple]] = []
 
@@ -93,8 +115,11 @@ class Swapper:
             ids = np.zeros(_pow2(n), np.int32)
             ids[:n] = op.device_blocks
             data = gather_sequence(state, jnp.asarray(ids), jnp.int32(op.device_slot))
-            for leaf in jax.tree.leaves(data):
-                leaf.copy_to_host_async()
+            if self.transfer == "pinned":
+                data = _to_pinned(data)
+            else:
+                for leaf in jax.tree.leaves(data):
+                    leaf.copy_to_host_async()
             self._pending.append((op.entry, data))
             self.stats.num_swap_out += 1
             self.stats.bytes_out += self.host.entry_bytes(n)
@@ -130,8 +155,10 @@ class Swapper:
         return state
 
 
-def measure_transfer_bandwidth(nbytes: int = 16 << 20, repeats: int = 3) -> tuple[float, float]:
-    """(host->device, device->host) bytes/s: median of `repeats` copies of `nbytes`."""
+def measure_transfer_bandwidth(nbytes: int = 16 << 20, repeats: int = 3, transfer: str = "pageable") -> tuple[float, float]:
+    """(host->device, device->host) bytes/s: median of `repeats` copies of `nbytes`, the device -> host one
+    by the `Swapper`'s `transfer` path (both end in a NumPy array)."""
+    check_transfer(transfer)
     host = np.ones(nbytes // 4, np.float32)
     h2d, d2h = [], []
     for _ in range(repeats + 1):  # the first is a warm-up
@@ -139,7 +166,7 @@ def measure_transfer_bandwidth(nbytes: int = 16 << 20, repeats: int = 3) -> tupl
         dev = jax.device_put(host)
         dev.block_until_ready()
         t1 = time.perf_counter()
-        back = np.array(dev, copy=True)  # a copy even where the device is the host
+        back = np.array(_to_pinned(dev) if transfer == "pinned" else dev, copy=True)  # a copy even on a CPU device
         t2 = time.perf_counter()
         h2d.append(nbytes / max(t1 - t0, 1e-9))
         d2h.append(nbytes / max(t2 - t1, 1e-9))
