@@ -34,7 +34,8 @@ def read_metadata(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], n
 
 
 def restore_flat(path: str | os.PathLike, metadata: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, Any]:
-    """Restores every array onto the default JAX device (whatever device the checkpoint was written on).
+    """Restores every array onto the default JAX device (whatever device the checkpoint was written on;
+    `jax.default_device` picks another, e.g. the CPU for tensor-parallel loading).
 
     Args:
       metadata: from `read_metadata` (already validated by the caller).
@@ -44,7 +45,9 @@ def restore_flat(path: str | os.PathLike, metadata: dict[str, tuple[tuple[int, .
     import jax
     import orbax.checkpoint as ocp
 
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.config.jax_default_device or jax.devices()[0]
+    device = jax.devices(device)[0] if isinstance(device, str) else device  # a platform name
+    sharding = jax.sharding.SingleDeviceSharding(device)
     target = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for name, (shape, dtype) in metadata.items()}
     with ocp.StandardCheckpointer() as ckptr:
         return ckptr.restore(os.path.abspath(os.fspath(path)), target)

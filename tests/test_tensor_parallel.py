@@ -102,6 +102,17 @@ def test_parameters_built_into_their_shards_equal_shard_params(worker):
     assert built["made"] == built["leaves"] > 10, built
 
 
+def test_checkpoints_load_through_host_memory_under_tensor_parallelism(worker):
+    """`LLM(path, tensor_parallel_size=2)` reads HF and converted checkpoints into host memory (JAX's CPU
+    device), then shards them: the same greedy tokens as TP 1. (Here every device is a CPU; on GPUs this
+    is what keeps the whole model off the first GPU.)"""
+    for name in ("hf", "converted"):
+        r = worker["checkpoints"][name]
+        assert r["equal"], f"{name}: TP 2 tokens {r['tokens']} differ from TP 1"
+        assert r["loaded_on"] == ["cpu"], r
+        assert all(len(t) == 6 for t in r["tokens"])
+
+
 def test_pallas_kernels_per_shard_equal_one_device(worker):
     pallas = worker["pallas"]
     assert pallas["tp"] == 4

@@ -8,6 +8,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts, 
   * `bad_n`: the ValueError message for a tensor_parallel_size that does not divide the head counts;
   * `unpermuted`: logit error when the packed projections are sharded without the shard-major layout
     (the negative control: it must be large);
+  * `checkpoints`: `LLM(path, tensor_parallel_size=N)` on HF and converted checkpoints (loaded into host
+    memory, then sharded) vs TP 1;
   * `from_leaves`: parameters built leaf by leaf into their shards (`shard_params_from`) vs `shard_params`;
   * `pallas`: prefill + decode logits of the Pallas path (interpret mode) per shard under shard_map vs
     one device.
@@ -224,6 +226,35 @@ def sharded_from_leaves(cfg, params, tp: int) -> dict:
     return {"mismatched": bad, "leaves": len(jax.tree.leaves(want)), "made": len(calls)}
 
 
+def from_checkpoints(tp: int) -> dict:
+    """`LLM(path, tensor_parallel_size=tp)` on an HF and a converted checkpoint: the parameters are read
+    into host memory (`load(..., host=True)`) and go from there to their shards. Greedy tokens of each
+    against TP 1 on the same directory, and the devices the loaded (unsharded) parameters sit on."""
+    import tempfile
+
+    import jax
+
+    from converters.convert import convert
+    from jhybrid import LLM, SamplingParams
+    from jhybrid.engine.generate import load
+    from tests.example_ckpt import write_example_checkpoint
+
+    out: dict = {}
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 5, 9, 2, 7], list(range(3, 40))]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = write_example_checkpoint(os.path.join(tmp, "hf"))
+        converted = convert(hf, os.path.join(tmp, "converted"), dtype="float32", progress=False)
+        for name, path in (("hf", hf), ("converted", converted)):
+            kw = dict(dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64)
+            one = [o.token_ids for o in LLM(path, **kw).generate(prompts, sp)]
+            many = [o.token_ids for o in LLM(path, tensor_parallel_size=tp, **kw).generate(prompts, sp)]
+            host = load(path, "float32", host=True)
+            platforms = sorted({d.platform for x in jax.tree.leaves(host.params) for d in x.devices()})
+            out[name] = {"equal": one == many, "tokens": many, "loaded_on": platforms}
+    return out
+
+
 def _rel(a, b) -> float:
     import numpy as np
 
@@ -234,7 +265,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--tp", default="1,2,4")
-    ap.add_argument("--checks", default="tokens,bad_n,unpermuted,pallas,swap")
+    ap.add_argument("--checks", default="tokens,bad_n,unpermuted,pallas,swap,checkpoints")
     ap.add_argument("--coordinator")
     ap.add_argument("--num-processes", type=int)
     ap.add_argument("--process-id", type=int)
@@ -288,6 +319,10 @@ def main(argv=None) -> int:
         got = forward_logits(model.cfg, model.params, tp, kernel_impl="pallas", interpret=True, decode_steps=1)
         result["pallas"] = {"tp": tp, "vs_one_device": _rel(got, want)}
         result["timings"]["pallas"] = round(time.perf_counter() - t0, 2)
+    if "checkpoints" in checks:
+        t0 = time.perf_counter()
+        result["checkpoints"] = from_checkpoints(2)  # the example checkpoint has 2 kv heads
+        result["timings"]["checkpoints"] = round(time.perf_counter() - t0, 2)
     if "swap" in checks:
         t0 = time.perf_counter()
         result["swap"] = swap_under_tp(_model("qwen3_next"), max(sizes))

@@ -42,10 +42,15 @@ def _bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-def load(model: str | os.PathLike | LoadedModel, dtype: str | None = None) -> LoadedModel:
-    """A model directory (HF or converted) or an already loaded model."""
+def load(model: str | os.PathLike | LoadedModel, dtype: str | None = None, *, host: bool = False) -> LoadedModel:
+    """A model directory (HF or converted) or an already loaded model. `host`: read the parameters into
+    host memory (JAX's CPU device) instead of the first accelerator, as tensor parallelism wants: they go
+    from there straight to their shards, so a model larger than one GPU can be loaded."""
     if isinstance(model, LoadedModel):
         return model
+    if host:
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            return load(model, dtype)
     from jhybrid.checkpoint import load_model
     from jhybrid.tokenizer import load_tokenizer
 

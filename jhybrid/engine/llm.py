@@ -73,7 +73,7 @@ class LLM:
                  offload_overlap: bool = True, offload_threads: int | None = None):
         from jhybrid.engine.generate import load
 
-        self.model = load(model, dtype)
+        self.model = load(model, dtype, host=tensor_parallel_size > 1)
         self.engine = LLMEngine(self.model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                 block_size=block_size, num_kv_blocks=num_kv_blocks, memory_fraction=memory_fraction,
                                 seed=seed, max_num_batched_tokens=max_num_batched_tokens,

@@ -23,7 +23,7 @@ def build_engine(model: str, *, dtype: str | None = None, served_model_name: str
     from jhybrid.engine.generate import load
     from jhybrid.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(load(model, dtype), **engine_kwargs)
+    engine = LLMEngine(load(model, dtype, host=engine_kwargs.get("tensor_parallel_size", 1) > 1), **engine_kwargs)
     return AsyncEngine(engine, model_name=served_model_name or model)
 
 
