@@ -29,7 +29,9 @@ Measured in the same run, in this order:
 3. end to end, `--modes`: `preemption_mode` = recompute, swap and auto (no offloading), and offloaded
    attention (`kv_offload`, preemption by recompute as the fallback): "offload-cpu" (CPU attention over the
    host blocks, two-sub-batch pipeline), "offload-cpu-sync" (the same, the GPU waiting at every full layer)
-   and "offload-copy" (the host blocks copied to the GPU every step and attended there). Reported: wall
+   and "offload-copy" (the host blocks copied to the GPU every step and attended there); these offload
+   only so that running sequences are not preempted, and the "-admit" variants also to admit waiting
+   ones (`offload_admission`, what session 4's H200 run measured). Reported: wall
    time, generated tokens/s, requests completed, preemptions by mode, bytes swapped each way, and greedy-
    token agreement with the recompute run (bf16 batches of different composition may legitimately diverge
    late: `--tiny` is bf16 too, and offload-cpu's two half-size batches round differently there; in fp32
@@ -158,7 +160,10 @@ def attention_paths(cfg, rows: int, host_tokens: int, block_size: int, repeats: 
                 cpu_tokens_per_s=rows * host_tokens / cpu_pool[0], cpu_bytes_per_s=kv_bytes / cpu_pool[0])
 
 
-OFFLOAD_MODES = {"offload-cpu": ("cpu", True), "offload-cpu-sync": ("cpu", False), "offload-copy": ("copy", False)}
+# mode -> (kv_offload, offload_overlap, offload_admission)
+OFFLOAD_MODES = {"offload-cpu": ("cpu", True, False), "offload-cpu-sync": ("cpu", False, False),
+                 "offload-copy": ("copy", False, False), "offload-copy-admit": ("copy", False, True),
+                 "offload-cpu-admit": ("cpu", True, True)}
 OFFLOAD_STATS = ("num_offloaded_blocks", "offload_bytes", "num_steps_plain", "num_steps_host", "num_host_rows",
                  "host_tokens_attended", "num_cpu_calls", "cpu_attention_seconds", "cpu_job_seconds",
                  "cpu_wait_seconds", "copy_bytes", "copy_seconds", "host_blocks_total")
@@ -195,7 +200,7 @@ def end_to_end(model, mode: str, args, kv_blocks: int) -> dict:
     kw = dict(preemption_mode=mode.removesuffix("-pinned"), swap_transfer="pinned" if mode.endswith("-pinned") else "pageable")
     if offload is not None:
         kw = dict(preemption_mode="recompute", kv_offload=offload[0], offload_overlap=offload[1],
-                  offload_threads=args.cpu_threads)
+                  offload_admission=offload[2], offload_threads=args.cpu_threads)
     llm = jhybrid.LLM(model, dtype=None, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens,
                       num_kv_blocks=kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                       host_kv_memory_gb=0.0 if mode == "recompute" else args.host_gb, **kw)

@@ -231,3 +231,36 @@ def test_scheduler_offloads_oldest_full_blocks_of_the_longest_decoding_sequence(
     sched.finish(long, "abort")
     sched.finish(short, "abort")
     assert blocks.num_used == 0 and host.blocks.num_used == 0 and slots.num_used == 0
+
+
+@pytest.mark.parametrize("admission", [False, True])
+def test_offloading_to_admit_a_waiting_sequence_is_opt_in(admission):
+    """A running sequence whose next token fits is never offloaded just to admit a waiting one, unless
+    `offload_admission`: then its oldest full blocks go to the host so the waiting prompt's first chunk fits."""
+    from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
+    from jhybrid.cache.host_tier import HostAllocator
+    from jhybrid.engine.scheduler import Scheduler
+    from jhybrid.engine.sequence import Sequence
+
+    blocks, slots, host = BlockAllocator(8, 4), SlotAllocator(3), HostAllocator(20, 3, 4)
+    sched = Scheduler(blocks, slots, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, host=host,
+                      preemption_mode="recompute", kv_offload="copy", offload_admission=admission)
+    long, big = Sequence("long", list(range(20)), PARAMS), Sequence("big", list(range(16)), PARAMS)
+    sched.add(long)
+    sched.add(big)
+    out = sched.schedule()  # long's 5 blocks fit, big's 4 do not: big waits
+    assert [r.seq for r in out.rows] == [long] and blocks.num_free == 2 and sched.waiting[0] is big
+    for row in out.rows:
+        row.seq.num_pending -= 1
+        row.seq.token_ids.append(0)
+    out = sched.schedule()  # long decodes; its next token needs 1 of the 2 free blocks
+    assert [r.seq for r in out.rows] == [long]
+    if admission:
+        (op,) = out.offload
+        assert op.seq is long and len(op.device_blocks) == 3  # 4 blocks for big + 1 for long, 2 free
+    else:
+        assert out.offload == [] and sched.num_offloaded_blocks == 0
+    sched.finish(long, "abort")
+    sched.finish(big, "abort")
+    sched.schedule()
+    assert host.blocks.num_used == 0

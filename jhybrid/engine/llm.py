@@ -61,7 +61,9 @@ class LLM:
       kv_offload: "off" (default), "cpu" or "copy": running sequences may keep their oldest KV blocks in the
         host tier (needs host_kv_memory_gb > 0) instead of being preempted; attention over them runs on the
         CPU ("cpu") or on the GPU over copies sent each step ("copy"). `offload_overlap` pipelines the CPU
-        part with the GPU's work (two sub-batches); `offload_threads` CPU attention workers.
+        part with the GPU's work (two sub-batches); `offload_threads` CPU attention workers. Blocks are
+        offloaded so that running sequences need not be preempted; `offload_admission` also offloads to
+        admit waiting ones (off by default: slower than waiting on the H200, benchmarks/RESULTS.md).
     """
 
     def __init__(self, model: str | os.PathLike | Any, *, dtype: str | None = "bfloat16", max_num_seqs: int = 16,
@@ -70,7 +72,7 @@ class LLM:
                  tensor_parallel_size: int = 1,
                  host_kv_memory_gb: float = 0.0, preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None,
                  prefill_tokens_per_s: float | None = None, swap_transfer: str = "pageable", kv_offload: str = "off",
-                 offload_overlap: bool = True, offload_threads: int | None = None):
+                 offload_overlap: bool = True, offload_threads: int | None = None, offload_admission: bool = False):
         from jhybrid.engine.generate import load
 
         self.model = load(model, dtype, host=tensor_parallel_size > 1)
@@ -81,7 +83,7 @@ class LLM:
                                 host_kv_memory_gb=host_kv_memory_gb, preemption_mode=preemption_mode,
                                 swap_bandwidth_gbps=swap_bandwidth_gbps, prefill_tokens_per_s=prefill_tokens_per_s,
                                 swap_transfer=swap_transfer, kv_offload=kv_offload, offload_overlap=offload_overlap,
-                                offload_threads=offload_threads)
+                                offload_threads=offload_threads, offload_admission=offload_admission)
         self._ids = itertools.count()
 
     @property

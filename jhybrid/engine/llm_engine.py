@@ -53,7 +53,7 @@ class LLMEngine:
                  tensor_parallel_size: int = 1,
                  max_num_batched_tokens: int | None = None, host_kv_memory_gb: float = 0.0,
                  preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None, swap_transfer: str = "pageable",
-                 prefill_tokens_per_s: float | None = None, kv_offload: str = "off",
+                 prefill_tokens_per_s: float | None = None, kv_offload: str = "off", offload_admission: bool = False,
                  offload_overlap: bool = True, offload_threads: int | None = None):
         cfg = model.cfg
         if kv_offload not in ("off", "cpu", "copy"):
@@ -99,7 +99,7 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                    host=self.host, cost_model=self.cost_model,
                                    preemption_mode=preemption_mode if self.host is not None else "recompute",
-                                   kv_offload=kv_offload)
+                                   kv_offload=kv_offload, offload_admission=offload_admission)
         self.requests: dict[Any, Sequence] = {}
         self._prev: StepResult | None = None
         self._arrivals = 0

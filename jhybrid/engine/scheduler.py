@@ -14,8 +14,10 @@ Waiting sequences are admitted while a slot, row and budget are left and their f
 
 Offloaded attention (`kv_offload` "cpu" or "copy", with a host tier): instead of preempting, a step ends
 by moving the oldest full KV blocks (all full layers) of the longest *decoding* sequences to host blocks
-(an `OffloadOp`) until the next step's decode rows and the first waiting sequence's first chunk fit. The
-sequence keeps running: its state slot and its newest blocks stay on the GPU and new tokens are always
+(an `OffloadOp`) until the next step's decode rows fit, so that no running sequence is preempted. With
+`offload_admission` it also offloads to admit the first waiting sequence's first chunk; that is off by
+default: on the H200, offloading so that 16 requests of 4096 tokens ran at once took 4.0 s, against
+0.73 s for running them in waves (benchmarks/RESULTS.md). The sequence keeps running: its state slot and its newest blocks stay on the GPU and new tokens are always
 written there; its decode attention becomes a GPU part over `block_table` plus a host part over
 `host_blocks` (`jhybrid.cache.host_attention`). An op is executed in two phases so that the host copy is
 in place before anything reads it: the engine dispatches the gather of the device blocks before this
@@ -99,6 +101,7 @@ class Scheduler:
         preemption_mode: str = "recompute",
         cost_model: SwapCostModel | None = None,
         kv_offload: str = "off",
+        offload_admission: bool = False,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"need {max_num_seqs=} >= 1 and {max_num_batched_tokens=} >= 1")
@@ -113,7 +116,7 @@ class Scheduler:
         if kv_offload != "off" and host is None:
             raise ValueError(f"{kv_offload=} needs a host tier: set host_kv_memory_gb > 0")
         self.host, self.preemption_mode, self.cost_model = host, preemption_mode, cost_model
-        self.kv_offload = kv_offload
+        self.kv_offload, self.offload_admission = kv_offload, offload_admission
         self._offloading: dict[int, OffloadOp] = {}  # seq_id -> op decided last step, committed next step
         self.num_offloaded_blocks = 0  # blocks moved to the host so far
         self.num_offload_ops = 0
@@ -279,11 +282,13 @@ class Scheduler:
         self._offloading.clear()
 
     def _plan_offload(self, rows: list[ScheduledRow]) -> list[OffloadOp]:
-        """Offloads old blocks of the longest decoding sequences until the next step fits: every running
-        sequence's next token, and the first waiting sequence's first chunk when it could be admitted."""
+        """Offloads old blocks of the longest decoding sequences until the next step fits every running
+        sequence's next token (so that none is preempted), and with `offload_admission` also the first
+        waiting sequence's first chunk when it could be admitted."""
         bs = self.blocks.block_size
         want = sum(self.blocks.blocks_needed(s.num_computed + 1) > _num_blocks(s) for s in self.running)
-        if self.waiting and len(self.running) < self.max_num_seqs and not self.waiting[0].num_pending:
+        if (self.offload_admission and self.waiting and len(self.running) < self.max_num_seqs
+                and not self.waiting[0].num_pending):
             head = self.waiting[0]
             want += self.blocks.blocks_needed(head.num_computed + min(head.num_uncomputed, self.max_num_batched_tokens))
         deficit = want - self.blocks.num_free
