@@ -113,6 +113,33 @@ def test_checkpoints_load_through_host_memory_under_tensor_parallelism(worker):
         assert all(len(t) == 6 for t in r["tokens"])
 
 
+def test_more_devices_than_kv_heads_copies_each_head(worker):
+    """TP 4 over a model with 2 kv heads (as vLLM does: every device holds one copy of one kv head): the
+    TP-1 greedy tokens, each device holding a quarter of the (copied) KV pages."""
+    r = worker["replicated"]
+    assert r["tp"] == 4 and r["equal"], r
+    assert r["num_kv_heads"] == 4 and r["kv_page_share"] == pytest.approx(0.25), r
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "llama"])
+def test_copied_kv_heads_leave_attention_unchanged(family):
+    """`replicate_kv_heads` on one device: the same prefill and decode logits (fp32), with and without the
+    attention output gate."""
+    import dataclasses
+
+    from jhybrid.parallel import kv_replication, replicate_kv_heads
+    from tests.tp_worker import forward_logits
+
+    cfg = dataclasses.replace(family_config(family), attention_bias=True)
+    params = pack_params(init_params(cfg, seed=3, scale=0.3))
+    assert kv_replication(cfg, 2 * cfg.num_kv_heads) == 2 and kv_replication(cfg, cfg.num_kv_heads) == 1
+    copied_cfg, copied = replicate_kv_heads(cfg, params, 2)
+    assert copied_cfg.num_kv_heads == 2 * cfg.num_kv_heads
+    want = forward_logits(cfg, params, 1)
+    got = forward_logits(copied_cfg, copied, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_pallas_kernels_per_shard_equal_one_device(worker):
     pallas = worker["pallas"]
     assert pallas["tp"] == 4
@@ -227,6 +254,8 @@ def test_valid_sizes_pass_and_bad_values_fail():
     for family in FAMILIES:
         for n in (1, 2, 4):
             validate_tensor_parallel(family_config(family), n)
+    llama = family_config("llama")  # 4 kv heads over 8 devices: copied, not refused
+    validate_tensor_parallel(llama, 2 * llama.num_kv_heads)
     with pytest.raises(ValueError, match="positive integer"):
         validate_tensor_parallel(family_config("llama"), 0)
     with pytest.raises(ValueError, match="needs that many devices"):

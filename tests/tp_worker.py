@@ -8,8 +8,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts, 
   * `bad_n`: the ValueError message for a tensor_parallel_size that does not divide the head counts;
   * `unpermuted`: logit error when the packed projections are sharded without the shard-major layout
     (the negative control: it must be large);
-  * `checkpoints`: `LLM(path, tensor_parallel_size=N)` on HF and converted checkpoints (loaded into host
-    memory, then sharded) vs TP 1;
+  * `checkpoints`: `LLM(path, tensor_parallel_size=2)` on HF and converted checkpoints (loaded into host
+    memory, then sharded) vs TP 1; `replicated`: TP 4 over 2 kv heads (each stored twice) vs TP 1;
   * `from_leaves`: parameters built leaf by leaf into their shards (`shard_params_from`) vs `shard_params`;
   * `pallas`: prefill + decode logits of the Pallas path (interpret mode) per shard under shard_map vs
     one device.
@@ -255,6 +255,28 @@ def from_checkpoints(tp: int) -> dict:
     return out
 
 
+def replicated_kv(tp: int) -> dict:
+    """A qwen3_next model with 2 kv heads at TP `tp` (> 2: each kv head is stored tp / 2 times) against TP 1:
+    greedy tokens, the engine's kv head count and each device's share of the KV pages."""
+    import dataclasses
+
+    from jhybrid import LLM, SamplingParams
+    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.models.params import init_params
+    from jhybrid.parallel import shard_fraction
+
+    cfg = dataclasses.replace(family_config("qwen3_next"), num_kv_heads=2)
+    model = LoadedModel(cfg=cfg, params=init_params(cfg, seed=0, scale=0.3))
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 5, 9, 2, 7], list(range(3, 40))]
+    kw = dict(dtype=None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64)
+    one = [o.token_ids for o in LLM(model, **kw).generate(prompts, sp)]
+    llm = LLM(model, tensor_parallel_size=tp, **kw)
+    return {"equal": one == [o.token_ids for o in llm.generate(prompts, sp)], "tp": tp,
+            "num_kv_heads": llm.engine.runner.cfg.num_kv_heads,
+            "kv_page_share": shard_fraction(llm.engine.runner.state.k_pages[0])}
+
+
 def _rel(a, b) -> float:
     import numpy as np
 
@@ -322,6 +344,7 @@ def main(argv=None) -> int:
     if "checkpoints" in checks:
         t0 = time.perf_counter()
         result["checkpoints"] = from_checkpoints(2)  # the example checkpoint has 2 kv heads
+        result["replicated"] = replicated_kv(max(sizes))
         result["timings"]["checkpoints"] = round(time.perf_counter() - t0, 2)
     if "swap" in checks:
         t0 = time.perf_counter()

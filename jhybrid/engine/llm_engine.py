@@ -62,9 +62,14 @@ class LLMEngine:
             raise ValueError(f"{kv_offload=} keeps KV blocks in the host tier: set host_kv_memory_gb > 0")
         if kv_offload != "off" and tensor_parallel_size > 1:
             raise ValueError(f"{kv_offload=} is not supported with {tensor_parallel_size=}: use kv_offload='off'")
-        from jhybrid.parallel import make_mesh, validate_tensor_parallel
+        from jhybrid.parallel import kv_replication, make_mesh, replicate_kv_heads, validate_tensor_parallel
 
         validate_tensor_parallel(cfg, tensor_parallel_size)  # before any planning: a bad N names the counts
+        if (copies := kv_replication(cfg, tensor_parallel_size)) > 1:  # fewer kv heads than devices
+            log.info("tensor_parallel_size=%d > %d kv heads: each kv head is stored %d times", tensor_parallel_size,
+                     cfg.num_kv_heads, copies)
+            cfg, params = replicate_kv_heads(cfg, model.params, copies)
+            model = dataclasses.replace(model, cfg=cfg, params=params)
         self.mesh = make_mesh(tensor_parallel_size) if tensor_parallel_size > 1 else None
         self.model = model
         self.tokenizer = model.tokenizer

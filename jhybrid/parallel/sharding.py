@@ -19,16 +19,18 @@ Over a 1-D mesh of N devices (axis "tp"):
 
 N must divide every head count it splits (query and kv heads, linear key heads, Mamba2 heads and groups)
 and the dense MLP intermediate sizes; `validate_tensor_parallel` raises a ValueError naming the counts
-otherwise. Replicating kv heads when there are fewer than N (as vLLM does) is not implemented: pick an N
-that divides the kv heads.
+otherwise. The kv heads may instead divide N: each is then stored N / KVH times (`replicate_kv_heads`,
+as vLLM does), so every device holds one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -73,12 +75,51 @@ def validate_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> Non
     if "moe" in cfg.mlp_kinds and cfg.shared_expert_intermediate_size:
         counts["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
     bad = {k: v for k, v in counts.items() if v % n}
+    if "num_key_value_heads" in bad and n % counts["num_key_value_heads"] == 0:
+        del bad["num_key_value_heads"]  # fewer kv heads than devices: each is copied (`replicate_kv_heads`)
     if bad:
         shown = ", ".join(f"{k}={v}" for k, v in counts.items())
         raise ValueError(
             f"tensor_parallel_size={n} must divide {', '.join(bad)} of this {cfg.model_type} model ({shown}); "
-            f"choose a tensor_parallel_size that divides all of them"
+            f"choose a tensor_parallel_size that divides all of them (num_key_value_heads may instead divide it)"
         )
+
+
+def kv_replication(cfg: ModelConfig, tensor_parallel_size: int) -> int:
+    """How many copies of each kv head `tensor_parallel_size` devices need so that each holds whole ones:
+    N / num_kv_heads when the model has fewer kv heads than devices, else 1."""
+    kvh, n = cfg.num_kv_heads, tensor_parallel_size
+    if "full_attention" not in cfg.layer_kinds or kvh >= n or n % kvh:
+        return 1
+    return n // kvh
+
+
+def replicate_kv_heads(cfg: ModelConfig, params: dict, copies: int) -> tuple[ModelConfig, dict]:
+    """The same model with each kv head stored `copies` times (heads `j*copies .. j*copies + copies - 1`
+    are copies of head j), so that tensor parallelism over more devices than kv heads gives every device
+    one, as vLLM does. Query head h reads kv head `h // (H / KVH')`, a copy of its original head, so the
+    attention is unchanged; each device's KV pages hold its own copy. `params` are packed."""
+    if copies == 1:
+        return cfg, params
+    kvh, hd = cfg.num_kv_heads, cfg.head_dim
+    q_out = cfg.num_heads * hd * (2 if cfg.attn_output_gate else 1)
+
+    def copied(w):  # [..., KVH*hd] -> [..., KVH*copies*hd]
+        lead = w.shape[:-1]
+        return jnp.repeat(w.reshape(*lead, kvh, hd), copies, axis=-2).reshape(*lead, kvh * copies * hd)
+
+    layers = []
+    for layer in params["layers"]:
+        if "attn" in layer:
+            attn = dict(layer["attn"])
+            for name in ("qkv_proj", "qkv_bias"):
+                if name in attn:
+                    w = attn[name]
+                    q, k, v = w[..., :q_out], w[..., q_out:q_out + kvh * hd], w[..., q_out + kvh * hd:]
+                    attn[name] = jnp.concatenate([q, copied(k), copied(v)], axis=-1)
+            layer = {**layer, "attn": attn}
+        layers.append(layer)
+    return dataclasses.replace(cfg, num_kv_heads=kvh * copies), {**params, "layers": tuple(layers)}
 
 
 # ----------------------------------------------------------------------------- the packed segments
@@ -255,7 +296,9 @@ def shard_fraction(x: jax.Array) -> float:
 __all__ = [
     "constrain_state",
     "init_sharded_state",
+    "kv_replication",
     "param_specs",
+    "replicate_kv_heads",
     "replicated",
     "shard_fraction",
     "shard_params",
