@@ -91,7 +91,7 @@ def check_transfer(transfer: str) -> None:
 
 def _to_pinned(data):
     """Starts the copy of device arrays into page-locked host memory (same sharding, memory kind
-    "pinned_host"): one DMA instead of a copy through a pageable staging path."""
+    "pinned_host"). Whether it beats the pageable path on a GPU is for `benchmarks.offload` to show."""
     return jax.device_put(data, jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), data))
 
 
