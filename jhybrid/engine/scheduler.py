@@ -17,10 +17,10 @@ by moving the oldest full KV blocks (all full layers) of the longest *decoding* 
 (an `OffloadOp`) until the next step's decode rows fit, so that no running sequence is preempted. With
 `offload_admission` it also offloads to admit the first waiting sequence's first chunk; that is off by
 default: on the H200, offloading so that 16 requests of 4096 tokens ran at once took 4.0 s, against
-0.73 s for running them in waves (benchmarks/RESULTS.md). The sequence keeps running: its state slot and its newest blocks stay on the GPU and new tokens are always
-written there; its decode attention becomes a GPU part over `block_table` plus a host part over
-`host_blocks` (`jhybrid.cache.host_attention`). An op is executed in two phases so that the host copy is
-in place before anything reads it: the engine dispatches the gather of the device blocks before this
+0.73 s for running them in waves (benchmarks/RESULTS.md). The sequence keeps running: its state slot and
+its newest blocks stay on the GPU and new tokens are always written there; its decode attention becomes
+a GPU part over `block_table` plus a host part over `host_blocks` (`jhybrid.cache.host_attention`). An op
+is executed in two phases so that the host copy is in place before anything reads it: the engine dispatches the gather of the device blocks before this
 step (which still reads them on the device) and stores it in the host arrays after reading the previous
 step; the next `schedule()` *commits* it (the blocks move from `block_table` to `host_blocks` and the
 device blocks are freed for reuse). A sequence with host blocks is only ever fed one token per step (it

@@ -219,14 +219,7 @@ def _put(x, sharding: NamedSharding):
 
 def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> dict:
     """Packed parameters -> shard-major layout, placed on `mesh` with their NamedShardings."""
-    n = num_shards(mesh)
-    validate_tensor_parallel(cfg, n)
-
-    def leaf(value, spec, seg):
-        value = value if seg is None or n == 1 else interleave(value, seg[0], n, seg[1])
-        return _put(value, NamedSharding(mesh, spec))
-
-    return _walk(cfg, params, n, leaf)
+    return shard_params_from(cfg, params, mesh, lambda value: value)
 
 
 def shard_params_from(cfg: ModelConfig, leaves: dict, mesh: Mesh, make_leaf) -> dict:
