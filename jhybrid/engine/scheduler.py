@@ -12,20 +12,21 @@ blocks and a new slot when it is admitted again (`swap_in`), so it resumes where
 (swap when `SwapCostModel` estimates it is cheaper than recomputing, and the host tier has room).
 Waiting sequences are admitted while a slot, row and budget are left and their first chunk's blocks fit.
 
-Offloaded attention (`kv_offload` "cpu" or "copy", with a host tier): instead of preempting, a step ends
-by moving the oldest full KV blocks (all full layers) of the longest *decoding* sequences to host blocks
-(an `OffloadOp`) until the next step's decode rows fit, so that no running sequence is preempted. With
+Offloaded attention (`kv_offload` "cpu" or "copy", with a host tier): instead of preempting, a step ends by
+moving the oldest full KV blocks (all full layers) of the longest *decoding* sequences to host blocks (an
+`OffloadOp`) until the next step's decode rows fit, so that no running sequence is preempted. With
 `offload_admission` it also offloads to admit the first waiting sequence's first chunk; that is off by
-default: on the H200, offloading so that 16 requests of 4096 tokens ran at once took 4.0 s, against
-0.73 s for running them in waves (benchmarks/RESULTS.md). The sequence keeps running: its state slot and
-its newest blocks stay on the GPU and new tokens are always written there; its decode attention becomes
-a GPU part over `block_table` plus a host part over `host_blocks` (`jhybrid.cache.host_attention`). An op
-is executed in two phases so that the host copy is in place before anything reads it: the engine dispatches the gather of the device blocks before this
-step (which still reads them on the device) and stores it in the host arrays after reading the previous
-step; the next `schedule()` *commits* it (the blocks move from `block_table` to `host_blocks` and the
-device blocks are freed for reuse). A sequence with host blocks is only ever fed one token per step (it
-was decoding when chosen, and decoding stays decoding), so prefill never sees host KV; when it finishes or
-is preempted (always by recompute: its KV is split between tiers) its host blocks are freed with it.
+default: on the H200, offloading so that 16 requests of 4096 tokens ran at once took 4.0 s, against 0.73 s for
+running them in waves (benchmarks/RESULTS.md). The sequence keeps running: its state slot and its newest
+blocks stay on the GPU and new tokens are always written there; its decode attention becomes a GPU part over
+`block_table` plus a host part over `host_blocks` (`jhybrid.cache.host_attention`). An op is executed in two
+phases so that the host copy is in place before anything reads it: the engine dispatches the gather of the
+device blocks before this step (which still reads them on the device) and stores it in the host arrays after
+reading the previous step; the next `schedule()` *commits* it (the blocks move from `block_table` to
+`host_blocks` and the device blocks are freed for reuse). A sequence with host blocks is only ever fed one
+token per step (it was decoding when chosen, and decoding stays decoding), so prefill never sees host KV; when
+it finishes or is preempted (always by recompute: its KV is split between tiers) its host blocks are freed
+with it.
 Preemption stays the fallback when nothing can be offloaded or the host tier is full.
 """
 
