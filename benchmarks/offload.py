@@ -30,8 +30,10 @@ Measured in the same run, in this order:
    attention (`kv_offload`, preemption by recompute as the fallback): "offload-cpu" (CPU attention over the
    host blocks, two-sub-batch pipeline), "offload-cpu-sync" (the same, the GPU waiting at every full layer)
    and "offload-copy" (the host blocks copied to the GPU every step and attended there); these offload
-   only so that running sequences are not preempted, and the "-admit" variants also to admit waiting
-   ones (`offload_admission`, what session 4's H200 run measured). Reported: wall
+   whenever a running sequence would otherwise be preempted (`offload_policy="always"`), and the "-admit"
+   variants also to admit waiting ones (`offload_admission`, what session 4's H200 run measured);
+   "offload-copy-cost" and "offload-cpu-cost" run the engine's default `offload_policy="cost"` (offload only
+   where the cost model prices it below the preemption it avoids). Reported: wall
    time, generated tokens/s, requests completed, preemptions by mode, bytes swapped each way, and greedy-
    token agreement with the recompute run (bf16 batches of different composition may legitimately diverge
    late: `--tiny` is bf16 too, and offload-cpu's two half-size batches round differently there; in fp32
@@ -160,11 +162,13 @@ def attention_paths(cfg, rows: int, host_tokens: int, block_size: int, repeats: 
                 cpu_tokens_per_s=rows * host_tokens / cpu_pool[0], cpu_bytes_per_s=kv_bytes / cpu_pool[0])
 
 
-# mode -> (kv_offload, offload_overlap, offload_admission)
-OFFLOAD_MODES = {"offload-cpu": ("cpu", True, False), "offload-cpu-sync": ("cpu", False, False),
-                 "offload-copy": ("copy", False, False), "offload-copy-admit": ("copy", False, True),
-                 "offload-cpu-admit": ("cpu", True, True)}
-OFFLOAD_STATS = ("num_offloaded_blocks", "offload_bytes", "num_steps_plain", "num_steps_host", "num_host_rows",
+# mode -> (kv_offload, offload_overlap, offload_admission, offload_policy); the plain modes force offloading
+# ("always") to time the paths; "-cost" modes run the engine's default policy
+OFFLOAD_MODES = {"offload-cpu": ("cpu", True, False, "always"), "offload-cpu-sync": ("cpu", False, False, "always"),
+                 "offload-copy": ("copy", False, False, "always"), "offload-copy-admit": ("copy", False, True, "always"),
+                 "offload-cpu-admit": ("cpu", True, True, "always"), "offload-copy-cost": ("copy", False, False, "cost"),
+                 "offload-cpu-cost": ("cpu", True, False, "cost")}
+OFFLOAD_STATS = ("num_offloaded_blocks", "num_offloads_declined", "offload_bytes", "num_steps_plain", "num_steps_host", "num_host_rows",
                  "host_tokens_attended", "num_cpu_calls", "cpu_attention_seconds", "cpu_job_seconds",
                  "cpu_wait_seconds", "copy_bytes", "copy_seconds", "host_blocks_total")
 
@@ -200,7 +204,7 @@ def end_to_end(model, mode: str, args, kv_blocks: int) -> dict:
     kw = dict(preemption_mode=mode.removesuffix("-pinned"), swap_transfer="pinned" if mode.endswith("-pinned") else "pageable")
     if offload is not None:
         kw = dict(preemption_mode="recompute", kv_offload=offload[0], offload_overlap=offload[1],
-                  offload_admission=offload[2], offload_threads=args.cpu_threads)
+                  offload_admission=offload[2], offload_policy=offload[3], offload_threads=args.cpu_threads)
     llm = jhybrid.LLM(model, dtype=None, max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.max_tokens,
                       num_kv_blocks=kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                       host_kv_memory_gb=0.0 if mode == "recompute" else args.host_gb, **kw)
@@ -307,27 +311,28 @@ def main(argv=None):
         runs.append(end_to_end(model, mode, args, kv_blocks))
         _write_json(args, info, h2d, d2h, host_bw, attn, runs)  # partial results survive a timeout
     base = next((r for r in runs if r["mode"] == "recompute"), runs[0])
-    log(f"{'mode':>16} {'wall s':>8} {'tok/s':>9} {'done':>7} {'recomp':>7} {'swaps':>6} {'fallbk':>6} "
+    log(f"{'mode':>17} {'wall s':>8} {'tok/s':>9} {'done':>7} {'recomp':>7} {'swaps':>6} {'fallbk':>6} "
         f"{'out MB':>9} {'in MB':>9} {'agree':>6}")
     for r in runs:
         agree = np.mean([a == b for a, b in zip(r["tokens"], base["tokens"])])
         r["agreement"] = float(agree)
-        log(f"{r['mode']:>16} {r['wall_s']:8.2f} {r['gen_tokens_per_s']:9.1f} {r['completed']:3d}/{r['requests']:<3d} "
+        log(f"{r['mode']:>17} {r['wall_s']:8.2f} {r['gen_tokens_per_s']:9.1f} {r['completed']:3d}/{r['requests']:<3d} "
             f"{r['num_recompute_preemptions']:7d} {r['num_swap_preemptions']:6d} {r['num_swap_fallbacks']:6d} "
             f"{r['swap_out_bytes'] / 1e6:9.1f} {r['swap_in_bytes'] / 1e6:9.1f} {agree:6.2f}")
         if "probe_prefill_tokens_per_s" in r:
-            log(f"{'':>16} auto's probe: H2D {r['probe_h2d_gbps']:.2f} GB/s, D2H {r['probe_d2h_gbps']:.2f} GB/s, "
+            log(f"{'':>17} cost model's probe: H2D {r['probe_h2d_gbps']:.2f} GB/s, D2H {r['probe_d2h_gbps']:.2f} GB/s, "
                 f"prefill {r['probe_prefill_tokens_per_s']:.0f} tokens/s")
     offloaded = [r for r in runs if r["mode"] in OFFLOAD_MODES]
     if offloaded:
-        log(f"\n{'mode':>16} {'offl blk':>9} {'offl MB':>8} {'host st':>8} {'plain st':>8} {'host rows':>9} "
+        log(f"\n{'mode':>17} {'offl blk':>9} {'declined':>8} {'offl MB':>8} {'host st':>8} {'plain st':>8} {'host rows':>9} "
             f"{'Mtok att':>9} {'CPU s':>7} {'job s':>7} {'wait s':>7} {'wait ms/st':>10} {'hidden':>7} {'copy MB':>9} "
             f"{'copy s':>7}")
         for r in offloaded:
             job = r["cpu_job_seconds"]
             r["cpu_hidden_fraction"] = hidden = 1.0 - r["cpu_wait_seconds"] / job if job > 0 else float("nan")
             r["cpu_wait_ms_per_host_step"] = wait_ms = 1e3 * r["cpu_wait_seconds"] / max(r["num_steps_host"], 1)
-            log(f"{r['mode']:>16} {r['num_offloaded_blocks']:9d} {r['offload_bytes'] / 1e6:8.1f} "
+            log(f"{r['mode']:>17} {r['num_offloaded_blocks']:9d} {r['num_offloads_declined']:8d} "
+                f"{r['offload_bytes'] / 1e6:8.1f} "
                 f"{r['num_steps_host']:8d} {r['num_steps_plain']:8d} {r['num_host_rows']:9d} "
                 f"{r['host_tokens_attended'] / 1e6:9.2f} {r['cpu_attention_seconds']:7.2f} {job:7.2f} "
                 f"{r['cpu_wait_seconds']:7.2f} {wait_ms:10.2f} {hidden:7.2f} {r['copy_bytes'] / 1e6:9.1f} "

@@ -258,9 +258,9 @@ def collectives(cfg, params, mesh, block_size: int, prefill_tokens: int = 0) -> 
     txt = step.lower(cfg, params, _state(cfg, cache, mesh), b, decode=not prefill_tokens).compile().as_text()
     ops = collections.Counter()
     for line in txt.splitlines():
-        # the result type is one array or, where XLA combined several collectives, a tuple "(t1, t2)"
-        m = re.search(r"= (\([^)]*\)|\S+) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
-                      r"(-start)?\(", line)
+        # the result type is one array or, where XLA combined or wrapped collectives, a (nested) tuple
+        m = re.match(r"\s*(?:ROOT )?\S+ = (.+?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                     r"(-start)?\(", line)
         if m:
             ops[f"{m.group(2)} {m.group(1)}"] += 1
     return dict(ops)

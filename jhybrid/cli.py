@@ -108,6 +108,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                    help="let running sequences keep their oldest KV blocks in the host tier instead of being preempted, "
                    "attending over them on the CPU or over per-step copies on the GPU (default off; needs "
                    "--host-kv-memory-gb; see benchmarks/offload.py)")
+    g.add_argument("--offload-policy", default="cost", choices=("cost", "always"),
+                   help="with --kv-offload: offload only where the measured cost model prices the host attention "
+                   "below the preemption it avoids (cost, default), or whenever a sequence would be preempted")
 
 
 def _parallel_options(parser: argparse.ArgumentParser, *, multi_process: bool) -> None:
@@ -227,6 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, host_kv_memory_gb=args.host_kv_memory_gb,
         preemption_mode=args.preemption_mode, swap_transfer=args.swap_transfer, kv_offload=args.kv_offload,
+        offload_policy=args.offload_policy,
     )
     return 0
 

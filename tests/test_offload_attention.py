@@ -51,7 +51,7 @@ def test_forced_offloading_equals_no_pressure(tiny, reference, mode, overlap):
     force offloading, and preemption (recompute) of sequences holding host blocks when the host is full.
     One sequence is aborted while it holds host blocks. The others' greedy tokens equal the reference."""
     llm = LLM(tiny[1], **SIZES, num_kv_blocks=9, host_kv_memory_gb=1e-5, preemption_mode="recompute",
-              kv_offload=mode, offload_overlap=overlap, offload_threads=2)
+              kv_offload=mode, offload_overlap=overlap, offload_threads=2, offload_policy="always")
     seqs, aborted = run_with_abort(llm)
     st = llm.engine.stats()
     assert aborted is not None and aborted.finish_reason == "abort", "no sequence held host blocks after a preemption"
@@ -76,12 +76,29 @@ def test_forced_offloading_equals_no_pressure(tiny, reference, mode, overlap):
     assert st["host_resident_blocks"] == 0
 
 
+def test_cost_policy_declines_offloads_that_cost_more_than_recomputing(tiny, reference):
+    """The engine's default policy with given rates: prefill at 1e9 tokens/s makes every recompute cheaper
+    than copying blocks for the steps left, so nothing is offloaded, sequences are recomputed instead, and the
+    greedy tokens equal the reference."""
+    llm = LLM(tiny[1], **SIZES, num_kv_blocks=9, host_kv_memory_gb=1e-5, preemption_mode="recompute",
+              kv_offload="copy", swap_bandwidth_gbps=1.0, prefill_tokens_per_s=1e9)
+    outs = llm.generate(decode_heavy_prompts(), PARAMS)
+    st = llm.engine.stats()
+    assert [o.token_ids for o in outs] == reference
+    assert st["num_offloaded_blocks"] == 0 and st["num_offloads_declined"] > 0, st
+    assert st["num_recompute_preemptions"] > 0 and st["num_steps_host"] == 0, st
+    assert_all_free(llm)
+
+
 def test_bad_offload_configs_are_refused(tiny):
     _, model = tiny
     with pytest.raises(ValueError, match="host_kv_memory_gb"):
         LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, kv_offload="cpu")
     with pytest.raises(ValueError, match="kv_offload"):
         LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, host_kv_memory_gb=0.01, kv_offload="gpu")
+    with pytest.raises(ValueError, match="offload_policy"):
+        LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, host_kv_memory_gb=0.01, kv_offload="copy",
+            offload_policy="sometimes")
 
 
 # ---------------------------------------------------------------- the two parts of one layer's attention
@@ -199,7 +216,7 @@ def test_scheduler_offloads_oldest_full_blocks_of_the_longest_decoding_sequence(
 
     blocks, slots, host = BlockAllocator(9, 4), SlotAllocator(3), HostAllocator(20, 3, 4)
     sched = Scheduler(blocks, slots, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, host=host,
-                      preemption_mode="recompute", kv_offload="cpu")
+                      preemption_mode="recompute", kv_offload="cpu", offload_policy="always")
     long, short = Sequence("long", list(range(13)), PARAMS), Sequence("short", list(range(6)), PARAMS)
     sched.add(long)
     sched.add(short)
@@ -244,7 +261,8 @@ def test_offloading_to_admit_a_waiting_sequence_is_opt_in(admission):
 
     blocks, slots, host = BlockAllocator(8, 4), SlotAllocator(3), HostAllocator(20, 3, 4)
     sched = Scheduler(blocks, slots, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64, host=host,
-                      preemption_mode="recompute", kv_offload="copy", offload_admission=admission)
+                      preemption_mode="recompute", kv_offload="copy", offload_admission=admission,
+                      offload_policy="always")
     long, big = Sequence("long", list(range(20)), PARAMS), Sequence("big", list(range(16)), PARAMS)
     sched.add(long)
     sched.add(big)
@@ -264,3 +282,51 @@ def test_offloading_to_admit_a_waiting_sequence_is_opt_in(admission):
     sched.finish(big, "abort")
     sched.schedule()
     assert host.blocks.num_used == 0
+
+
+@pytest.mark.parametrize("prefill_rate,max_tokens,offloads", [
+    (1e2, 10, True),  # slow prefill, 3 steps left: 3 ms of copies against ~120 ms of recompute
+    (1e6, 10, False),  # fast prefill: ~12 us of recompute against 3 ms of copies
+    (1e2, 4000, False),  # slow prefill but ~4000 steps left: 4 s of copies against ~120 ms
+])
+def test_cost_policy_offloads_only_where_it_pays(prefill_rate, max_tokens, offloads):
+    """offload_policy="cost": the plan offloads a sequence's blocks only where `steps left x bytes / H2D` is below
+    the preemption it avoids (the newest running sequence, recomputed); otherwise it declines, and the next
+    schedule() preempts as without offloading. The prices differ by 30x or more either way of the threshold."""
+    from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
+    from jhybrid.cache.host_tier import HostAllocator, SwapCostModel
+    from jhybrid.engine.scheduler import Scheduler
+    from jhybrid.engine.sequence import Sequence
+
+    # 1 MB blocks at 1 GB/s: 1 ms a block a step; recomputing ~18 tokens at prefill_rate tokens/s
+    cost = SwapCostModel(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, prefill_tokens_per_s=prefill_rate)
+    blocks, slots = BlockAllocator(9, 4), SlotAllocator(3)
+    host = HostAllocator(20, 3, 4, block_bytes=1 << 20, slot_bytes=1 << 20)
+    sched = Scheduler(blocks, slots, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=8192, host=host,
+                      preemption_mode="recompute", cost_model=cost, kv_offload="copy")
+    params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+    long, short = Sequence("long", list(range(13)), params), Sequence("short", list(range(6)), params)
+    sched.add(long)
+    sched.add(short)
+    planned = declined_at = None
+    for _ in range(14):
+        out = sched.schedule()
+        if out.preempted:
+            break
+        for row in out.rows:
+            if row.samples:
+                row.seq.num_pending -= 1
+                row.seq.token_ids.append(0)
+        if out.offload and planned is None:
+            planned = out.offload
+        if sched.num_offloads_declined and declined_at is None:
+            declined_at = long.num_generated
+    if offloads:
+        assert planned and planned[0].seq is long and sched.num_offloads_declined == 0
+    else:
+        assert planned is None and sched.num_offloads_declined > 0 and declined_at is not None
+        assert out.preempted == [short], "a declined offload must leave the preemption it would have avoided"
+    for seq in (long, short):
+        sched.finish(seq, "abort")
+    sched.schedule()
+    assert blocks.num_used == 0 and host.blocks.num_used == 0

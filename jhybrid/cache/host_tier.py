@@ -105,6 +105,12 @@ class SwapCostModel:
     def prefers_swap(self, num_tokens: int, nbytes: int) -> bool:
         return self.swap_seconds(nbytes) < self.recompute_seconds(num_tokens)
 
+    def offload_seconds(self, nbytes: int, num_steps: int) -> float:
+        """Offloaded attention over `nbytes` of host KV for `num_steps` decode steps, priced as copying them to
+        the device every step (kv_offload "copy"; on the H200 the CPU path was slower than that at every size
+        measured, benchmarks/RESULTS.md, so for "cpu" this is a lower bound)."""
+        return num_steps * nbytes / self.h2d_bytes_per_s
+
 
 class HostAllocator:
     """Host bookkeeping only: the block and slot allocators and the entries that bind them (the scheduler's

@@ -64,6 +64,9 @@ class LLM:
         part with the GPU's work (two sub-batches); `offload_threads` CPU attention workers. Blocks are
         offloaded so that running sequences need not be preempted; `offload_admission` also offloads to
         admit waiting ones (off by default: slower than waiting on the H200, benchmarks/RESULTS.md).
+      offload_policy: "cost" (default): offload only where the cost model prices the rest of the sequence's
+        host attention below the preemption it avoids; "always": whenever a running sequence would
+        otherwise be preempted (on the H200 that ran 13x slower than recomputing, benchmarks/RESULTS.md).
     """
 
     def __init__(self, model: str | os.PathLike | Any, *, dtype: str | None = "bfloat16", max_num_seqs: int = 16,
@@ -72,7 +75,8 @@ class LLM:
                  tensor_parallel_size: int = 1,
                  host_kv_memory_gb: float = 0.0, preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None,
                  prefill_tokens_per_s: float | None = None, swap_transfer: str = "pageable", kv_offload: str = "off",
-                 offload_overlap: bool = True, offload_threads: int | None = None, offload_admission: bool = False):
+                 offload_overlap: bool = True, offload_threads: int | None = None, offload_admission: bool = False,
+                 offload_policy: str = "cost"):
         from jhybrid.engine.generate import load
 
         self.model = load(model, dtype, host=tensor_parallel_size > 1)
@@ -83,7 +87,8 @@ class LLM:
                                 host_kv_memory_gb=host_kv_memory_gb, preemption_mode=preemption_mode,
                                 swap_bandwidth_gbps=swap_bandwidth_gbps, prefill_tokens_per_s=prefill_tokens_per_s,
                                 swap_transfer=swap_transfer, kv_offload=kv_offload, offload_overlap=offload_overlap,
-                                offload_threads=offload_threads, offload_admission=offload_admission)
+                                offload_threads=offload_threads, offload_admission=offload_admission,
+                                offload_policy=offload_policy)
         self._ids = itertools.count()
 
     @property

@@ -13,7 +13,9 @@ whose host-device bandwidth and prefill rate are measured at start unless given 
 blocks in the host tier instead of being preempted (`jhybrid.engine.offload`); their attention over those
 blocks runs on the CPU ("cpu", overlapped with the GPU's work unless `offload_overlap=False`) or on the
 GPU over copies sent every step ("copy", the baseline). Off by default: benchmarks/offload.py decides
-where it wins.
+where it wins. With `offload_policy="cost"` (the default) blocks are offloaded only where the cost model
+prices the rest of the sequence's host attention below the preemption it avoids; "always" offloads
+whenever a running sequence would otherwise be preempted.
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None, host_kv_memory_gb: float = 0.0,
                  preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None, swap_transfer: str = "pageable",
                  prefill_tokens_per_s: float | None = None, kv_offload: str = "off", offload_admission: bool = False,
-                 offload_overlap: bool = True, offload_threads: int | None = None):
+                 offload_overlap: bool = True, offload_threads: int | None = None, offload_policy: str = "cost"):
         cfg = model.cfg
         if kv_offload not in ("off", "cpu", "copy"):
             raise ValueError(f"unknown {kv_offload=}; choose 'off', 'cpu' or 'copy'")
+        if offload_policy not in ("cost", "always"):
+            raise ValueError(f"unknown {offload_policy=}; choose 'cost' or 'always'")
         if kv_offload != "off" and not host_kv_memory_gb > 0:
             raise ValueError(f"{kv_offload=} keeps KV blocks in the host tier: set host_kv_memory_gb > 0")
         if kv_offload != "off" and tensor_parallel_size > 1:
@@ -91,7 +95,7 @@ class LLMEngine:
                                   max_num_batched_tokens=max_num_batched_tokens, seed=seed, mesh=self.mesh)
         self.host, self.swapper, self.cost_model = self._host_tier(
             host_kv_memory_gb, preemption_mode, swap_bandwidth_gbps, prefill_tokens_per_s, max_num_seqs,
-            max_num_batched_tokens, swap_transfer)
+            max_num_batched_tokens, swap_transfer, needs_cost=kv_offload != "off" and offload_policy == "cost")
         self.host_attn = self.offloader = None
         if kv_offload != "off":
             import os
@@ -104,7 +108,8 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                    host=self.host, cost_model=self.cost_model,
                                    preemption_mode=preemption_mode if self.host is not None else "recompute",
-                                   kv_offload=kv_offload, offload_admission=offload_admission)
+                                   kv_offload=kv_offload, offload_admission=offload_admission,
+                                   offload_policy=offload_policy)
         self.requests: dict[Any, Sequence] = {}
         self._prev: StepResult | None = None
         self._arrivals = 0
@@ -113,7 +118,7 @@ class LLMEngine:
                  self.cache.num_slots - 1)
 
     def _host_tier(self, host_kv_memory_gb, mode, bandwidth_gbps, prefill_rate, max_num_seqs, max_num_batched_tokens,
-                   transfer):
+                   transfer, needs_cost=False):
         if mode not in ("auto", "swap", "recompute"):
             raise ValueError(f"unknown preemption_mode={mode!r}; choose 'auto', 'swap' or 'recompute'")
         check_transfer(transfer)
@@ -126,7 +131,7 @@ class LLMEngine:
         host = HostTier(self.model.cfg, plan_host_tier(self.model.cfg, self.cache, host_kv_memory_gb=host_kv_memory_gb,
                                                         max_num_seqs=max_num_seqs))
         cost = None
-        if mode == "auto":
+        if mode == "auto" or needs_cost:
             if bandwidth_gbps is not None:
                 h2d = d2h = bandwidth_gbps * 1e9
             else:
@@ -220,6 +225,7 @@ class LLMEngine:
             host_bytes_total=0, num_swap_out=0, num_swap_in=0, swap_out_bytes=0, swap_in_bytes=0,
             swap_out_seconds=0.0, swap_in_seconds=0.0,
             host_resident_blocks=sched.num_host_resident_blocks, num_offloaded_blocks=sched.num_offloaded_blocks,
+            num_offloads_declined=sched.num_offloads_declined,
         )
         out.update(dataclasses.asdict(self.host_attn.stats if self.host_attn is not None else OffloadStats()))
         if self.host is not None:

@@ -19,6 +19,7 @@ Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
 | `jhybrid:swap_seconds_total{direction}` | counter | host time spent dispatching and storing swaps |
 | `jhybrid:host_resident_kv_blocks` | gauge | KV blocks of running sequences held in the host tier (`kv_offload`) |
 | `jhybrid:offloaded_kv_blocks_total`, `jhybrid:offload_bytes_total` | counter | blocks (bytes) moved device -> host by offloading |
+| `jhybrid:offloads_declined_total` | counter | offloads the cost model priced above the preemption they would avoid |
 | `jhybrid:offload_steps_total{path}` | counter | steps with host-KV rows (`host`) or without (`plain`) |
 | `jhybrid:cpu_attention_calls_total`, `jhybrid:cpu_attention_seconds_total`, `jhybrid:cpu_attention_wait_seconds_total` | counter | CPU attention over host KV: calls, worker time, time the step waited |
 | `jhybrid:offload_copy_bytes_total` | counter | `kv_offload="copy"`: host blocks copied to the device |
@@ -106,6 +107,8 @@ class EngineMetrics:
             "swap_in_seconds": swap_s.labels(model_name=model_name, direction="in"),
             "num_offloaded_blocks": counter("jhybrid:offloaded_kv_blocks", "KV blocks moved to the host tier by offloading."),
             "offload_bytes": counter("jhybrid:offload_bytes", "Bytes of KV moved to the host tier by offloading."),
+            "num_offloads_declined": counter("jhybrid:offloads_declined",
+                                             "Offloads priced above the preemption they would avoid (not done)."),
             "num_cpu_calls": counter("jhybrid:cpu_attention_calls", "CPU attention calls over host-resident KV."),
             "cpu_attention_seconds": counter("jhybrid:cpu_attention_seconds", "CPU attention worker seconds."),
             "cpu_wait_seconds": counter("jhybrid:cpu_attention_wait_seconds",
