@@ -285,20 +285,22 @@ def test_offloading_to_admit_a_waiting_sequence_is_opt_in(admission):
 
 
 @pytest.mark.parametrize("prefill_rate,max_tokens,offloads", [
-    (1e2, 10, True),  # slow prefill, 3 steps left: 3 ms of copies against ~120 ms of recompute
-    (1e6, 10, False),  # fast prefill: ~12 us of recompute against 3 ms of copies
-    (1e2, 4000, False),  # slow prefill but ~4000 steps left: 4 s of copies against ~120 ms
+    (1e2, 10, True),  # slow prefill, 3 steps left: 3 ms of copies a block against ~30 ms of recompute a block
+    (1e6, 10, False),  # fast prefill: ~3 us of recompute a block against 3 ms of copies
+    (1e2, 4000, False),  # slow prefill but ~4000 steps left: 4 s of copies a block against ~30 ms
+    (1e2, 67, False),  # ~60 ms a block: below the whole ~130 ms recompute, above its ~30 ms per block freed
 ])
 def test_cost_policy_offloads_only_where_it_pays(prefill_rate, max_tokens, offloads):
-    """offload_policy="cost": the plan offloads a sequence's blocks only where `steps left x bytes / H2D` is below
-    the preemption it avoids (the newest running sequence, recomputed); otherwise it declines, and the next
-    schedule() preempts as without offloading. The prices differ by 30x or more either way of the threshold."""
+    """offload_policy="cost": the plan offloads a sequence's blocks only where `steps left x bytes / H2D` per block
+    is below the preemption it avoids (the newest running sequence, recomputed) per block that frees; otherwise
+    it declines, and the next schedule() preempts as without offloading. The last case sits between the
+    per-block and the whole-preemption price."""
     from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
     from jhybrid.cache.host_tier import HostAllocator, SwapCostModel
     from jhybrid.engine.scheduler import Scheduler
     from jhybrid.engine.sequence import Sequence
 
-    # 1 MB blocks at 1 GB/s: 1 ms a block a step; recomputing ~18 tokens at prefill_rate tokens/s
+    # 1 MB blocks at 1 GB/s: 1 ms a block a step; recomputing the victim's ~13 tokens (4 blocks) at prefill_rate
     cost = SwapCostModel(h2d_bytes_per_s=1e9, d2h_bytes_per_s=1e9, prefill_tokens_per_s=prefill_rate)
     blocks, slots = BlockAllocator(9, 4), SlotAllocator(3)
     host = HostAllocator(20, 3, 4, block_bytes=1 << 20, slot_bytes=1 << 20)

@@ -28,11 +28,12 @@ token per step (it was decoding when chosen, and decoding stays decoding), so pr
 it finishes or is preempted (always by recompute: its KV is split between tiers) its host blocks are freed
 with it.
 Preemption stays the fallback when nothing can be offloaded or the host tier is full. With `offload_policy`
-"cost" (the engine's default) an offload must also pay: the cost model prices the sequence's host attention
-for the rest of its decode (`SwapCostModel.offload_seconds`, its steps left x the bytes / H2D) against the
-preemption it avoids (the newest running sequence, swapped or recomputed as the mode would); where
-offloading costs more it is declined (`num_offloads_declined`) and the preemption happens. On the H200,
-offloading whenever a sequence would be preempted ("always") ran 13x slower than recomputing.
+"cost" (the engine's default) an offload must also pay: per device block freed, the cost model prices the
+sequence's host attention for the rest of its decode (`SwapCostModel.offload_seconds`, its steps left x the
+bytes / H2D) against the preemption it avoids (the newest running sequence, swapped or recomputed as the
+mode would, over the blocks that frees); where offloading costs more it is declined
+(`num_offloads_declined`) and the preemption happens. On the H200, offloading whenever a sequence would be
+preempted ("always") ran 13x slower than recomputing.
 """
 
 from __future__ import annotations
@@ -336,9 +337,11 @@ class Scheduler:
         return ops
 
     def _offload_pays(self, seq: Sequence, n: int) -> bool:
-        """Whether keeping `n` more of `seq`'s blocks on the host for the rest of its decode costs less than the
-        preemption it avoids: that of the newest running sequence (the one `schedule()` preempts first), priced
-        as swap or recompute, whichever the preemption mode and the cost model would pick."""
+        """Whether keeping `seq`'s blocks on the host for the rest of its decode frees device blocks more cheaply
+        than the preemption it avoids: that of the newest running sequence (the one `schedule()` preempts first),
+        priced as swap or recompute as the preemption mode and the cost model would pick. Both are compared per
+        device block freed: a preemption frees all of the victim's blocks at once (on the H200 one 3000-token
+        victim covered ~150 steps of growth), an offload frees its `n`."""
         cost = self.cost_model
         steps = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens)
         victim = self.running[-1]
@@ -347,7 +350,8 @@ class Scheduler:
         if self.preemption_mode != "recompute" and not victim.host_blocks:
             swap = cost.swap_seconds(self.host.entry_bytes(self.blocks.blocks_needed(tokens)))
             preempt = swap if self.preemption_mode == "swap" else min(preempt, swap)
-        return cost.offload_seconds(n * self.host.block_bytes, max(steps, 1)) < preempt  # at least the next step
+        per_block_offload = cost.offload_seconds(self.host.block_bytes, max(steps, 1))  # at least the next step
+        return per_block_offload < preempt / max(len(victim.block_table), 1)
 
     @property
     def num_host_resident_blocks(self) -> int:
