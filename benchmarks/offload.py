@@ -173,6 +173,51 @@ OFFLOAD_STATS = ("num_offloaded_blocks", "num_offloads_declined", "offload_bytes
                  "cpu_wait_seconds", "copy_bytes", "copy_seconds", "host_blocks_total")
 
 
+def swap_round_trip(cfg, tokens: int, block_size: int, transfer: str, repeats: int) -> dict:
+    """One sequence of `tokens` tokens swapped out and back in through `jhybrid.engine.swap.Swapper` with
+    `transfer` ("pageable": NumPy host tier; "pinned": the data stays in pinned_host memory), on a device
+    state with random contents: host seconds out (dispatch + flush, waited), in (waited), and whether the
+    restored pages and slot are bit-exact."""
+    from jhybrid.cache.host_tier import HostTier, plan_host_tier
+    from jhybrid.cache.state import CacheConfig, init_state
+    from jhybrid.engine.scheduler import SwapOp
+    from jhybrid.engine.swap import Swapper
+
+    n = -(-tokens // block_size)
+    cache = CacheConfig(num_blocks=2 * n + 1, block_size=block_size, num_slots=3, kv_dtype="bfloat16")
+    state = init_state(cfg, cache)
+    key = jax.random.key(0)
+    state = jax.tree.map(lambda x: jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype), state)
+    tier = plan_host_tier(cfg, cache, host_kv_memory_gb=1.05 * (n * block_size * cfg.kv_bytes_per_token(2)
+                                                                 + cfg.state_bytes_per_sequence()) / 2**30 + 0.01,
+                          max_num_seqs=1)
+    host = HostTier(cfg, tier)
+    swapper = Swapper(host, transfer)
+    src, dst = list(range(1, n + 1)), list(range(n + 1, 2 * n + 1))
+    outs, ins, exact = [], [], True
+    for i in range(repeats + 1):  # the first compiles
+        entry = host.reserve(tokens)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        swapper.swap_out(state, [SwapOp("probe", src, 1, entry)])
+        swapper.flush()
+        jax.block_until_ready(list(swapper._resident.values()))
+        t1 = time.perf_counter()
+        state = swapper.swap_in(state, [SwapOp("probe", dst, 2, entry)])
+        jax.block_until_ready(state)
+        t2 = time.perf_counter()
+        if i:
+            outs.append(t1 - t0)
+            ins.append(t2 - t1)
+        ids_src, ids_dst = jnp.asarray(src), jnp.asarray(dst)
+        exact &= all(bool(jnp.array_equal(p[ids_src], p[ids_dst])) for p in state.k_pages + state.v_pages)
+        exact &= all(bool(jnp.array_equal(c[1], c[2])) for c in state.conv + state.ssm)
+    nbytes = host.entry_bytes(n)
+    out_s, in_s = float(np.median(outs)), float(np.median(ins))
+    return dict(tokens=tokens, transfer=transfer, bytes=nbytes, out_s=out_s, in_s=in_s, exact=exact,
+                out_gb_per_s=nbytes / out_s / 1e9, in_gb_per_s=nbytes / in_s / 1e9)
+
+
 def _generate_within(llm, prompts, params, seconds: float, tag: str):
     """Runs every prompt through the engine until all finish or `seconds` pass; the unfinished ones are
     then aborted (a slow mode reports how many it completed, not a timeout). Returns ([(token ids,
@@ -246,6 +291,10 @@ def main(argv=None):
     parser.add_argument("--attn-rows", default="8,32", help="decode rows with host KV (part 2)")
     parser.add_argument("--attn-host-tokens", default="4096,16384", help="host tokens per row (part 2)")
     parser.add_argument("--modes", default="recompute,swap,auto,offload-cpu,offload-cpu-sync,offload-copy")
+    parser.add_argument("--parts", default="attention,swap,e2e",
+                        help="what to run after the bandwidth probes: attention (CPU vs copy per layer), swap "
+                        "(one sequence's swap round trip, pageable vs pinned), e2e (the --modes runs)")
+    parser.add_argument("--swap-tokens", default="2048,16384", help="sequence lengths of the swap round trip")
     parser.add_argument("--cpu-threads", type=int, default=None, help="CPU attention workers (default: cores / 2, <= 8)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode (one engine); the last is reported")
     parser.add_argument("--mode-seconds", type=float, default=120.0,
@@ -262,7 +311,7 @@ def main(argv=None):
     if args.tiny:
         args.kv_gb, args.host_gb, args.num_requests, args.prompt_len = 6e-5, 0.01, 12, 100
         args.max_tokens, args.max_num_seqs, args.max_num_batched_tokens = 48, 6, 512
-        args.attn_rows, args.attn_host_tokens = "2,4", "64,256"
+        args.attn_rows, args.attn_host_tokens, args.swap_tokens = "2,4", "64,256", "64,256"
     hf = dict(TINY_CONFIG if args.tiny else HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
     hf["max_position_embeddings"] = max(hf["max_position_embeddings"], args.prompt_len + args.max_tokens)
     cfg = ModelConfig.from_hf(hf)
@@ -280,6 +329,9 @@ def main(argv=None):
     if pinned:
         log("pinned host memory: " + " | ".join(f"{k.replace('_', ' ')} {v / 1e9:.2f} GB/s" for k, v in pinned.items()))
 
+    parts = set(args.parts.split(","))
+    if parts - {"attention", "swap", "e2e"}:
+        parser.error(f"unknown --parts {sorted(parts - {'attention', 'swap', 'e2e'})}")
     # 2. attention over host-resident KV: CPU vs copy to the GPU (per full layer)
     attn = []
     import os
@@ -287,10 +339,11 @@ def main(argv=None):
     from jhybrid.engine.offload import single_threaded_blas
 
     threads = args.cpu_threads or max(1, min(8, (os.cpu_count() or 2) // 2))  # the engine's default
-    log(f"\nCPU attention per full layer ({threads} workers as in the engine; NumPy BLAS: {single_threaded_blas()})")
-    log(f"\n{'rows':>5} {'host tok':>9} {'KV MB':>8} {'CPU ms':>9} {f'CPU x{threads} ms':>11} {'copy+GPU ms':>12} "
-        f"{'CPU GB/s':>9} {'wins':>6}")
-    for rows in (int(x) for x in args.attn_rows.split(",")):
+    if "attention" in parts:
+        log(f"\nCPU attention per full layer ({threads} workers as in the engine; NumPy BLAS: {single_threaded_blas()})")
+        log(f"\n{'rows':>5} {'host tok':>9} {'KV MB':>8} {'CPU ms':>9} {f'CPU x{threads} ms':>11} {'copy+GPU ms':>12} "
+            f"{'CPU GB/s':>9} {'wins':>6}")
+    for rows in (int(x) for x in args.attn_rows.split(",")) if "attention" in parts else ():
         for n in (int(x) for x in args.attn_host_tokens.split(",")):
             r = attention_paths(cfg, rows, n, block_size, repeats=3 if args.tiny else 5, threads=threads)
             r["wins"] = ("cpu" if r["cpu_pool_s"] < r["copy_s"] else "copy") if r["ok"] else "INVALID"
@@ -299,7 +352,24 @@ def main(argv=None):
                 f"{r['copy_s'] * 1e3:12.2f} "
                 f"{r['cpu_bytes_per_s'] / 1e9:9.2f} {r['wins']:>6}" + ("" if r["ok"] else f"  (max err {r['max_abs_err']:.2e})"))
 
-    # 3. end to end: recompute vs swap vs auto vs offloaded attention under a capped GPU KV pool
+    # 3. one sequence's swap round trip: pageable (NumPy host tier) vs pinned (stays in pinned_host memory)
+    swaps = []
+    transfers = ["pageable"] + (["pinned"] if pinned else [])
+    if "swap" in parts:
+        log(f"\n{'tokens':>7} {'transfer':>9} {'MB':>8} {'out ms':>8} {'in ms':>8} {'out GB/s':>9} {'in GB/s':>8} "
+            "exact")
+        for tokens in (int(x) for x in args.swap_tokens.split(",")):
+            for transfer in transfers:
+                r = swap_round_trip(cfg, tokens, block_size, transfer, repeats=2 if args.tiny else 3)
+                swaps.append(r)
+                log(f"{tokens:7d} {transfer:>9} {r['bytes'] / 1e6:8.1f} {r['out_s'] * 1e3:8.2f} {r['in_s'] * 1e3:8.2f} "
+                    f"{r['out_gb_per_s']:9.2f} {r['in_gb_per_s']:8.2f} {r['exact']}")
+        if args.tiny:
+            assert all(r["exact"] for r in swaps), swaps
+    if "e2e" not in parts:
+        return _write_json(args, info, h2d, d2h, host_bw, attn, [], swaps)
+
+    # 4. end to end: recompute vs swap vs auto vs offloaded attention under a capped GPU KV pool
     model = LoadedModel(cfg=cfg, params=random_params(cfg))
     block_bytes = block_size * cfg.kv_bytes_per_token(2)
     kv_blocks = max(int(args.kv_gb * 2**30 // block_bytes), -(-(args.prompt_len + args.max_tokens) // block_size) + 1)
@@ -309,7 +379,7 @@ def main(argv=None):
     runs = []
     for mode in args.modes.split(","):
         runs.append(end_to_end(model, mode, args, kv_blocks))
-        _write_json(args, info, h2d, d2h, host_bw, attn, runs)  # partial results survive a timeout
+        _write_json(args, info, h2d, d2h, host_bw, attn, runs, swaps)  # partial results survive a timeout
     base = next((r for r in runs if r["mode"] == "recompute"), runs[0])
     log(f"{'mode':>17} {'wall s':>8} {'tok/s':>9} {'done':>7} {'recomp':>7} {'swaps':>6} {'fallbk':>6} "
         f"{'out MB':>9} {'in MB':>9} {'agree':>6}")
@@ -342,12 +412,13 @@ def main(argv=None):
         log(f"INCOMPLETE runs (no throughput claim): {incomplete}")
     if args.tiny:  # the smoke test fails loudly on a lost request
         assert not incomplete, incomplete
-    return _write_json(args, info, h2d, d2h, host_bw, attn, runs)
+    return _write_json(args, info, h2d, d2h, host_bw, attn, runs, swaps)
 
 
-def _write_json(args, info, h2d, d2h, host_bw, attn, runs) -> dict:
+def _write_json(args, info, h2d, d2h, host_bw, attn, runs, swaps) -> dict:
     results = dict(args=vars(args), h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, host_read_bytes_per_s=host_bw,
-                   attention=attn, end_to_end=[{k: v for k, v in r.items() if k != "tokens"} for r in runs])
+                   attention=attn, swap_round_trip=list(swaps),
+                   end_to_end=[{k: v for k, v in r.items() if k != "tokens"} for r in runs])
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine_info": info, "results": results}, f, indent=1)

@@ -95,6 +95,10 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=float, default=0.9, metavar="F",
                    help="share of free device memory for the KV pool and state slots (default 0.9)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N", help="token budget of one step")
+    g.add_argument("--warmup", action="store_true",
+                   help="compile every step program (each batch-size and token bucket, greedy and sampled) before "
+                   "serving, so that no request waits for a compile; set JAX_COMPILATION_CACHE_DIR to keep them "
+                   "across restarts")
     g.add_argument("--seed", type=int, default=0, help="seed of requests that give none (default 0)")
     g.add_argument("--host-kv-memory-gb", type=float, default=0.0, metavar="G",
                    help="host memory for swapped-out KV blocks and state slots (default 0: off)")
@@ -102,8 +106,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                    help="what a preempted sequence does: swap to the host tier, recompute its prompt, or pick by "
                    "estimated cost (default auto; swap needs --host-kv-memory-gb)")
     g.add_argument("--swap-transfer", default="pageable", choices=("pageable", "pinned"),
-                   help="how swapped-out KV and state reach the host: through pageable NumPy memory or through "
-                   "JAX's page-locked pinned_host memory (default pageable)")
+                   help="where swapped-out KV and state wait: the host tier's pageable NumPy arrays, or JAX's "
+                   "page-locked pinned_host memory (default pageable)")
     g.add_argument("--kv-offload", default="off", choices=("off", "cpu", "copy"),
                    help="let running sequences keep their oldest KV blocks in the host tier instead of being preempted, "
                    "attending over them on the CPU or over per-step copies on the GPU (default off; needs "
@@ -230,7 +234,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, host_kv_memory_gb=args.host_kv_memory_gb,
         preemption_mode=args.preemption_mode, swap_transfer=args.swap_transfer, kv_offload=args.kv_offload,
-        offload_policy=args.offload_policy,
+        offload_policy=args.offload_policy, warmup=args.warmup,
     )
     return 0
 

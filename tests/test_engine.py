@@ -67,6 +67,31 @@ def test_batched_with_preemption_equals_alone_and_hf(tiny):
     assert len(llm.engine.runner.compiled_shapes) <= 12, llm.engine.runner.compiled_shapes
 
 
+def test_warmup_compiles_every_step_program_ahead(tiny):
+    """`warmup=True` compiles the step program of every bucket the scheduler can produce, for greedy and plain
+    sampling: a preempting workload mixing both then compiles nothing (JAX's jit cache for the step does not
+    grow), and its outputs equal those of an engine that compiled on demand (the dummy rows touch nothing real)."""
+    from jhybrid.engine.runner import engine_step
+
+    _, model = tiny
+    prompts = prompts_1_to_300(n=6)
+    params = [SamplingParams(max_tokens=8, **GREEDY) if i % 2 else
+              SamplingParams(max_tokens=8, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    kw = dict(dtype=None, max_num_seqs=4, max_model_len=320, num_kv_blocks=30, max_num_batched_tokens=64)
+    engine_step.clear_cache()
+    warm = LLM(model, **kw, warmup=True)
+    compiled, shapes = engine_step._cache_size(), set(warm.engine.runner.compiled_shapes)
+    # rows bucket 4 only; decode, and prefill at 16, 32, 64 tokens; for greedy and for sampling
+    assert compiled == len(shapes) == 8, shapes
+    outs = warm.generate(prompts, params)
+    assert warm.engine.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    assert engine_step._cache_size() == compiled, "a step compiled after warmup"
+    assert warm.engine.runner.compiled_shapes == shapes
+    cold = LLM(model, **kw)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in cold.generate(prompts, params)]
+    assert_all_free(warm)
+
+
 def test_reused_slot_equals_fresh_engine(tiny):
     _, model = tiny
     a, b = prompts_1_to_300()[9], prompts_1_to_300()[4]

@@ -48,6 +48,10 @@ def test_swap_out_and_in_is_bit_exact(tiny, kv_dtype, transfer):
     entry = host.reserve(3 * 4 - 1)  # 11 tokens: 3 blocks
     swapper.swap_out(state, [SwapOp("seq", src_blocks, src_slot, entry)])
     swapper.flush()
+    if transfer == "pinned":  # the data stays in pinned memory; the NumPy arrays are not written
+        assert swapper.num_resident == 1
+        assert not any(a[entry.blocks].any() for a in host.k + host.v)
+        assert not any(a[entry.slot].any() for a in host.conv + host.ssm)
     # the device pages and slot are reused by someone else meanwhile
     state = random_state(cfg, cache, seed=2)
     other = jax.tree.map(np.asarray, state)
@@ -55,6 +59,7 @@ def test_swap_out_and_in_is_bit_exact(tiny, kv_dtype, transfer):
     state = swapper.swap_in(state, [SwapOp("seq", dst_blocks, dst_slot, entry)])
     after = jax.tree.map(np.asarray, state)
     assert not host.entries and host.blocks.num_used == 0 and host.slots.num_used == 0
+    assert swapper.num_resident == 0
     for name in ("k_pages", "v_pages"):
         for i, (a, b, o) in enumerate(zip(getattr(after, name), getattr(before, name), getattr(other, name))):
             assert a.dtype == jnp.dtype(kv_dtype)
@@ -160,6 +165,7 @@ def test_swapping_through_pinned_host_memory_equals_no_pressure(tiny):
     assert st["swap_out_bytes"] == st["swap_in_bytes"] > 0
     assert_all_free(llm)
     assert_host_free(llm)
+    assert llm.engine.swapper.num_resident == 0, "pinned data outlived its entries"
     reference = LLM(model, dtype=None, max_num_seqs=4, max_model_len=320, max_num_batched_tokens=128).generate(prompts, params)
     assert [o.token_ids for o in pinned] == [o.token_ids for o in reference]
 
@@ -232,6 +238,24 @@ def test_transfer_probe_through_pinned_memory_returns_the_data():
     (pinned,) = jax.tree.leaves(swap._to_pinned((x,)))
     assert pinned.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(np.asarray(pinned), np.asarray(x))
+    (back,) = jax.tree.leaves(swap._to_device((pinned,)))
+    assert back.sharding.memory_kind == "device"
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(x))
+
+
+def test_pinned_data_of_an_aborted_entry_is_dropped(tiny):
+    """An entry released while swapped out (its request was aborted) leaves no pinned data behind."""
+    cfg = tiny[1].cfg
+    cache = CacheConfig(num_blocks=12, block_size=4, num_slots=5, kv_dtype="bfloat16")
+    host = host_for(cfg, cache)
+    swapper = Swapper(host, "pinned")
+    entries = [host.reserve(8), host.reserve(4)]
+    swapper.swap_out(random_state(cfg, cache, seed=4), [SwapOp("a", [3, 4], 1, entries[0]), SwapOp("b", [5], 2, entries[1])])
+    assert swapper.num_resident == 2
+    host.release(entries[0].slot)  # what the scheduler does for an aborted swapped-out sequence
+    assert swapper.num_resident == 1
+    swapper.flush()
+    assert swapper.num_resident == 1 and entries[1].slot in swapper._resident
 
 
 def test_plan_host_tier_sizes(tiny):

@@ -56,8 +56,8 @@ class LLM:
       preemption_mode: "auto" (swap to the host tier when the cost model says it is cheaper than recomputing),
         "swap" (whenever the host tier has room) or "recompute"; without a host tier, always recompute.
       swap_bandwidth_gbps, prefill_tokens_per_s: the cost model's rates; None measures them at start.
-      swap_transfer: how swapped-out data reaches the host: "pageable" (default) or "pinned" (through JAX's
-        page-locked pinned_host memory).
+      swap_transfer: where swapped-out data waits: "pageable" (default; the host tier's NumPy arrays) or
+        "pinned" (JAX's page-locked pinned_host memory, as JAX arrays, until swapped back in).
       kv_offload: "off" (default), "cpu" or "copy": running sequences may keep their oldest KV blocks in the
         host tier (needs host_kv_memory_gb > 0) instead of being preempted; attention over them runs on the
         CPU ("cpu") or on the GPU over copies sent each step ("copy"). `offload_overlap` pipelines the CPU
@@ -67,6 +67,8 @@ class LLM:
       offload_policy: "cost" (default): offload only where the cost model prices the rest of the sequence's
         host attention below the preemption it avoids; "always": whenever a running sequence would
         otherwise be preempted (on the H200 that ran 13x slower than recomputing, benchmarks/RESULTS.md).
+      warmup: compile every step program the scheduler can produce (greedy and plain sampling) at start
+        (`LLMEngine.warmup`), instead of the first time each is needed.
     """
 
     def __init__(self, model: str | os.PathLike | Any, *, dtype: str | None = "bfloat16", max_num_seqs: int = 16,
@@ -76,7 +78,7 @@ class LLM:
                  host_kv_memory_gb: float = 0.0, preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None,
                  prefill_tokens_per_s: float | None = None, swap_transfer: str = "pageable", kv_offload: str = "off",
                  offload_overlap: bool = True, offload_threads: int | None = None, offload_admission: bool = False,
-                 offload_policy: str = "cost"):
+                 offload_policy: str = "cost", warmup: bool = False):
         from jhybrid.engine.generate import load
 
         self.model = load(model, dtype, host=tensor_parallel_size > 1)
@@ -88,7 +90,7 @@ class LLM:
                                 swap_bandwidth_gbps=swap_bandwidth_gbps, prefill_tokens_per_s=prefill_tokens_per_s,
                                 swap_transfer=swap_transfer, kv_offload=kv_offload, offload_overlap=offload_overlap,
                                 offload_threads=offload_threads, offload_admission=offload_admission,
-                                offload_policy=offload_policy)
+                                offload_policy=offload_policy, warmup=warmup)
         self._ids = itertools.count()
 
     @property

@@ -56,7 +56,8 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None, host_kv_memory_gb: float = 0.0,
                  preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None, swap_transfer: str = "pageable",
                  prefill_tokens_per_s: float | None = None, kv_offload: str = "off", offload_admission: bool = False,
-                 offload_overlap: bool = True, offload_threads: int | None = None, offload_policy: str = "cost"):
+                 offload_overlap: bool = True, offload_threads: int | None = None, offload_policy: str = "cost",
+                 warmup: bool = False):
         cfg = model.cfg
         if kv_offload not in ("off", "cpu", "copy"):
             raise ValueError(f"unknown {kv_offload=}; choose 'off', 'cpu' or 'copy'")
@@ -116,6 +117,36 @@ class LLMEngine:
         self.num_preemptions = 0
         log.info("KV pool: %d blocks of %d tokens; %d state slots", self.cache.num_blocks - 1, block_size,
                  self.cache.num_slots - 1)
+        if warmup:
+            self.warmup()
+
+    def warmup(self, sampling: tuple[SamplingParams, ...] | None = None, progress: bool = True) -> int:
+        """Compiles the step program of every (decode, rows, tokens) bucket the scheduler can produce, for each
+        of `sampling` (default: greedy, and temperature 1 without top-k / top-p, the OpenAI default), before any
+        request needs it. Without it each bucket compiles the first time a step meets it: on the H200 the 2.2 B
+        model's first preemptions stalled about 47 s compiling re-prefill shapes (benchmarks/RESULTS.md).
+        Steps with log-probabilities, top-k / top-p or host-resident KV still compile on first use. Runs dummy
+        rows on the null slot and page only; no request is touched. Returns how many programs it compiled.
+        `JAX_COMPILATION_CACHE_DIR` makes later starts load them from disk instead."""
+        import time
+
+        from tqdm import tqdm
+
+        if self.has_unfinished():
+            raise RuntimeError("warmup() runs before requests are added: it would reorder the device's work")
+        sampling = sampling or (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0))
+        layouts = self.runner.step_layouts(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)
+        before = len(self.runner.compiled_shapes)
+        t0 = time.perf_counter()
+        work = [(layout, params) for params in sampling for layout in layouts]
+        for (decode, _rows, tokens, real), params in tqdm(work, desc="compiling steps", unit="program",
+                                                          disable=not progress):
+            self.runner.warm(decode, real, tokens, params)
+        for n in sorted({1 << max(2, (k - 1).bit_length()) for k in range(1, self.scheduler.max_num_seqs + 1)}):
+            self.runner.zero_slots([0] * n)  # new slots are zeroed in these buckets; slot 0 is the null slot
+        compiled = len(self.runner.compiled_shapes) - before
+        log.info("warm-up: %d step programs compiled in %.1f s", compiled, time.perf_counter() - t0)
+        return compiled
 
     def _host_tier(self, host_kv_memory_gb, mode, bandwidth_gbps, prefill_rate, max_num_seqs, max_num_batched_tokens,
                    transfer, needs_cost=False):

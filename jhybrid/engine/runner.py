@@ -149,12 +149,22 @@ class ModelRunner:
         self.max_rows = _pow2(max_num_seqs, 1)
         self.max_tokens_bucket = _pow2(max_num_batched_tokens, 16)
         self.seed = seed
-        self._no_prev = np.zeros((2, self.max_rows), np.int32)  # host: valid input on any mesh, any process
+        self._no_prev = self._placed_like_outputs(np.zeros((2, self.max_rows), np.int32))
         # block table of the sequence in each state slot, kept in sync incrementally
         self._tables = np.zeros((cache.num_slots, self.max_blocks), np.int32)
         self._table_len = np.zeros(cache.num_slots, np.int64)
         self._table_owner: list[tuple[int, int] | None] = [None] * cache.num_slots
         self.compiled_shapes: set[tuple] = set()
+
+    def _placed_like_outputs(self, x: np.ndarray):
+        """`x` where the step puts its outputs, so that a step with no previous one hits the same compiled
+        program as one fed the previous step's output (JAX keys its cache on where arguments live: a NumPy
+        input compiles a second program). Multi-process meshes keep NumPy, valid input in every process."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        if jax.process_count() == 1:
+            return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+        return x
 
     def zero_slots(self, slots: list[int]) -> None:
         if slots:
@@ -286,6 +296,43 @@ class ModelRunner:
             table[i, : len(t)] = np.arange(first, first + len(t))
             first += len(t)
         return table.ravel(), stage, (mh,)
+
+    def step_layouts(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[bool, int, int, int]]:
+        """Every (decode, num_rows, num_tokens) bucket `execute` can meet with these limits, with the fewest real
+        rows and the most real tokens that reach it: (decode, rows, tokens, real rows). A mixed (prefill) step
+        needs a row of two or more tokens, so it has more tokens than real rows."""
+        row_bucket = lambda n: min(_pow2(n, 4), self.max_rows)  # noqa: E731  (as in execute)
+        tok_bucket = lambda t: min(_pow2(t, 16), self.max_tokens_bucket)  # noqa: E731
+        fewest_rows: dict[int, int] = {}
+        for n in range(max_num_seqs, 0, -1):
+            fewest_rows[row_bucket(n)] = n
+        most_tokens: dict[int, int] = {}
+        for t in range(1, max_num_batched_tokens + 1):
+            most_tokens[tok_bucket(t)] = t
+        out = [(True, r, r, n) for r, n in sorted(fewest_rows.items())]
+        for r, n in sorted(fewest_rows.items()):
+            for tb, t in sorted(most_tokens.items()):
+                if t > n and -(-t // n) < self.max_blocks * self.cache.block_size:  # one chunk fits a sequence
+                    out.append((False, r, tb, n))
+        return out
+
+    def warm(self, decode: bool, num_real: int, num_tokens: int, params) -> None:
+        """Runs one step of `num_real` dummy rows and `num_tokens` tokens (decode: one each) with sampling
+        `params`, writing only the null slot and the null page (which padding rows write anyway), so that its
+        program is compiled before real requests need it. Waits for it."""
+        from jhybrid.engine.scheduler import ScheduledRow
+        from jhybrid.engine.sequence import Sequence
+
+        bs = self.cache.block_size
+        sizes = [1] * num_real if decode else [num_tokens // num_real + (i < num_tokens % num_real) for i in range(num_real)]
+        rows = []
+        for i, k in enumerate(sizes):
+            length = k + 1 if decode else k  # decode: one known token before the fed one
+            seq = Sequence(f"warmup-{i}", [0] * length, params)
+            seq.block_table = [0] * -(-length // bs)  # the null page; slot 0 is the null slot
+            rows.append(ScheduledRow(seq, length - k, k, True))
+        self.execute(SchedulerOutput(rows, [], []), None).fetch()
+        self._tables[0], self._table_len[0], self._table_owner[0] = 0, 0, None  # the null slot's row stays zeros
 
     def _seed(self, seq) -> int:
         if seq.params.seed is not None:

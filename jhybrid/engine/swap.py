@@ -3,13 +3,17 @@ and its state slot (conv + recurrent) in every linear layer, always together.
 
 Swap out (`Swapper.swap_out`): one jitted gather of the sequence's pages and slot is dispatched *before*
 the step that reuses them (JAX orders it after the step that last wrote them), and its copy to the host
-starts at once (`copy_to_host_async`, or with `transfer="pinned"` a device_put into page-locked host
-memory); `flush()` stores the arrived data into the host arrays. The engine
-flushes after it has read the previous step, and always before a swap in.
+starts at once. With `transfer="pageable"` that is `copy_to_host_async`, and `flush()` stores the arrived
+data into the host tier's NumPy arrays (the engine flushes after it has read the previous step, and always
+before a swap in). With `transfer="pinned"` it is a device_put into JAX's page-locked pinned_host memory,
+and the entry's data *stays* there as JAX arrays until it is swapped in (`num_resident`). The NumPy
+arrays are not touched: on the H200, reading pinned memory into NumPy ran at 3 GB/s, against 50 GB/s for
+pinned transfers each way. The host tier's allocator still accounts for the entry's blocks and slot, so
+`host_kv_memory_gb` bounds both paths.
 
-Swap in (`Swapper.swap_in`): the entry is copied out of the host arrays (so its host blocks can be freed
-at once) and one jitted scatter writes it into the sequence's new pages and slot; the slot is not zeroed
-(a restored slot is not a new one).
+Swap in (`Swapper.swap_in`): the entry's data (copied out of the NumPy arrays, or its pinned arrays put
+back on the device) is written into the sequence's new pages and slot by one jitted scatter, and the entry
+is freed; the slot is not zeroed (a restored slot is not a new one).
 
 Block lists are padded to a power of two with page 0, the null page, to bound compilation: padded gathers
 read it, padded scatters write zeros into it (it is a write target for padding anyway).
@@ -91,19 +95,36 @@ def check_transfer(transfer: str) -> None:
 
 def _to_pinned(data):
     """Starts the copy of device arrays into page-locked host memory (same sharding, memory kind
-    "pinned_host"). Whether it beats the pageable path on a GPU is for `benchmarks.offload` to show."""
+    "pinned_host")."""
     return jax.device_put(data, jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), data))
 
 
+def _to_device(data):
+    """Starts the copy of pinned_host arrays back into device memory (same sharding)."""
+    return jax.device_put(data, jax.tree.map(lambda x: x.sharding.with_memory_kind("device"), data))
+
+
 class Swapper:
-    """`transfer`: how swapped-out data reaches the host: "pageable" (`copy_to_host_async`, then NumPy) or
-    "pinned" (a device_put into JAX's pinned_host memory, then NumPy)."""
+    """`transfer`: how swapped-out data reaches the host: "pageable" (`copy_to_host_async`, then the host
+    tier's NumPy arrays) or "pinned" (a device_put into JAX's pinned_host memory, where it stays)."""
 
     def __init__(self, host: HostTier, transfer: str = "pageable"):
         check_transfer(transfer)
         self.host, self.transfer = host, transfer
         self.stats = SwapStats()
         self._pending: list[tuple[HostEntry, tuple]] = []
+        self._resident: dict[int, tuple[HostEntry, tuple]] = {}  # host slot -> (entry, pinned arrays)
+
+    @property
+    def num_resident(self) -> int:
+        """Entries whose data is held in pinned host memory (`transfer="pinned"`)."""
+        self._drop_released()
+        return len(self._resident)
+
+    def _drop_released(self) -> None:
+        """Frees the pinned data of entries the host tier no longer holds (their sequence was aborted)."""
+        for slot in [s for s, (e, _) in self._resident.items() if self.host.entries.get(s) is not e]:
+            del self._resident[slot]
 
     def swap_out(self, state: HybridState, ops: list[SwapOp]) -> None:
         """Dispatches the gathers (reading `state` as it stands now) and starts their host copies."""
@@ -116,17 +137,18 @@ class Swapper:
             ids[:n] = op.device_blocks
             data = gather_sequence(state, jnp.asarray(ids), jnp.int32(op.device_slot))
             if self.transfer == "pinned":
-                data = _to_pinned(data)
+                self._resident[op.entry.slot] = (op.entry, _to_pinned(data))
             else:
                 for leaf in jax.tree.leaves(data):
                     leaf.copy_to_host_async()
-            self._pending.append((op.entry, data))
+                self._pending.append((op.entry, data))
             self.stats.num_swap_out += 1
             self.stats.bytes_out += self.host.entry_bytes(n)
         self.stats.seconds_out += time.perf_counter() - t0
 
     def flush(self) -> None:
-        """Stores arrived swap-out data into the host arrays (waits for it)."""
+        """Stores arrived pageable swap-out data into the host arrays (waits for it)."""
+        self._drop_released()
         t0 = time.perf_counter()
         for entry, (k, v, conv, ssm) in self._pending:
             if self.host.entries.get(entry.slot) is not entry:
@@ -144,7 +166,14 @@ class Swapper:
         for op in ops:
             _check(op)
             n = len(op.entry.blocks)
-            k, v, conv, ssm = self.host.read(op.entry.slot, op.entry.blocks, pad_to=_pow2(n))
+            resident = self._resident.pop(op.entry.slot, None)
+            if resident is not None:
+                entry, data = resident
+                self.host.check_entry(op.entry.slot, op.entry.blocks)
+                assert entry is op.entry, f"{op.seq}: pinned data of another entry in host slot {op.entry.slot}"
+                k, v, conv, ssm = _to_device(data)
+            else:
+                k, v, conv, ssm = self.host.read(op.entry.slot, op.entry.blocks, pad_to=_pow2(n))
             ids = np.zeros(_pow2(n), np.int32)
             ids[:n] = op.device_blocks
             state = scatter_sequence(state, jnp.asarray(ids), jnp.int32(op.device_slot), k, v, conv, ssm)
@@ -156,17 +185,28 @@ class Swapper:
 
 
 def measure_transfer_bandwidth(nbytes: int = 16 << 20, repeats: int = 3, transfer: str = "pageable") -> tuple[float, float]:
-    """(host->device, device->host) bytes/s: median of `repeats` copies of `nbytes`, the device -> host one
-    by the `Swapper`'s `transfer` path (both end in a NumPy array)."""
+    """(host->device, device->host) bytes/s: median of `repeats` copies of `nbytes` by the `Swapper`'s
+    `transfer` path: "pageable" from and into NumPy arrays, "pinned" into and out of pinned_host arrays."""
     check_transfer(transfer)
     host = np.ones(nbytes // 4, np.float32)
     h2d, d2h = [], []
     for _ in range(repeats + 1):  # the first is a warm-up
+        if transfer == "pinned":
+            dev = jax.device_put(host).block_until_ready()
+            t0 = time.perf_counter()
+            pinned = _to_pinned(dev).block_until_ready()
+            t1 = time.perf_counter()
+            back = _to_device(pinned).block_until_ready()
+            t2 = time.perf_counter()
+            d2h.append(nbytes / max(t1 - t0, 1e-9))
+            h2d.append(nbytes / max(t2 - t1, 1e-9))
+            del back, pinned
+            continue
         t0 = time.perf_counter()
         dev = jax.device_put(host)
         dev.block_until_ready()
         t1 = time.perf_counter()
-        back = np.array(_to_pinned(dev) if transfer == "pinned" else dev, copy=True)  # a copy even on a CPU device
+        back = np.array(dev, copy=True)  # a copy even on a CPU device
         t2 = time.perf_counter()
         h2d.append(nbytes / max(t1 - t0, 1e-9))
         d2h.append(nbytes / max(t2 - t1, 1e-9))
