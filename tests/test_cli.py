@@ -110,5 +110,11 @@ def test_serve_passes_host_tier_options(monkeypatch):
     monkeypatch.setattr(jhybrid.server, "serve", lambda model, **kw: seen.update(kw, model=model))
     assert main(["serve", "--model", "m", "--host-kv-memory-gb", "2.5", "--preemption-mode", "swap"]) == 0
     assert seen["model"] == "m" and seen["host_kv_memory_gb"] == 2.5 and seen["preemption_mode"] == "swap"
+    assert seen["offload_policy"] == "cost" and seen["warmup"] is False  # the defaults
+    assert main(["serve", "--model", "m", "--host-kv-memory-gb", "1", "--kv-offload", "copy", "--offload-policy",
+                 "always", "--warmup"]) == 0
+    assert seen["kv_offload"] == "copy" and seen["offload_policy"] == "always" and seen["warmup"] is True
     with pytest.raises(SystemExit):  # argparse rejects an unknown mode
         main(["serve", "--model", "m", "--preemption-mode", "sometimes"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "m", "--offload-policy", "sometimes"])

@@ -324,7 +324,8 @@ class ModelRunner:
         from jhybrid.engine.sequence import Sequence
 
         bs = self.cache.block_size
-        sizes = [1] * num_real if decode else [num_tokens // num_real + (i < num_tokens % num_real) for i in range(num_real)]
+        sizes = [1] * num_real if decode else [num_tokens // num_real + (i < num_tokens % num_real)
+                                               for i in range(num_real)]
         rows = []
         for i, k in enumerate(sizes):
             length = k + 1 if decode else k  # decode: one known token before the fed one

@@ -325,7 +325,7 @@ class Scheduler:
             n = min(full, deficit, self.host.blocks.num_free)
             if n <= 0:
                 break
-            if self.offload_policy == "cost" and not self._offload_pays(seq, n):
+            if self.offload_policy == "cost" and not self._offload_pays(seq):
                 self.num_offloads_declined += 1
                 continue
             op = OffloadOp(seq, seq.block_table[:n], self.host.blocks.allocate(n))
@@ -336,12 +336,12 @@ class Scheduler:
             self.num_offload_ops += 1
         return ops
 
-    def _offload_pays(self, seq: Sequence, n: int) -> bool:
+    def _offload_pays(self, seq: Sequence) -> bool:
         """Whether keeping `seq`'s blocks on the host for the rest of its decode frees device blocks more cheaply
         than the preemption it avoids: that of the newest running sequence (the one `schedule()` preempts first),
         priced as swap or recompute as the preemption mode and the cost model would pick. Both are compared per
         device block freed: a preemption frees all of the victim's blocks at once (on the H200 one 3000-token
-        victim covered ~150 steps of growth), an offload frees its `n`."""
+        victim covered ~150 steps of growth), an offload only the blocks it moves."""
         cost = self.cost_model
         steps = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens)
         victim = self.running[-1]
