@@ -92,6 +92,26 @@ def test_warmup_compiles_every_step_program_ahead(tiny):
     assert_all_free(warm)
 
 
+def test_warmup_holds_with_parameters_committed_to_a_device(tiny):
+    """Parameters committed to a device (as a checkpoint restored with a sharding is) make every step output
+    committed; JAX keys its cache on that, so the no-previous-step input must follow the outputs or each bucket
+    compiles twice. After a greedy-only warmup a greedy workload compiles nothing."""
+    import jax
+
+    from jhybrid.engine.runner import engine_step
+
+    _, model = tiny
+    committed = LoadedModel(cfg=model.cfg, params=jax.device_put(model.params, jax.devices()[0]))
+    assert all(x.committed for x in jax.tree.leaves(committed.params))
+    llm = LLM(committed, dtype=None, max_num_seqs=4, max_model_len=320, num_kv_blocks=30, max_num_batched_tokens=64)
+    engine_step.clear_cache()
+    assert llm.engine.warmup(sampling=(SamplingParams(temperature=0.0),), progress=False) == 4
+    compiled = engine_step._cache_size()
+    llm.generate(prompts_1_to_300(n=6), SamplingParams(max_tokens=8, **GREEDY))
+    assert llm.engine.num_preemptions > 0
+    assert engine_step._cache_size() == compiled, "a step compiled after warmup"
+
+
 def test_reused_slot_equals_fresh_engine(tiny):
     _, model = tiny
     a, b = prompts_1_to_300()[9], prompts_1_to_300()[4]

@@ -149,22 +149,26 @@ class ModelRunner:
         self.max_rows = _pow2(max_num_seqs, 1)
         self.max_tokens_bucket = _pow2(max_num_batched_tokens, 16)
         self.seed = seed
-        self._no_prev = self._placed_like_outputs(np.zeros((2, self.max_rows), np.int32))
+        # the previous step's output when there is none; after the first step, zeros placed exactly like the
+        # step's outputs (`_settle_no_prev`): JAX keys its cache on where arguments live (NumPy or device,
+        # committed or not, their sharding), so a mismatch would compile every bucket twice
+        self._no_prev = np.zeros((2, self.max_rows), np.int32)  # NumPy: valid input on any mesh, any process
+        if self.mesh is None:
+            self._no_prev = jnp.asarray(self._no_prev)  # where outputs usually live on one device
+        self._no_prev_settled = False
         # block table of the sequence in each state slot, kept in sync incrementally
         self._tables = np.zeros((cache.num_slots, self.max_blocks), np.int32)
         self._table_len = np.zeros(cache.num_slots, np.int64)
         self._table_owner: list[tuple[int, int] | None] = [None] * cache.num_slots
         self.compiled_shapes: set[tuple] = set()
 
-    def _placed_like_outputs(self, x: np.ndarray):
-        """`x` where the step puts its outputs, so that a step with no previous one hits the same compiled
-        program as one fed the previous step's output (JAX keys its cache on where arguments live: a NumPy
-        input compiles a second program). Multi-process meshes keep NumPy, valid input in every process."""
-        if self.mesh is None:
-            return jnp.asarray(x)
-        if jax.process_count() == 1:
-            return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
-        return x
+    def _settle_no_prev(self, out) -> None:
+        """Replaces the no-previous-step input by zeros placed like `out` (a step's output), once."""
+        self._no_prev_settled = True
+        like = jnp.zeros_like(out)
+        old = self._no_prev
+        if not (isinstance(old, jax.Array) and old.committed == like.committed and old.sharding == like.sharding):
+            self._no_prev = like
 
     def zero_slots(self, slots: list[int]) -> None:
         if slots:
@@ -272,6 +276,8 @@ class ModelRunner:
         prev_out = prev.out if prev is not None else self._no_prev
         out, top_lp, top_ids, self.state = engine_step(self.cfg, self.params, self.state, meta, prev_out, host_meta,
                                                        stage, **statics)
+        if not self._no_prev_settled:
+            self._settle_no_prev(out)
         return StepResult(sched, out, top_lp, top_ids)
 
     def _host_part(self, rows, host_rows: list[int], num_rows: int):
@@ -332,7 +338,10 @@ class ModelRunner:
             seq = Sequence(f"warmup-{i}", [0] * length, params)
             seq.block_table = [0] * -(-length // bs)  # the null page; slot 0 is the null slot
             rows.append(ScheduledRow(seq, length - k, k, True))
+        no_prev = self._no_prev
         self.execute(SchedulerOutput(rows, [], []), None).fetch()
+        if self._no_prev is not no_prev:  # the first step settled where outputs live: compile that variant too
+            self.execute(SchedulerOutput(rows, [], []), None).fetch()
         self._tables[0], self._table_len[0], self._table_owner[0] = 0, 0, None  # the null slot's row stays zeros
 
     def _seed(self, seq) -> int:
