@@ -31,7 +31,7 @@ from jhybrid.cache.host_tier import HostTier, SwapCostModel, plan_host_tier
 from jhybrid.cache.planner import plan_cache
 from jhybrid.engine.runner import ModelRunner, StepResult
 from jhybrid.engine.sampling import SamplingParams
-from jhybrid.engine.scheduler import Scheduler
+from jhybrid.engine.scheduler import OFFLOAD_POLICIES, Scheduler
 from jhybrid.engine.sequence import Sequence
 from jhybrid.engine.swap import Swapper, check_transfer, measure_prefill_rate, measure_transfer_bandwidth
 from jhybrid.engine.offload import HostAttention, Offloader, OffloadStats
@@ -61,8 +61,8 @@ class LLMEngine:
         cfg = model.cfg
         if kv_offload not in ("off", "cpu", "copy"):
             raise ValueError(f"unknown {kv_offload=}; choose 'off', 'cpu' or 'copy'")
-        if offload_policy not in ("cost", "always"):
-            raise ValueError(f"unknown {offload_policy=}; choose 'cost' or 'always'")
+        if offload_policy not in OFFLOAD_POLICIES:
+            raise ValueError(f"unknown {offload_policy=}; choose one of {OFFLOAD_POLICIES}")
         if kv_offload != "off" and not host_kv_memory_gb > 0:
             raise ValueError(f"{kv_offload=} keeps KV blocks in the host tier: set host_kv_memory_gb > 0")
         if kv_offload != "off" and tensor_parallel_size > 1:
@@ -142,8 +142,7 @@ class LLMEngine:
         for (decode, _rows, tokens, real), params in tqdm(work, desc="compiling steps", unit="program",
                                                           disable=not progress):
             self.runner.warm(decode, real, tokens, params)
-        for n in sorted({1 << max(2, (k - 1).bit_length()) for k in range(1, self.scheduler.max_num_seqs + 1)}):
-            self.runner.zero_slots([0] * n)  # new slots are zeroed in these buckets; slot 0 is the null slot
+        self.runner.warm_zero_slots(self.scheduler.max_num_seqs)
         compiled = len(self.runner.compiled_shapes) - before
         log.info("warm-up: %d step programs compiled in %.1f s", compiled, time.perf_counter() - t0)
         return compiled

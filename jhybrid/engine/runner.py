@@ -344,6 +344,11 @@ class ModelRunner:
             self.execute(SchedulerOutput(rows, [], []), None).fetch()
         self._tables[0], self._table_len[0], self._table_owner[0] = 0, 0, None  # the null slot's row stays zeros
 
+    def warm_zero_slots(self, max_num_seqs: int) -> None:
+        """Compiles `zero_slots` for every slot-count bucket admissions can meet (on the null slot only)."""
+        for n in sorted({_pow2(k, 4) for k in range(1, max_num_seqs + 1)}):
+            self.zero_slots([0] * n)
+
     def _seed(self, seq) -> int:
         if seq.params.seed is not None:
             return seq.params.seed
