@@ -67,8 +67,9 @@ class LLM:
       offload_policy: "cost" (default): offload only where the cost model prices the rest of the sequence's
         host attention below the preemption it avoids; "always": whenever a running sequence would
         otherwise be preempted (on the H200 that ran 13x slower than recomputing, benchmarks/RESULTS.md).
-      warmup: compile every step program the scheduler can produce (greedy and plain sampling) at start
-        (`LLMEngine.warmup`), instead of the first time each is needed.
+      warmup: compile every step program the scheduler can produce at start, on several threads
+        (`LLMEngine.warmup`; sampling settings are runtime arrays, so this is the whole set), instead of the
+        first time each is needed; then no step compiles.
     """
 
     def __init__(self, model: str | os.PathLike | Any, *, dtype: str | None = "bfloat16", max_num_seqs: int = 16,

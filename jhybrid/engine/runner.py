@@ -8,6 +8,15 @@ the jitted step), and the sampled tokens with their log-probabilities come back 
 Rows whose last fed token was sampled by the previous step (not yet read on the host) take it from that
 step's device output (`token_src`), so step n+1 is dispatched before step n's tokens reach the host.
 
+Programs. Sampling settings are runtime arrays (`jhybrid.engine.sampling`), so a step's program depends only
+on its shape: decode steps bucket their rows (powers of two from 4), mixed (prefill) steps always carry
+`max_rows` rows and bucket their tokens (powers of two from 64). The runner keeps the compiled programs in a
+table of its own (`jax.jit(...).lower(...).compile()`), so `compile_all` can build every program of the
+grid at once, on several threads, before serving; once `seal()`ed, a step whose bucket was not compiled
+runs in the smallest compiled bucket that holds it instead of compiling on the request path (and a compile
+that cannot be avoided is counted in `num_compiled_after_seal`). A logit bias lives in a device table per
+state slot (`MAX_LOGIT_BIAS` entries), written when a biased sequence takes a slot.
+
 With a tensor-parallel `mesh` (`jhybrid.parallel`) the parameters and the state are sharded over its
 devices, the step is jitted with them (XLA SPMD inserts the collectives) and sampling runs on gathered
 logits; the outputs are replicated, so every process of a multi-process run reads them locally.
@@ -17,6 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +37,15 @@ import numpy as np
 
 from jhybrid.cache.state import CacheConfig, HybridState, init_state, zero_slots
 from jhybrid.config import ModelConfig
-from jhybrid.engine.sampling import MAX_LOGPROBS, SamplingArrays, sample
+from jhybrid.engine.sampling import MAX_LOGIT_BIAS, SamplingArrays, SamplingParams, sample
 from jhybrid.engine.scheduler import SchedulerOutput
 from jhybrid.models.batch import Batch
 from jhybrid.models.hybrid import forward
 from jhybrid import parallel
+
+log = logging.getLogger("jhybrid.engine")
+MIN_ROWS = 4  # smallest row bucket
+MIN_MIXED_TOKENS = 64  # smallest token bucket of a mixed (prefill) step
 
 # the packed metadata: (name, length as a function of T, B, M); float fields travel bit-cast to int32
 _FIELDS = (
@@ -37,6 +54,7 @@ _FIELDS = (
     ("slot_ids", lambda t, b, m: b), ("logits_index", lambda t, b, m: b), ("token_src", lambda t, b, m: b),
     ("temperature", lambda t, b, m: b), ("top_k", lambda t, b, m: b), ("top_p", lambda t, b, m: b),
     ("seeds", lambda t, b, m: b), ("counters", lambda t, b, m: b), ("host_offsets", lambda t, b, m: b),
+    ("want_logprobs", lambda t, b, m: b),
 )
 _FLOAT_FIELDS = ("temperature", "top_p")
 
@@ -57,18 +75,23 @@ def _unpack(meta: jax.Array, t: int, b: int, m: int) -> dict[str, jax.Array]:
     return out
 
 
+def meta_size(layout: tuple[int, int, int]) -> int:
+    """Length of the packed metadata of `layout = (T, B, M)`."""
+    return sum(size(*layout) for _, size in _FIELDS)
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "layout", "decode", "all_greedy", "filtered", "num_logprobs", "max_rows", "mesh",
-                     "host_layout", "host_attn"),
+    static_argnames=("cfg", "layout", "decode", "max_rows", "mesh", "host_layout", "host_attn"),
     donate_argnames=("state",),
 )
 def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array,
-                host_meta: jax.Array | None = None, stage=None, *,
-                layout: tuple[int, int, int], decode: bool, all_greedy: bool, filtered: bool, num_logprobs: int,
-                max_rows: int, mesh=None, host_layout: tuple[int, int] | None = None, host_attn=None):
+                bias: tuple[jax.Array, jax.Array], host_meta: jax.Array | None = None, stage=None, *,
+                layout: tuple[int, int, int], decode: bool, max_rows: int, mesh=None,
+                host_layout: tuple[int, int] | None = None, host_attn=None):
     """One step. `meta` is the packed int32 metadata of `layout = (T, B, M)`; `prev_out [2, R]` the previous
-    step's output (row 0: its sampled tokens). Returns (`[2, R]` int32: tokens and their bit-cast fp32 logprobs, top logprobs,
+    step's output (row 0: its sampled tokens); `bias` the per-slot logit-bias tables (`[S, NB]` token ids and
+    values). Returns (`[2, R]` int32: tokens and their bit-cast fp32 logprobs, `[B, L]` top logprobs, `[B, L]`
     top ids, state).
 
     Offloaded attention (`host_attn`: the engine's `HostAttention`, static, by identity): `host_layout` is
@@ -82,8 +105,10 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
     batch = Batch(token_ids=token_ids, positions=f["positions"], token_seq=f["token_seq"],
                   slot_mapping=f["slot_mapping"], cu_seqlens=f["cu_seqlens"], block_tables=f["block_tables"],
                   slot_ids=f["slot_ids"], logits_index=f["logits_index"])
+    bias_ids, bias_values = bias
     sampling = SamplingArrays(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
-                              seeds=f["seeds"], counters=f["counters"])
+                              seeds=f["seeds"], counters=f["counters"], want_logprobs=f["want_logprobs"],
+                              bias_ids=bias_ids[f["slot_ids"]], bias_values=bias_values[f["slot_ids"]])
     host = None
     if host_layout is not None:
         from jhybrid.engine.offload import HostPart
@@ -103,22 +128,27 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
         logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh, host_attention=host)
     if mesh is not None:  # sample on the gathered logits; keep the state in its shards
         logits, state = parallel.replicated(logits, mesh), parallel.constrain_state(state, cfg, mesh)
-    tokens, token_logp, top_lp, top_ids = sample(
-        logits, sampling, all_greedy=all_greedy, filtered=filtered, num_logprobs=num_logprobs
-    )
+    tokens, token_logp, top_lp, top_ids = sample(logits, sampling)
     packed = jnp.zeros((2, max_rows), jnp.int32)
     packed = packed.at[0, : tokens.shape[0]].set(tokens)
     packed = packed.at[1, : tokens.shape[0]].set(jax.lax.bitcast_convert_type(token_logp, jnp.int32))
     if mesh is not None:
-        packed, top_lp, top_ids = (parallel.replicated(x, mesh) if x is not None else None for x in (packed, top_lp, top_ids))
+        packed, top_lp, top_ids = (parallel.replicated(x, mesh) for x in (packed, top_lp, top_ids))
     return packed, top_lp, top_ids, state
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_bias(tables: tuple[jax.Array, jax.Array], slots: jax.Array, ids: jax.Array, values: jax.Array):
+    """Writes the logit-bias rows of `slots [K]` (`ids`, `values [K, NB]`); padding entries target slot 0."""
+    table_ids, table_values = tables
+    return table_ids.at[slots].set(ids), table_values.at[slots].set(values)
 
 
 @dataclasses.dataclass
 class StepResult:
     sched: SchedulerOutput
     out: jax.Array  # [2, R] device: tokens, bit-cast logprobs
-    top_logp: jax.Array | None
+    top_logp: jax.Array | None  # [B, L]; None when no row asked for log-probabilities (not fetched)
     top_ids: jax.Array | None
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -146,34 +176,64 @@ class ModelRunner:
         self.cfg, self.params, self.cache = cfg, params, cache
         self.state = init_state(cfg, cache) if self.mesh is None else parallel.init_sharded_state(cfg, cache, self.mesh)
         self.max_blocks = -(-max_model_len // cache.block_size)
-        self.max_rows = _pow2(max_num_seqs, 1)
-        self.max_tokens_bucket = _pow2(max_num_batched_tokens, 16)
+        self.max_rows = _pow2(max_num_seqs, MIN_ROWS)
+        self.max_tokens_bucket = _pow2(max(max_num_batched_tokens, self.max_rows + 1), MIN_MIXED_TOKENS)
         self.seed = seed
-        # the previous step's output when there is none; after the first step, zeros placed exactly like the
-        # step's outputs (`_settle_no_prev`): JAX keys its cache on where arguments live (NumPy or device,
-        # committed or not, their sharding), so a mismatch would compile every bucket twice
-        self._no_prev = np.zeros((2, self.max_rows), np.int32)  # NumPy: valid input on any mesh, any process
-        if self.mesh is None:
-            self._no_prev = jnp.asarray(self._no_prev)  # where outputs usually live on one device
-        self._no_prev_settled = False
+        # the previous step's output when there is none (compiled programs take it wherever it lives)
+        self._no_prev = np.zeros((2, self.max_rows), np.int32)
         # block table of the sequence in each state slot, kept in sync incrementally
         self._tables = np.zeros((cache.num_slots, self.max_blocks), np.int32)
         self._table_len = np.zeros(cache.num_slots, np.int64)
         self._table_owner: list[tuple[int, int] | None] = [None] * cache.num_slots
-        self.compiled_shapes: set[tuple] = set()
+        # logit bias per state slot (device tables) and the sequence whose bias each slot holds
+        self.bias = self._replicate(lambda: (jnp.zeros((cache.num_slots, MAX_LOGIT_BIAS), jnp.int32),
+                                             jnp.zeros((cache.num_slots, MAX_LOGIT_BIAS), jnp.float32)))
+        self._bias_owner: list[int | None] = [None] * cache.num_slots
+        # compiled step programs by (decode, num_tokens, num_rows); see the module docstring
+        self._programs: dict[tuple[bool, int, int], jax.stages.Compiled] = {}
+        self.sealed = False
+        self.num_compiled = 0
+        self.compile_seconds = 0.0  # lowering included
+        self.lower_seconds = 0.0
+        self.num_compiled_after_seal = 0
+        self.compiled_shapes: set[tuple] = set()  # every (layout, decode, host layout) a step ran with
 
-    def _settle_no_prev(self, out) -> None:
-        """Replaces the no-previous-step input by zeros placed like `out` (a step's output), once."""
-        self._no_prev_settled = True
-        like = jnp.zeros_like(out)
-        old = self._no_prev
-        if not (isinstance(old, jax.Array) and old.committed == like.committed and old.sharding == like.sharding):
-            self._no_prev = like
+    def _replicate(self, make):
+        """`make()`'s arrays, replicated over the mesh (one device: where JAX puts them)."""
+        if self.mesh is None:
+            return make()
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        return jax.jit(make, out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
 
     def zero_slots(self, slots: list[int]) -> None:
+        """Zeroes the linear state of `slots` (one program: padded to `max_rows` with the null slot)."""
         if slots:
-            padded = slots + [0] * (_pow2(len(slots), 4) - len(slots))  # bucketed; slot 0 is the null slot
-            self.state = zero_slots(self.state, np.asarray(padded, np.int32))
+            if len(slots) > self.max_rows:
+                raise AssertionError(f"{len(slots)} new slots in one step exceed {self.max_rows} rows")
+            padded = np.zeros(self.max_rows, np.int32)
+            padded[: len(slots)] = slots
+            self.state = zero_slots(self.state, padded)
+
+    def _sync_bias(self, rows) -> None:
+        """Writes the logit bias of rows whose slot holds another sequence's (or a stale) bias."""
+        updates = []
+        for r in rows:
+            seq = r.seq
+            want = seq.seq_id if seq.params.logit_bias else None
+            if self._bias_owner[seq.slot] != want:
+                updates.append((seq.slot, seq.params.logit_bias or {}))
+                self._bias_owner[seq.slot] = want
+        for start in range(0, len(updates), self.max_rows):
+            chunk = updates[start : start + self.max_rows]
+            slots = np.zeros(self.max_rows, np.int32)
+            ids = np.zeros((self.max_rows, MAX_LOGIT_BIAS), np.int32)
+            values = np.zeros((self.max_rows, MAX_LOGIT_BIAS), np.float32)
+            for i, (slot, bias) in enumerate(chunk):
+                slots[i] = slot
+                ids[i, : len(bias)] = list(bias)
+                values[i, : len(bias)] = list(bias.values())
+            self.bias = _set_bias(self.bias, slots, ids, values)
 
     def _sync_table(self, seq) -> None:
         slot, table = seq.slot, seq.block_table
@@ -186,19 +246,39 @@ class ModelRunner:
             self._tables[slot, n : len(table)] = table[n:]
             self._table_len[slot] = len(table)
 
+    def buckets(self, decode: bool, num_rows: int, num_tokens: int) -> tuple[int, int]:
+        """The (rows, tokens) bucket of a step of `num_rows` rows and `num_tokens` tokens: decode steps bucket
+        their rows, mixed steps carry `max_rows` rows and bucket their tokens."""
+        if decode:
+            rows = min(_pow2(num_rows, MIN_ROWS), self.max_rows)
+            return rows, rows
+        return self.max_rows, min(_pow2(num_tokens, MIN_MIXED_TOKENS), self.max_tokens_bucket)
+
+    def _fit(self, decode: bool, num_rows: int, num_tokens: int) -> tuple[int, int]:
+        """Once sealed: the smallest compiled bucket that holds the step (the same bucket when compiled)."""
+        if not self.sealed or (decode, num_tokens, num_rows) in self._programs:
+            return num_rows, num_tokens
+        fits = [(t, r) for d, t, r in self._programs if d == decode and t >= num_tokens and r >= num_rows]
+        if not fits:
+            return num_rows, num_tokens
+        num_tokens, num_rows = min(fits)
+        return num_rows, num_tokens
+
     def execute(self, sched: SchedulerOutput, prev: StepResult | None) -> StepResult:
         rows = sched.rows
         num_real = len(rows)
         decode = sched.is_decode
-        num_rows = min(_pow2(num_real, 4), self.max_rows)  # num_real <= max_num_seqs <= max_rows
-        num_tokens = num_rows if decode else min(_pow2(sched.num_tokens, 16), self.max_tokens_bucket)
-        if self.host_attn is not None and any(r.seq.host_blocks for r in rows):
+        num_rows, num_tokens = self.buckets(decode, num_real, sched.num_tokens)
+        host_step = self.host_attn is not None and any(r.seq.host_blocks for r in rows)
+        if host_step:
             # steps with host-KV rows compile per engine: mixed steps take one shape; decode steps keep
             # their row buckets (the pipeline's halves are the bucket's halves)
             if decode and self.host_attn.overlap:
                 _spread_host_rows(rows, num_rows // 2)
             elif not decode:
                 num_rows, num_tokens = self.max_rows, self.max_tokens_bucket
+        else:
+            num_rows, num_tokens = self._fit(decode, num_rows, num_tokens)
         bs, m = self.cache.block_size, self.max_blocks
         prev_row = {r.seq.seq_id: i for i, r in enumerate(prev.sched.rows)} if prev is not None else {}
 
@@ -253,32 +333,91 @@ class ModelRunner:
             temperature=temperature.view(np.int32), top_k=top_k, top_p=top_p.view(np.int32),
             seeds=seeds.view(np.int32), counters=counters, host_offsets=host_offsets,
         )
+        want_logprobs = np.zeros(num_rows, np.int32)
+        want_logprobs[:num_real] = [r.seq.params.logprobs is not None for r in rows]
+        fields["want_logprobs"] = want_logprobs
         meta = np.concatenate([np.asarray(fields[name], np.int32).ravel() for name, _ in _FIELDS])
-        params = [r.seq.params for r in rows]
-        statics = dict(
-            layout=(num_tokens, num_rows, m),
-            decode=decode,
-            all_greedy=all(p.greedy for p in params),
-            filtered=any(p.filtered for p in params),
-            num_logprobs=MAX_LOGPROBS if any(p.logprobs is not None for p in params) else 0,
-            max_rows=self.max_rows,
-            mesh=self.mesh,
-        )
-        host_meta = stage = None
+        self._sync_bias(rows)
         if self.host_attn is not None:
             stats = self.host_attn.stats
             stats.num_steps_host += bool(host_rows)
             stats.num_steps_plain += not host_rows
-        if host_rows:
-            host_meta, stage, statics["host_layout"] = self._host_part(rows, host_rows, num_rows)
-            statics["host_attn"] = self.host_attn
-        self.compiled_shapes.add(tuple(statics.values()))
         prev_out = prev.out if prev is not None else self._no_prev
-        out, top_lp, top_ids, self.state = engine_step(self.cfg, self.params, self.state, meta, prev_out, host_meta,
-                                                       stage, **statics)
-        if not self._no_prev_settled:
-            self._settle_no_prev(out)
+        layout = (num_tokens, num_rows, m)
+        if host_step:
+            statics = dict(layout=layout, decode=decode, max_rows=self.max_rows, mesh=self.mesh)
+            host_meta, stage, statics["host_layout"] = self._host_part(rows, host_rows, num_rows)
+            self.compiled_shapes.add((layout, decode, statics["host_layout"]))
+            out, top_lp, top_ids, self.state = engine_step(self.cfg, self.params, self.state, meta, prev_out, self.bias,
+                                                           host_meta, stage, **statics, host_attn=self.host_attn)
+        else:
+            self.compiled_shapes.add((layout, decode, None))
+            program = self._program(decode, num_tokens, num_rows)
+            out, top_lp, top_ids, self.state = program(self.params, self.state, meta, prev_out, self.bias)
+        if not want_logprobs.any():
+            top_lp = top_ids = None
         return StepResult(sched, out, top_lp, top_ids)
+
+    # ----------------------------------------------------------------- programs
+    def _lower(self, decode: bool, num_tokens: int, num_rows: int):
+        layout = (num_tokens, num_rows, self.max_blocks)
+        meta = jax.ShapeDtypeStruct((meta_size(layout),), jnp.int32)
+        return engine_step.lower(self.cfg, self.params, self.state, meta, self._no_prev, self.bias,
+                                 layout=layout, decode=decode, max_rows=self.max_rows, mesh=self.mesh)
+
+    def _program(self, decode: bool, num_tokens: int, num_rows: int):
+        key = (decode, num_tokens, num_rows)
+        program = self._programs.get(key)
+        if program is None:
+            if self.sealed:
+                self.num_compiled_after_seal += 1
+                log.warning("compiling a step program on the request path: decode=%s tokens=%d rows=%d", *key)
+            t0 = time.perf_counter()
+            program = self._programs[key] = self._lower(*key).compile()
+            self.num_compiled += 1
+            self.compile_seconds += time.perf_counter() - t0
+        return program
+
+    def program_grid(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[bool, int, int]]:
+        """Every (decode, num_tokens, num_rows) bucket `execute` can meet with these limits (no host-KV rows)."""
+        grid = {self.buckets(True, n, n)[::-1] for n in range(1, max_num_seqs + 1)}
+        grid = {(True, t, r) for t, r in grid}
+        for t in range(2, max_num_batched_tokens + 1):  # a mixed step has a row of two or more tokens
+            rows, tokens = self.buckets(False, 1, t)
+            grid.add((False, tokens, rows))
+        return sorted(grid)
+
+    def compile_all(self, grid: list[tuple[bool, int, int]], *, threads: int | None = None, progress=None) -> int:
+        """Compiles the programs of `grid` not compiled yet: traced here one by one, compiled by XLA on
+        `threads` threads at once (default: one per CPU core, at most 8). Returns how many it compiled."""
+        todo = [key for key in grid if key not in self._programs]
+        if not todo:
+            return 0
+        threads = threads or max(1, min(8, os.cpu_count() or 1, len(todo)))
+        t0 = time.perf_counter()
+
+        lowered = []
+        for key in todo:  # tracing holds the GIL: one at a time
+            t1 = time.perf_counter()
+            lowered.append((key, self._lower(*key)))
+            self.lower_seconds += time.perf_counter() - t1
+
+        def build(item):
+            key, low = item
+            return key, low.compile()
+
+        with ThreadPoolExecutor(threads, thread_name_prefix="jhybrid-compile") as pool:
+            for key, program in pool.map(build, lowered):
+                self._programs[key] = program
+                if progress is not None:
+                    progress(key)
+        self.num_compiled += len(todo)
+        self.compile_seconds += time.perf_counter() - t0
+        return len(todo)
+
+    def seal(self) -> None:
+        """From now on a step takes the smallest compiled bucket that holds it rather than compiling."""
+        self.sealed = True
 
     def _host_part(self, rows, host_rows: list[int], num_rows: int):
         """The host-KV rows' metadata: "cpu": their host block tables registered with the `HostAttention`
@@ -303,51 +442,33 @@ class ModelRunner:
             first += len(t)
         return table.ravel(), stage, (mh,)
 
-    def step_layouts(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[bool, int, int, int]]:
-        """Every (decode, num_rows, num_tokens) bucket `execute` can meet with these limits, with the fewest real
-        rows and the most real tokens that reach it: (decode, rows, tokens, real rows). A mixed (prefill) step
-        needs a row of two or more tokens, so it has more tokens than real rows."""
-        row_bucket = lambda n: min(_pow2(n, 4), self.max_rows)  # noqa: E731  (as in execute)
-        tok_bucket = lambda t: min(_pow2(t, 16), self.max_tokens_bucket)  # noqa: E731
-        fewest_rows: dict[int, int] = {}
-        for n in range(max_num_seqs, 0, -1):
-            fewest_rows[row_bucket(n)] = n
-        most_tokens: dict[int, int] = {}
-        for t in range(1, max_num_batched_tokens + 1):
-            most_tokens[tok_bucket(t)] = t
-        out = [(True, r, r, n) for r, n in sorted(fewest_rows.items())]
-        for r, n in sorted(fewest_rows.items()):
-            for tb, t in sorted(most_tokens.items()):
-                if t > n and -(-t // n) < self.max_blocks * self.cache.block_size:  # one chunk fits a sequence
-                    out.append((False, r, tb, n))
-        return out
-
-    def warm(self, decode: bool, num_real: int, num_tokens: int, params) -> None:
-        """Runs one step of `num_real` dummy rows and `num_tokens` tokens (decode: one each) with sampling
-        `params`, writing only the null slot and the null page (which padding rows write anyway), so that its
-        program is compiled before real requests need it. Waits for it."""
+    def warm(self, key: tuple[bool, int, int]) -> None:
+        """Runs the program of bucket `key` once on dummy rows that write only the null slot and the null
+        page (which padding rows write anyway), so that its first real step pays no one-time start-up cost.
+        Waits for it."""
         from jhybrid.engine.scheduler import ScheduledRow
         from jhybrid.engine.sequence import Sequence
 
+        decode, num_tokens, num_rows = key
         bs = self.cache.block_size
-        sizes = [1] * num_real if decode else [num_tokens // num_real + (i < num_tokens % num_real)
-                                               for i in range(num_real)]
+        num_real = num_rows if decode else 1
+        tokens = num_rows if decode else max(2, num_tokens)
+        sizes = [1] * num_real if decode else [tokens]
         rows = []
         for i, k in enumerate(sizes):
             length = k + 1 if decode else k  # decode: one known token before the fed one
-            seq = Sequence(f"warmup-{i}", [0] * length, params)
+            seq = Sequence(f"warmup-{i}", [0] * length, SamplingParams(temperature=0.0))
             seq.block_table = [0] * -(-length // bs)  # the null page; slot 0 is the null slot
             rows.append(ScheduledRow(seq, length - k, k, True))
-        no_prev = self._no_prev
         self.execute(SchedulerOutput(rows, [], []), None).fetch()
-        if self._no_prev is not no_prev:  # the first step settled where outputs live: compile that variant too
-            self.execute(SchedulerOutput(rows, [], []), None).fetch()
         self._tables[0], self._table_len[0], self._table_owner[0] = 0, 0, None  # the null slot's row stays zeros
 
-    def warm_zero_slots(self, max_num_seqs: int) -> None:
-        """Compiles `zero_slots` for every slot-count bucket admissions can meet (on the null slot only)."""
-        for n in sorted({_pow2(k, 4) for k in range(1, max_num_seqs + 1)}):
-            self.zero_slots([0] * n)
+    def warm_slot_programs(self) -> None:
+        """Compiles (and runs, on the null slot only) the slot-zeroing and logit-bias programs."""
+        self.zero_slots([0])
+        self.bias = _set_bias(self.bias, np.zeros(self.max_rows, np.int32),
+                              np.zeros((self.max_rows, MAX_LOGIT_BIAS), np.int32),
+                              np.zeros((self.max_rows, MAX_LOGIT_BIAS), np.float32))
 
     def _seed(self, seq) -> int:
         if seq.params.seed is not None:

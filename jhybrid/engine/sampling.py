@@ -1,15 +1,23 @@
-"""Sampling parameters (validated on the host) and the sampler that runs inside the jitted step."""
+"""Sampling parameters (validated on the host) and the sampler that runs inside the jitted step.
+
+Every setting is a runtime array of the step, so one compiled program serves any mix of greedy, sampled,
+filtered (top-k / top-p), biased and log-probability requests; work that no row of a step needs (drawing,
+sorting for top-k / top-p, the top log-probabilities) is skipped by `lax.cond` on the device.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries of `logit_bias` per request (the step holds this many per state slot)
+INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -27,6 +35,8 @@ class SamplingParams:
       ignore_eos: keep going past EOS.
       logprobs: return the top-`logprobs` log-probabilities of each generated position (at most 20).
       skip_special_tokens: drop special tokens from the text.
+      logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (greedy included), as
+        OpenAI's `logit_bias`; at most `MAX_LOGIT_BIAS` entries. Log-probabilities stay those of the model.
     """
 
     max_tokens: int = 16
@@ -39,28 +49,40 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
+        # every integer below reaches an int32 array of the step; every float must be finite
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
+            raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer below 2**31, got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**32):
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, 2**31), got {self.stop_token_ids!r}")
+        if self.logit_bias is not None:
+            bias = dict(self.logit_bias)
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are supported")
+            for t, b in bias.items():
+                if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                    raise ValueError(f"logit_bias keys must be token ids in [0, 2**31), got {t!r}")
+                if not _is_real(b) or not -100.0 <= b <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
+            object.__setattr__(self, "logit_bias", {int(t): float(b) for t, b in bias.items()} or None)
 
     @property
     def greedy(self) -> bool:
@@ -71,51 +93,70 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingArrays:
-    """Per-row sampling parameters as arrays `[B]` (padding rows: greedy)."""
+    """Per-row sampling parameters as arrays `[B]` (padding rows: greedy, no log-probabilities, no bias)."""
 
     temperature: Float[Array, "B"]
     top_k: Int[Array, "B"]  # 0 = off
     top_p: Float[Array, "B"]
     seeds: Int[Array, "B"]  # uint32 seed of each request
     counters: Int[Array, "B"]  # which sample of the request this is (folds into the key)
+    want_logprobs: Int[Array, "B"]  # 1: the row's top log-probabilities are read
+    bias_ids: Int[Array, "B NB"]  # logit bias of each row: token ids (padding: token 0 with value 0)
+    bias_values: Float[Array, "B NB"]
 
 
 def sample(
-    logits: Float[Array, "B V"],
-    s: SamplingArrays,
-    *,
-    all_greedy: bool,
-    filtered: bool,
-    num_logprobs: int,
-) -> tuple[Int[Array, "B"], Float[Array, "B"], Float[Array, "B L"] | None, Int[Array, "B L"] | None]:
-    """Samples one token per row. Static flags skip work no row needs.
+    logits: Float[Array, "B V"], s: SamplingArrays
+) -> tuple[Int[Array, "B"], Float[Array, "B"], Float[Array, "B L"], Int[Array, "B L"]]:
+    """Samples one token per row, every setting a runtime array.
 
-    Returns (tokens, logprob of each token, top-`num_logprobs` logprobs and their ids or None). Logprobs
-    are of the model's distribution (before temperature and filtering), as vLLM reports them.
+    Returns (tokens, logprob of each token, top-`MAX_LOGPROBS` logprobs and their ids). Logprobs are of the
+    model's distribution (before bias, temperature and filtering), as vLLM reports them by default; the top
+    ones are computed only when some row wants them (zeros otherwise). Drawing and top-k / top-p filtering
+    run only when some row needs them (`lax.cond`), so an all-greedy step pays for an argmax alone.
     """
     logits = logits.astype(jnp.float32)
+    num_rows = logits.shape[0]
     logp = jax.nn.log_softmax(logits, axis=-1)
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if all_greedy:
-        tokens = greedy_tokens
-    else:
-        temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
-        scaled = logits / temp
-        if filtered:
-            scaled = _filter_top_k_top_p(scaled, s.top_k, s.top_p)
+    biased = logits.at[jnp.arange(num_rows)[:, None], s.bias_ids].add(s.bias_values)
+    greedy_tokens = jnp.argmax(biased, axis=-1).astype(jnp.int32)
+    sampled = s.temperature > 0
+
+    def draw(x):
+        temp = jnp.where(sampled, s.temperature, 1.0)[:, None]
+        scaled = x / temp
+        filtered = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
+        scaled = jax.lax.cond(jnp.any(filtered), lambda y: _filter_top_k_top_p(y, s.top_k, s.top_p),
+                              lambda y: y, scaled)
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(
             s.seeds.astype(jnp.uint32), s.counters
         )
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-        tokens = jnp.where(s.temperature > 0, drawn, greedy_tokens)
+        return jnp.where(sampled, drawn, greedy_tokens)
+
+    tokens = jax.lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, biased)
     token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-    if num_logprobs:
-        top_lp, top_ids = jax.lax.top_k(logp, num_logprobs)
-        return tokens, token_logp, top_lp, top_ids.astype(jnp.int32)
-    return tokens, token_logp, None, None
+
+    def top(x):
+        lp, ids = jax.lax.top_k(x, MAX_LOGPROBS)
+        return lp, ids.astype(jnp.int32)
+
+    def no_top(x):
+        return jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32)
+
+    top_lp, top_ids = jax.lax.cond(jnp.any(s.want_logprobs > 0), top, no_top, logp)
+    return tokens, token_logp, top_lp, top_ids
 
 
 def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"]) -> Array:

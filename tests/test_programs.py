@@ -1,0 +1,132 @@
+"""Compiled programs: every step program is built at start-up and nothing compiles afterwards, a sealed
+runner runs a missing bucket in a larger compiled one, and the sampling settings (greedy, sampled, top-k /
+top-p, log-probabilities, logit bias) are runtime arrays of those programs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jhybrid import LLM, SamplingParams
+from jhybrid.checkpoint import load_model
+from jhybrid.engine.compilation import CompileWatch
+from jhybrid.engine.generate import LoadedModel
+from tests.hf_models import make_qwen3_5
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+# a small pool (preemption and re-prefill), a small token budget (chunked prefill), 4 rows
+ENGINE = dict(dtype=None, max_num_seqs=4, max_model_len=320, num_kv_blocks=30, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("q35")
+    make_qwen3_5(path, seed=5, max_position_embeddings=512)
+    cfg, params = load_model(path)
+    return LoadedModel(cfg=cfg, params=params)
+
+
+def mixed_workload(seed: int, n: int = 10, vocab: int = 128):
+    """Random prompt and output lengths; greedy, sampled, filtered, log-probability and biased requests."""
+    rng = np.random.default_rng(seed)
+    work = []
+    for i in range(n):
+        prompt = rng.integers(0, vocab, size=int(rng.integers(1, 250))).tolist()
+        kind = i % 5
+        kw = dict(max_tokens=int(rng.integers(1, 12)), ignore_eos=True)
+        if kind == 0:
+            kw.update(temperature=0.0)
+        elif kind == 1:
+            kw.update(temperature=0.9, seed=i)
+        elif kind == 2:
+            kw.update(temperature=1.1, top_k=7, top_p=0.8, seed=i)
+        elif kind == 3:
+            kw.update(temperature=0.0, logprobs=3)
+        else:
+            kw.update(temperature=0.7, seed=i, logit_bias={int(t): 3.0 for t in rng.integers(0, vocab, 5)})
+        work.append((prompt, SamplingParams(**kw)))
+    return work
+
+
+def run(llm: LLM, work, abort_at: dict[int, int]) -> dict[str, list[int]]:
+    """Runs `work` through the engine, aborting request i at step `abort_at[i]`; returns the tokens of each."""
+    eng = llm.engine
+    seqs = {f"r{i}": eng.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(work)}
+    step = 0
+    while eng.has_unfinished():
+        for i, at in abort_at.items():
+            if at == step:
+                eng.abort(f"r{i}")
+        eng.step()
+        step += 1
+    for rid in seqs:
+        eng.release(rid)
+    assert eng.blocks.num_used == 0 and eng.slots.num_used == 0
+    return {rid: (s.finish_reason, s.output_ids) for rid, s in seqs.items()}
+
+
+def test_after_warmup_a_random_mixed_workload_compiles_nothing(model):
+    """`warmup=True` compiles every step program (and the slot programs) at start; then a random workload —
+    prompt and output lengths, greedy and sampled requests, top-k / top-p, log-probabilities, logit bias,
+    aborts, preemptions — compiles nothing: JAX's own compile event never fires (this counts every XLA
+    compilation in the process, whatever function caused it). Its tokens equal those of an engine that
+    compiled on demand. Checked to fail: with `warmup=False` the watch counts the workload's compiles."""
+    warm = LLM(model, **ENGINE, warmup=True)
+    stats = warm.engine.stats()
+    grid = warm.engine.runner.program_grid(4, 64)
+    assert grid == [(False, 64, 4), (True, 4, 4)]  # one decode bucket, one mixed bucket: sampling is not a program
+    assert stats["startup_programs_compiled"] >= len(grid)
+    work = mixed_workload(seed=1)
+    aborts = {2: 3, 7: 9}
+    with CompileWatch() as watch:
+        got = run(warm, work, aborts)
+        assert warm.engine.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    assert watch.count == 0, f"{watch.count} programs compiled after warm-up"
+    assert warm.engine.stats()["programs_compiled_after_ready"] == 0
+    cold = LLM(model, **ENGINE)
+    assert got == run(cold, work, aborts)
+
+
+def test_sealed_runner_runs_a_missing_bucket_in_a_larger_one(model):
+    """With only the largest decode and mixed buckets compiled and the runner sealed, every step runs in those
+    (padding rows and tokens) without compiling, and gives the tokens of exact buckets. Checked to fail:
+    without `seal()` the smaller buckets compile (the watch counts them)."""
+    engine = dict(ENGINE, max_num_seqs=8, max_num_batched_tokens=256)
+    big = LLM(model, **engine)
+    runner = big.engine.runner
+    assert runner.max_rows == 8 and runner.max_tokens_bucket == 256
+    runner.compile_all([(True, 8, 8), (False, 256, 8)], threads=2)
+    runner.warm_slot_programs()
+    runner.seal()
+    work = [(p, SamplingParams(max_tokens=sp.max_tokens, **GREEDY)) for p, sp in mixed_workload(seed=2, n=5)]
+    with CompileWatch() as watch:
+        got = run(big, work, {})
+    assert watch.count == 0
+    assert runner.compiled_shapes <= {((8, 8, runner.max_blocks), True, None), ((256, 8, runner.max_blocks), False, None)}
+    exact = LLM(model, **engine)
+    assert got == run(exact, work, {})
+    assert any(layout[0] < 256 for layout, *_ in exact.engine.runner.compiled_shapes)  # it did use smaller ones
+
+
+def test_logit_bias_moves_the_choice_and_not_the_logprobs(model):
+    """A +bias that lifts the runner-up above the top token makes greedy pick it; -100 on the top token does
+    too; the reported log-probabilities stay the model's (unbiased). The expectations come from the
+    unbiased run's own top-2 log-probabilities, not from the biased code path. Checked to fail: with the
+    bias not added in `sample`, the first assertion fails."""
+    llm = LLM(model, **dict(ENGINE, num_kv_blocks=None))
+    prompt = list(range(3, 40))
+    (base,) = llm.generate([prompt], SamplingParams(max_tokens=1, logprobs=2, **GREEDY))
+    (first, second), (lp1, lp2) = list(base.logprobs[0]), list(base.logprobs[0].values())
+    assert base.token_ids == [first]
+    lift = SamplingParams(max_tokens=1, logprobs=2, logit_bias={second: (lp1 - lp2) + 0.5}, **GREEDY)
+    (lifted,) = llm.generate([prompt], lift)
+    assert lifted.token_ids == [second]
+    np.testing.assert_allclose(list(lifted.logprobs[0].values()), [lp1, lp2], rtol=1e-5)
+    (banned,) = llm.generate([prompt], SamplingParams(max_tokens=1, logit_bias={first: -100.0}, **GREEDY))
+    assert banned.token_ids == [second]
+    # a biased request next to unbiased ones, in one step, and the slot's bias does not leak to the next user
+    outs = llm.generate([prompt, prompt], [SamplingParams(max_tokens=1, logit_bias={first: -100.0}, **GREEDY),
+                                           SamplingParams(max_tokens=1, **GREEDY)])
+    assert [o.token_ids for o in outs] == [[second], [first]]
+    (after,) = llm.generate([prompt], SamplingParams(max_tokens=1, **GREEDY))
+    assert after.token_ids == [first]
