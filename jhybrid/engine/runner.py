@@ -176,6 +176,7 @@ class ModelRunner:
         self.cfg, self.params, self.cache = cfg, params, cache
         self.state = init_state(cfg, cache) if self.mesh is None else parallel.init_sharded_state(cfg, cache, self.mesh)
         self.max_blocks = -(-max_model_len // cache.block_size)
+        self.max_model_len = max_model_len
         self.max_rows = _pow2(max_num_seqs, MIN_ROWS)
         self.max_tokens_bucket = _pow2(max(max_num_batched_tokens, self.max_rows + 1), MIN_MIXED_TOKENS)
         self.seed = seed
@@ -382,7 +383,9 @@ class ModelRunner:
         """Every (decode, num_tokens, num_rows) bucket `execute` can meet with these limits (no host-KV rows)."""
         grid = {self.buckets(True, n, n)[::-1] for n in range(1, max_num_seqs + 1)}
         grid = {(True, t, r) for t, r in grid}
-        for t in range(2, max_num_batched_tokens + 1):  # a mixed step has a row of two or more tokens
+        # a mixed step has a row of two or more tokens, and each row fewer than max_model_len
+        most = min(max_num_batched_tokens, max_num_seqs * (self.max_model_len - 1))
+        for t in range(2, most + 1):
             rows, tokens = self.buckets(False, 1, t)
             grid.add((False, tokens, rows))
         return sorted(grid)
@@ -451,9 +454,12 @@ class ModelRunner:
 
         decode, num_tokens, num_rows = key
         bs = self.cache.block_size
-        num_real = num_rows if decode else 1
-        tokens = num_rows if decode else max(2, num_tokens)
-        sizes = [1] * num_real if decode else [tokens]
+        if decode:
+            sizes = [1] * num_rows
+        else:  # as many tokens as the bucket holds, in rows that each fit a sequence
+            num_real = min(num_rows, -(-num_tokens // (self.max_model_len - 1)))
+            tokens = max(2, min(num_tokens, num_real * (self.max_model_len - 1)))
+            sizes = [tokens // num_real + (i < tokens % num_real) for i in range(num_real)]
         rows = []
         for i, k in enumerate(sizes):
             length = k + 1 if decode else k  # decode: one known token before the fed one

@@ -9,7 +9,9 @@ it returns logits and the new state pytree. Which layer is which comes from `cfg
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
@@ -59,7 +61,7 @@ def forward(
     """
     if not is_packed(params):
         raise ValueError("forward runs on packed parameters: call jhybrid.models.params.pack_params(params) once")
-    kernels = dict(impl=kernel_impl, interpret=interpret, mesh=mesh)
+    kernels = (("impl", kernel_impl), ("interpret", interpret), ("mesh", mesh))
     shards = num_shards(mesh)
     x = embed(cfg, params, batch)  # [T, D]
     inv_freq = rope_inv_freq(cfg) if cfg.num_full_layers else None
@@ -67,28 +69,45 @@ def forward(
     conv, ssm = list(state.conv), list(state.ssm)
     i_full = i_lin = 0
     for i, (kind, mlp_kind, p) in enumerate(zip(cfg.layer_kinds, cfg.mlp_kinds, params["layers"])):
-        if kind != "none":
-            normed = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
-            if kind == "full_attention":
-                h, k_pages[i_full], v_pages[i_full] = attention_layer(
-                    cfg, p["attn"], normed, k_pages[i_full], v_pages[i_full], batch, inv_freq, decode, kernels,
-                    host=None if host_attention is None else host_attention.layer(i_full),
-                )
-                i_full += 1
-                alpha, beta = cfg.full_attn_alpha, cfg.full_attn_beta
-            else:
-                h, conv[i_lin], ssm[i_lin] = _linear_mixer(
-                    cfg, kind, p, normed, conv[i_lin], ssm[i_lin], batch, i, decode, kernels
-                )
-                i_lin += 1
-                alpha, beta = cfg.linear_attn_alpha, cfg.linear_attn_beta
-            x = _residual(normed if cfg.residual_from_norm else x, h, alpha, beta)
-        x = mlp_block(cfg, mlp_kind, p, x, shards)
+        if kind == "full_attention":
+            host = None if host_attention is None else host_attention.layer(i_full)
+            run = _layer if host is None else _layer.__wrapped__  # offloaded attention: traced per layer
+            x, (k_pages[i_full], v_pages[i_full]) = run(
+                cfg, kind, mlp_kind, None, p, x, (k_pages[i_full], v_pages[i_full]), batch, inv_freq,
+                decode, kernels, shards, host)
+            i_full += 1
+        elif kind != "none":
+            # the slope of a lightning layer depends on its index; other kinds trace once for all layers
+            index = i if kind == "lightning_attention" else None
+            x, (conv[i_lin], ssm[i_lin]) = _layer(cfg, kind, mlp_kind, index, p, x, (conv[i_lin], ssm[i_lin]),
+                                                  batch, inv_freq, decode, kernels, shards)
+            i_lin += 1
+        else:
+            x = mlp_block(cfg, mlp_kind, p, x, shards)
     if not all_logits:
         x = x[batch.logits_index]  # [B, D]
     logits = lm_head(cfg, params, x)
     new_state = dataclasses.replace(state, k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
     return logits, new_state
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 9, 10, 11, 12))
+def _layer(cfg: ModelConfig, kind: str, mlp_kind: str, index: int | None, p: dict, x: Float[Array, "T D"],
+           cache: tuple[Array, Array], batch: Batch, inv_freq, decode: bool, kernels: tuple, shards: int,
+           host=None) -> tuple[Float[Array, "T D"], tuple[Array, Array]]:
+    """One layer: norm, mixer (its cache: KV pages `(k, v)` for full attention, `(conv, ssm)` slots for the
+    linear kinds), residual, then the MLP block. Jitted (XLA inlines it into the step), so the model's
+    repeated layers are traced and lowered once per (kind, shapes) rather than once per layer."""
+    kernels = dict(kernels)
+    normed = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
+    if kind == "full_attention":
+        h, k, v = attention_layer(cfg, p["attn"], normed, *cache, batch, inv_freq, decode, kernels, host=host)
+        cache, alpha, beta = (k, v), cfg.full_attn_alpha, cfg.full_attn_beta
+    else:
+        h, conv, ssm = _linear_mixer(cfg, kind, p, normed, *cache, batch, index, decode, kernels)
+        cache, alpha, beta = (conv, ssm), cfg.linear_attn_alpha, cfg.linear_attn_beta
+    x = _residual(normed if cfg.residual_from_norm else x, h, alpha, beta)
+    return mlp_block(cfg, mlp_kind, p, x, shards), cache
 
 
 def embed(cfg: ModelConfig, params: dict, batch: Batch) -> Float[Array, "T D"]:
