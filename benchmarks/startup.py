@@ -9,7 +9,7 @@ Each configuration runs in a fresh process (`--child`): the first with an empty 
 as `benchmarks.serve_gpu` serves). Reported per run: programs compiled or loaded (JAX's compile event),
 step programs, seconds of tracing, seconds of the whole warm-up, and, once, the engine's batch-64 decode
 step after warm-up (64 prompts of 300 tokens, 64 new tokens, greedy, EOS ignored) with a check that no
-program compiled after warm-up.
+program compiled after warm-up, and the time of one step of each program (dummy rows on the null slot).
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ def child(args) -> dict:
     res = dict(threads=args.threads, programs=st["startup_programs_compiled"], step_programs=step_programs,
                lower_s=eng.runner.lower_seconds, warmup_s=warm_s)
     if args.decode:
+        program_ms = {}
+        for key in eng.runner.program_grid(args.max_num_seqs, eng.scheduler.max_num_batched_tokens):
+            times = []
+            for _ in range(5):
+                t1 = time.perf_counter()
+                eng.runner.warm(key)
+                times.append(time.perf_counter() - t1)
+            program_ms["%s t%d r%d" % ("decode" if key[0] else "mixed", key[1], key[2])] = float(np.median(times)) * 1e3
+        res["program_ms"] = program_ms
         rng = np.random.default_rng(0)
         sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         for rep in range(2):
@@ -112,6 +121,9 @@ def main(argv=None):
         step = f"{r['decode_step_ms_b64']:.2f}" if "decode_step_ms_b64" in r else "-"
         print(f"{r['threads']:>7} {r['phase']:>7} {r['programs']:>8} {r['lower_s']:>8.1f} {r['warmup_s']:>9.1f} "
               f"{r['process_s']:>9.1f} {step:>11}")
+    for r in rows:
+        for name, ms in r.get("program_ms", {}).items():
+            print(f"  step program {name:>22}: {ms:7.2f} ms (one step, dummy rows, host work and fetch included)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": rows}, f, indent=2)

@@ -206,3 +206,22 @@ def test_swap_preemption_resumes_without_refeeding():
     for s in seqs:  # the prompt and every output but the last, once (a row after the stop may feed one more)
         assert len(s.token_ids) - 1 <= fed[s.seq_id] <= len(s.token_ids), (s, fed[s.seq_id])
     assert host.blocks.num_used == host.slots.num_used == 0
+
+
+def test_prefill_beside_decodes_is_capped():
+    """With `max_prefill_tokens_with_decodes`, the prefill rows of a step that has decode rows take at most that
+    many tokens, decode rows first; a step without decode rows gives a prompt the whole budget. Checked to
+    fail: without the cap the second step feeds 255 prompt tokens."""
+    blocks, slots = BlockAllocator(200, 16), SlotAllocator(9)
+    sched = Scheduler(blocks, slots, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
+                      max_prefill_tokens_with_decodes=64)
+    short = Sequence("short", [1, 2, 3], SamplingParams(max_tokens=4))
+    long = Sequence("long", list(range(1000)), SamplingParams(max_tokens=4))
+    sched.add(short)
+    sched.add(long)
+    first = sched.schedule()  # no decode rows yet: the whole budget
+    assert [(r.seq, r.num_tokens) for r in first.rows] == [(short, 3), (long, 253)]
+    short.num_pending -= 1  # its sampled token reaches the host: one token to feed
+    short.token_ids.append(7)
+    second = sched.schedule()
+    assert [(r.seq, r.num_tokens) for r in second.rows] == [(short, 1), (long, 64)]

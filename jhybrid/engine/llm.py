@@ -67,6 +67,11 @@ class LLM:
       offload_policy: "cost" (default): offload only where the cost model prices the rest of the sequence's
         host attention below the preemption it avoids; "always": whenever a running sequence would
         otherwise be preempted (on the H200 that ran 13x slower than recomputing, benchmarks/RESULTS.md).
+      max_prefill_tokens_with_decodes: prefill tokens a step that carries decode rows may take beside them
+        (default None: up to `max_num_batched_tokens`). Smaller keeps running requests' inter-token latency
+        lower while prompts arrive, at a price: on the H200 a mixed step costs about 10 ms however few its
+        prefill tokens, so a cap of 256 cut throughput at 64 streams from 8.2k to 3.0k tokens/s
+        (benchmarks/RESULTS.md).
       warmup: compile every step program the scheduler can produce at start, on several threads
         (`LLMEngine.warmup`; sampling settings are runtime arrays, so this is the whole set), instead of the
         first time each is needed; then no step compiles.
@@ -79,7 +84,8 @@ class LLM:
                  host_kv_memory_gb: float = 0.0, preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None,
                  prefill_tokens_per_s: float | None = None, swap_transfer: str = "pageable", kv_offload: str = "off",
                  offload_overlap: bool = True, offload_threads: int | None = None, offload_admission: bool = False,
-                 offload_policy: str = "cost", warmup: bool = False):
+                 offload_policy: str = "cost", max_prefill_tokens_with_decodes: int | None = None,
+                 warmup: bool = False):
         from jhybrid.engine.generate import load
 
         self.model = load(model, dtype, host=tensor_parallel_size > 1)
@@ -91,7 +97,8 @@ class LLM:
                                 swap_bandwidth_gbps=swap_bandwidth_gbps, prefill_tokens_per_s=prefill_tokens_per_s,
                                 swap_transfer=swap_transfer, kv_offload=kv_offload, offload_overlap=offload_overlap,
                                 offload_threads=offload_threads, offload_admission=offload_admission,
-                                offload_policy=offload_policy, warmup=warmup)
+                                offload_policy=offload_policy,
+                                max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes, warmup=warmup)
         self._ids = itertools.count()
 
     @property

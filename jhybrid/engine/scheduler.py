@@ -1,9 +1,12 @@
 """Which sequences run this step and how many tokens each (host only, no JAX).
 
 Continuous batching in the vLLM V1 style: one step is a ragged batch mixing decode rows (one token) and
-prefill chunks. Running sequences go first, in arrival order; each takes the tokens it still has to feed
-(its remaining prompt, or the one pending token) up to the step's token budget. When a sequence needs a
-block and none is free, the most recently admitted running sequence is preempted: its blocks and slot are
+prefill chunks. Running sequences go first: those decoding (one pending token to feed), then those still
+prefilling, each group in arrival order; each takes the tokens it still has to feed up to the step's token
+budget, `max_num_batched_tokens`; once the step has decode rows, its prefill rows together take at most
+`max_prefill_tokens_with_decodes` tokens, so prompts are fed in chunks beside running decodes instead of
+stalling every running request for one long step (inter-token latency against time to first token). When a sequence needs a block and none
+is free, the newest running sequence not yet scheduled this step is preempted: its blocks and slot are
 freed and it re-enters the waiting queue at the front. It is either *recomputed* (it keeps its generated
 tokens as part of what it will re-prefill) or, with a host tier, *swapped*: its KV and state move to host
 memory (a `SwapOp` in `swap_out`, which the engine executes before the step) and come back into new
@@ -111,9 +114,12 @@ class Scheduler:
         kv_offload: str = "off",
         offload_admission: bool = False,
         offload_policy: str = "cost",
+        max_prefill_tokens_with_decodes: int | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"need {max_num_seqs=} >= 1 and {max_num_batched_tokens=} >= 1")
+        if max_prefill_tokens_with_decodes is not None and max_prefill_tokens_with_decodes < 1:
+            raise ValueError(f"need {max_prefill_tokens_with_decodes=} >= 1 (or None: no limit)")
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"unknown {preemption_mode=}; choose one of {PREEMPTION_MODES}")
         if preemption_mode != "recompute" and host is None:
@@ -141,6 +147,8 @@ class Scheduler:
         self.blocks, self.slots = blocks, slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # prefill tokens a step that carries decode rows may take beside them (chunks are cut to fit)
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -212,6 +220,19 @@ class Scheduler:
             return None
         return self.host.reserve(n)
 
+    def _victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
+        """The newest running sequence other than `seq` that this step has not scheduled yet."""
+        for other in reversed(self.running):
+            if other is not seq and other.seq_id not in scheduled:
+                return other
+        return None
+
+    def _decode_budget_left(self, rows: list[ScheduledRow]) -> int:
+        """Prefill tokens a step that carries decode rows may still take: `max_prefill_tokens_with_decodes`
+        beside its decode rows, so that such a step stays near a decode step's length."""
+        prefill = sum(r.num_tokens for r in rows if r.num_tokens > 1)
+        return max(self.max_prefill_tokens_with_decodes - prefill, 0)
+
     def _grow(self, seq: Sequence, upto: int) -> bool:
         """Gives `seq` blocks for positions < upto; False when none are left."""
         need = self.blocks.blocks_needed(upto) - _num_blocks(seq)
@@ -230,25 +251,29 @@ class Scheduler:
         new_slots: list[int] = []
         swap_out: list[SwapOp] = []
         swap_in: list[SwapOp] = []
+        scheduled: set[int] = set()
         self._commit_offloads()
-        # 1. running sequences, oldest first; preempt the newest when blocks run out
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
-            if n <= 0:  # everything fed; its token is pending on the device
-                i += 1
+        # 1. running sequences: decoding ones (one token to feed) first, then those still prefilling, each group
+        # in arrival order; when blocks run out, preempt the newest running sequence not scheduled yet
+        decoding = [s for s in self.running if s.num_uncomputed == 1]
+        prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in decoding + prefilling:
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            while not self._grow(seq, seq.num_computed + n) and self.running[-1] is not seq:
-                victim = self.running[-1]  # newest; not scheduled yet this step (we go oldest first)
+            n = min(seq.num_uncomputed, budget)
+            while not self._grow(seq, seq.num_computed + n) and (victim := self._victim(seq, scheduled)) is not None:
                 self._preempt(victim, swap_out)
                 preempted.append(victim)
             if self.blocks.blocks_needed(seq.num_computed + n) <= _num_blocks(seq):
                 rows.append(ScheduledRow(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
+                scheduled.add(seq.seq_id)
                 budget -= n
-                i += 1
+                if seq.num_uncomputed == 1 and n == 1:  # a decode row: the rest of the step's budget shrinks
+                    budget = min(budget, self._decode_budget_left(rows))
             elif rows or len(self.running) > 1:
-                self._preempt(seq, swap_out)  # the newest itself; the others keep running
+                self._preempt(seq, swap_out)  # the newest unscheduled itself; the others keep running
                 preempted.append(seq)
             else:  # the engine sizes the pool for one max_model_len sequence, so this cannot happen
                 raise AssertionError(f"{seq} does not fit in the KV pool alone")
