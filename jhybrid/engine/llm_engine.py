@@ -181,14 +181,14 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests and not self.requests[request_id].is_finished:
             raise ValueError(f"request id {request_id!r} is already running")
-        ids, error = self._encode(prompt)
+        ids, error = self._encode(prompt)  # a tokenizer that raises leaves nothing registered
         seq = Sequence(request_id, ids, params, arrival=self._arrivals)
-        self._arrivals += 1
-        self.requests[request_id] = seq
         if self.tokenizer is not None:
             from jhybrid.tokenizer import IncrementalDetokenizer
 
             seq.detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
+        self._arrivals += 1
+        self.requests[request_id] = seq
         if error:
             self.scheduler.finish(seq, "error", error)
         else:
@@ -317,3 +317,156 @@ class LLMEngine:
         seq = self.requests.get(request_id)
         if seq is not None and seq.is_finished:
             del self.requests[request_id]
+
+    # ----------------------------------------------------------------- failed steps
+    # `safe_step()` confines an exception raised by a step to the request behind it. The step's work is dropped
+    # and every unfinished sequence goes back to waiting, to be recomputed from its tokens (its blocks and slot
+    # are freed); a request's samples depend on its seed and position only, so the tokens come out as before.
+    # With one sequence in the failed step, that sequence fails. With several, each runs alone (max_num_seqs
+    # 1) until it is past the point where the step failed, and the one that fails alone is the cause.
+    MAX_FAILED_STEPS_IN_A_ROW = 8  # then the engine itself is broken (EngineFailure): the process should restart
+    MAX_STRIKES = 4  # failed steps one sequence may take part in before it is failed as their cause (a backstop
+    # for failures that need two requests together: each passes alone, and they would meet again forever)
+    _failed_steps_in_a_row = 0
+    _strikes: dict | None = None  # seq_id -> (seq, failed steps it took part in)
+    _suspects: dict | None = None  # seq_id -> (seq, tokens it had when the step failed); None: not isolating
+    _saved_max_num_seqs: int | None = None
+
+    def safe_step(self) -> tuple[list[Sequence], list[Sequence]]:
+        """`step()` that survives a failing request: returns (sequences updated, sequences failed by this call,
+        finished with finish_reason "error"). After a failed step "updated" holds every sequence the step touched
+        (some may have got tokens or finished before it failed). Raises EngineFailure when the engine cannot go
+        on: steps failed `MAX_FAILED_STEPS_IN_A_ROW` times in a row, or the device state did not survive."""
+        updated: list[Sequence] = []
+        try:
+            updated = self.step()
+            self._failed_steps_in_a_row = 0
+            if self._suspects is not None:
+                updated += self._advance_isolation()
+        except Exception as e:  # noqa: BLE001 - whatever one step raised is confined here
+            touched, failed = self._recover(e)
+            return updated + [s for s in touched if s not in updated], failed
+        return updated, []
+
+    def fail_requests(self, request_ids, error: str) -> list[Sequence]:
+        """Ends the given unfinished requests with finish_reason "error" (their blocks and slots are freed)."""
+        failed = []
+        for request_id in request_ids:
+            seq = self.requests.get(request_id)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "error", error)
+                failed.append(seq)
+        return failed
+
+    def _recover(self, error: Exception) -> tuple[list[Sequence], list[Sequence]]:
+        sched = self.scheduler
+        touched = list(sched.running)
+        if self._prev is not None:  # the step being read
+            touched += [r.seq for r in self._prev.sched.rows if r.seq not in touched]
+        suspects = [s for s in touched if not s.is_finished]
+        if not suspects and sched.waiting:  # schedule() failed on the sequence it was admitting
+            suspects = [sched.waiting[0]]
+        self._failed_steps_in_a_row += 1
+        log.error("engine step failed (%d in a row) with %d sequences in it (%s): %r", self._failed_steps_in_a_row,
+                  len(suspects), ", ".join(repr(s.request_id) for s in suspects[:8]), error, exc_info=error)
+        if self._failed_steps_in_a_row >= self.MAX_FAILED_STEPS_IN_A_ROW:
+            raise EngineFailure(f"{self._failed_steps_in_a_row} engine steps failed in a row, the last with "
+                                f"{error!r}") from error
+        reached = {s.seq_id: s.num_tokens for s in suspects}  # tokens it had, sampled or in flight
+        self._requeue_all()
+        strikes = self._strikes = {k: v for k, v in (self._strikes or {}).items() if not v[0].is_finished}
+        for seq in suspects:
+            strikes[seq.seq_id] = (seq, strikes.get(seq.seq_id, (seq, 0))[1] + 1)
+        message = f"the engine failed while running this request: {type(error).__name__}: {error}"
+        culprits = [s for s in suspects if len(suspects) == 1 or strikes[s.seq_id][1] >= self.MAX_STRIKES]
+        for seq in culprits:
+            sched.finish(seq, "error", message)
+            strikes.pop(seq.seq_id, None)
+            if self._suspects is not None:
+                self._suspects.pop(seq.seq_id, None)
+        rest = [s for s in suspects if s not in culprits]
+        if rest:
+            self._isolate({s.seq_id: (s, reached[s.seq_id]) for s in rest})
+        elif self._suspects is not None:
+            self._isolate({})
+        return touched, culprits
+
+    def _requeue_all(self) -> None:
+        """Drops the device work in flight; every unfinished sequence goes back to waiting (running ones first,
+        in order) with nothing computed; raises EngineFailure when the device state is gone."""
+        from jhybrid.engine.sequence import Status
+
+        sched = self.scheduler
+        self._prev = None
+        seqs = [s for s in [*sched.running, *sched.waiting] if not s.is_finished]
+        sched.running.clear()
+        sched.waiting.clear()
+        for seq in seqs:
+            if seq.num_computed or seq.block_table or seq.slot or seq.host_blocks:
+                seq.num_preemptions += 1  # the runner keys its cached block table on this: the blocks change
+            sched._release(seq)
+            seq.num_computed = seq.num_pending = 0
+            seq.status = Status.WAITING
+        sched.waiting.extend(seqs)
+        try:
+            for part in (self.swapper, self.offloader):
+                if part is not None:
+                    part.flush()  # released host entries are skipped
+            import jax
+
+            jax.block_until_ready(self.runner.state)
+        except Exception as e:  # noqa: BLE001
+            raise EngineFailure(f"the engine's device state did not survive a failed step: {e!r}") from e
+
+    def _isolate(self, suspects: dict) -> None:
+        """Runs `suspects` (and those still under suspicion) one at a time, before anything else."""
+        sched = self.scheduler
+        if self._suspects is None:
+            self._suspects, self._saved_max_num_seqs = {}, sched.max_num_seqs
+        self._suspects.update(suspects)
+        if not self._suspects:
+            return self._end_isolation()
+        sched.max_num_seqs = 1
+        first = [s for s in sched.waiting if s.seq_id in self._suspects]
+        others = [s for s in sched.waiting if s.seq_id not in self._suspects]
+        sched.waiting.clear()
+        sched.waiting.extend(first + others)
+
+    def _advance_isolation(self) -> list[Sequence]:
+        """After a good step: a suspect that got past its failure point (or finished) is cleared; a cleared one
+        that still runs is preempted (recompute), its step in flight read now, so that the next suspect runs
+        alone. Returns the sequences that read updated."""
+        from jhybrid.engine.sequence import Status
+
+        sched = self.scheduler
+        parked = False
+        for seq_id, (seq, reached) in list(self._suspects.items()):
+            if not seq.is_finished and len(seq.token_ids) <= reached:
+                continue
+            del self._suspects[seq_id]
+            if self._suspects and seq in sched.running:
+                sched.running.remove(seq)
+                sched._release(seq)
+                seq.num_computed, seq.status = 0, Status.WAITING
+                seq.num_preemptions += 1
+                at = sum(1 for s in sched.waiting if s.seq_id in self._suspects)
+                sched.waiting.insert(at, seq)
+                parked = True
+        if not self._suspects:
+            self._end_isolation()
+        if not parked or self._prev is None:
+            return []
+        prev, self._prev = self._prev, None
+        updated = self._read(prev)  # a failure of the next step then cannot be blamed on the parked sequence
+        for part in (self.swapper, self.offloader):
+            if part is not None:
+                part.flush()
+        return updated
+
+    def _end_isolation(self) -> None:
+        self.scheduler.max_num_seqs = self._saved_max_num_seqs
+        self._suspects = self._saved_max_num_seqs = None
+
+
+class EngineFailure(RuntimeError):
+    """The engine cannot go on (its device state is gone, or its steps keep failing): restart the process."""
