@@ -78,6 +78,24 @@ def _parser() -> argparse.ArgumentParser:
                      help="a jinja chat template (file or text) instead of the checkpoint's")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="largest request body (default 1 MiB)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    lim = srv.add_argument_group("limits and robustness")
+    lim.add_argument("--max-seqs-per-request", type=int, default=128, metavar="N",
+                     help="sequences one request may create, prompts x best_of (default 128, OpenAI's limit on n); "
+                     "beyond it: 400")
+    lim.add_argument("--max-waiting-requests", type=int, default=1024, metavar="N",
+                     help="sequences waiting to run, queued included (default 1024); beyond it: 503 with Retry-After")
+    lim.add_argument("--max-queued-tokens", type=int, default=1 << 20, metavar="N",
+                     help="prompt tokens waiting to be prefilled (default 1048576); beyond it: 503 with Retry-After")
+    lim.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                     help="on SIGTERM / SIGINT, seconds open requests have to finish before they are aborted "
+                     "(each stream then ends with finish_reason \"abort\" and [DONE]); default 30")
+    lim.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                     help="seconds for a request's headers to arrive (default 10); then 408 and the connection closes")
+    lim.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                     help="seconds for a request's body to arrive (default 30); then 408")
+    lim.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                     help="comma-separated origins whose web pages may call the API (CORS), or '*' for any; "
+                     "default: none (CORS off)")
     _engine_options(srv)
     _parallel_options(srv, multi_process=False)
     srv.set_defaults(func=_serve)
@@ -225,8 +243,15 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65536), got {args.port}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be positive, got {args.max_body_bytes}")
+    for name in ("max_seqs_per_request", "max_waiting_requests", "max_queued_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("shutdown_timeout", "header_timeout", "body_timeout"):
+        if not getattr(args, name) >= 0 or (name != "shutdown_timeout" and not getattr(args, name) > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
+    origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    serve(
+    status = serve(
         args.model, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("JHYBRID_API_KEY") or None,
         served_model_name=args.served_model_name, chat_template=args.chat_template, max_body_bytes=args.max_body_bytes,
         log_level=args.log_level, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -234,9 +259,12 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, host_kv_memory_gb=args.host_kv_memory_gb,
         preemption_mode=args.preemption_mode, swap_transfer=args.swap_transfer, kv_offload=args.kv_offload,
-        offload_policy=args.offload_policy, warmup=args.warmup,
+        offload_policy=args.offload_policy, warmup=args.warmup, max_seqs_per_request=args.max_seqs_per_request,
+        max_waiting_requests=args.max_waiting_requests, max_queued_tokens=args.max_queued_tokens,
+        shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+        allowed_origins=origins,
     )
-    return 0
+    return status or 0  # 1 when the engine could not continue
 
 
 def main(argv: Sequence[str] | None = None) -> int:

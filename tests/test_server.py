@@ -215,7 +215,8 @@ def test_bad_input_matrix(servers):
             assert words in err["message"], f"{label}: {err['message']!r} lacks {words!r}"
             _ok_completion(client, main_url)
         # a body that lies about its size: no Content-Length, streamed in chunks past the limit
-        r = client.post(main_url + "/v1/completions", content=iter([b'{"prompt": "', b"y" * (1 << 20), b"y" * 1024, b'"}']))
+        r = client.post(main_url + "/v1/completions", content=iter([b'{"prompt": "', b"y" * (1 << 20), b"y" * 1024, b'"}']),
+                        headers={"content-type": "application/json"})
         assert r.status_code == 413, r.text[:200]
         # no chat template -> 400 naming the problem; completions still work there
         r = client.post(url["plain"] + "/v1/chat/completions", json=chat)

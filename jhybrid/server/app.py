@@ -4,16 +4,22 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both stream with `"stre
 GET /health, GET /metrics, GET /version. Every /v1 route checks the API key when one is set.
 
 A request is checked in this order, each failure an OpenAI-style error that touches nothing else:
-API key (401) -> body size (413) -> JSON and field types / ranges (400, naming the field) -> model name
-(404) -> chat template present (400) -> prompt tokens: empty, out of vocabulary, longer than the context,
-or prompt + max_tokens beyond it (400). Only then does it reach the engine. Each choice (prompt x n) is one
-engine request; a client that disconnects aborts all of its requests.
+API key (401) -> `Content-Type: application/json` (415) -> body size (413) and read timeout (408) -> JSON
+and field types / ranges (400, naming the field; fields that would change the output and are not
+implemented, 400) -> model name (404) -> chat template present (400) -> prompt tokens: empty, out of
+vocabulary, longer than the context, or prompt + max_tokens beyond it (400) -> sequences per request
+(prompts x best_of, 400) -> the engine's waiting queue (503 with Retry-After when full or shutting down).
+Each candidate (prompt x best_of, best_of defaulting to n) is one engine request; with best_of > n the n
+candidates of highest cumulative log-probability are returned. A client that disconnects aborts all of its
+requests. An unexpected exception while handling a request answers 500 for that request alone.
+CORS is off unless `allowed_origins` names origins.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from typing import Any
@@ -25,12 +31,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jhybrid.engine import sampling
 from jhybrid.engine.sampling import SamplingParams
-from jhybrid.server.async_engine import AsyncEngine, EngineDeadError
+from jhybrid.server.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, EngineOverloadedError
 from jhybrid.server.chat_template import ChatTemplate, ChatTemplateError
 from jhybrid.server.http import (ClientDisconnected, EventStream, HTTPMetricsMiddleware, check_api_key, error_response,
-                                 read_body, sse, unless_disconnected)
+                                 read_body, require_json, sse, unless_disconnected)
 from jhybrid.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+
+log = logging.getLogger("jhybrid.server")
 
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version"})
 
@@ -44,12 +53,19 @@ class ServerConfig:
     chat_template: ChatTemplate | None = None
     max_body_bytes: int = 1 << 20
     default_completion_tokens: int = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+    max_seqs_per_request: int = 128  # engine requests one HTTP request may create (prompts x best_of); OpenAI's n <= 128
+    body_timeout: float | None = 30.0  # seconds for the whole request body to arrive (408 after)
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call the API ("*": any); none by default
 
     def __post_init__(self):
         if not self.model_names:
             raise ValueError("ServerConfig needs at least one model name")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes=}")
+        if self.max_seqs_per_request < 1:
+            raise ValueError(f"max_seqs_per_request must be positive, got {self.max_seqs_per_request=}")
+        if self.body_timeout is not None and not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be positive (or None), got {self.body_timeout=}")
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
@@ -62,6 +78,18 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="jhybrid", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(HTTPMetricsMiddleware, counter=engine.metrics.http, routes=ROUTES)
+    if config.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, e: Exception):  # this request fails; the server goes on
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(APIError(500, f"the server failed on this request: {type(e).__name__}: {e}",
+                                       code="internal_error"))
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return error_response(e)
@@ -81,10 +109,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def health():
         if not engine.is_alive:
             return error_response(APIError(503, f"the engine is not running: {engine.failure!r}"))
+        if not engine.accepting:
+            return error_response(APIError(503, "the server is shutting down", code="shutting_down"))
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
+        engine.refresh_gauges()
         return Response(engine.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
@@ -99,26 +130,29 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                   "max_model_len": engine.max_model_len} for name in config.model_names]
         return {"object": "list", "data": cards}
 
+    async def body_of(request: Request, model):
+        check_api_key(request, config.api_key)
+        require_json(request)
+        return _parse(model, await read_body(request, config.max_body_bytes, config.body_timeout))
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        check_api_key(request, config.api_key)
-        req = _parse(CompletionRequest, await read_body(request, config.max_body_bytes))
-        return await serving.completions(request, req)
+        return await serving.completions(request, await body_of(request, CompletionRequest))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        check_api_key(request, config.api_key)
-        req = _parse(ChatCompletionRequest, await read_body(request, config.max_body_bytes))
-        return await serving.chat(request, req)
+        return await serving.chat(request, await body_of(request, ChatCompletionRequest))
 
     return app
 
 
 def _parse(model, body: bytes):
     try:
-        return model.model_validate_json(body)
+        req = model.model_validate_json(body)
     except ValidationError as e:
         raise validation_error(e) from None
+    req.check_supported()
+    return req
 
 
 class _Choices:
@@ -127,13 +161,16 @@ class _Choices:
     def __init__(self, engine: AsyncEngine, base_id: str, prompts: list[list[int]], params: list[SamplingParams]):
         self.engine, self.sink = engine, asyncio.Queue()
         self.ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        self.open = set(range(len(prompts)))
+        self.open = set()
         try:
-            for i, (ids, p) in enumerate(zip(prompts, params)):
-                engine.submit(self.ids[i], ids, p, self.sink, tag=i)
+            engine.submit_batch([(self.ids[i], ids, p, i) for i, (ids, p) in enumerate(zip(prompts, params))], self.sink)
+        except EngineOverloadedError as e:
+            raise APIError(503, str(e), code="server_overloaded", headers={"Retry-After": str(e.retry_after)}) from None
+        except EngineDrainingError as e:
+            raise APIError(503, str(e), code="shutting_down", headers={"Retry-After": "5", "Connection": "close"}) from None
         except EngineDeadError as e:
-            self.close()
-            raise APIError(503, str(e)) from None
+            raise APIError(503, str(e), code="engine_dead") from None
+        self.open = set(range(len(prompts)))
 
     async def __aiter__(self):
         while self.open:
@@ -184,22 +221,48 @@ class _Serving:
                            code="context_length_exceeded")
         return requested
 
+    def _token_fields(self, req) -> tuple[dict[int, float] | None, tuple[int, ...]]:
+        """`logit_bias` with int keys and `stop_token_ids`, both checked against the vocabulary."""
+        vocab = self.engine.vocab_size
+        bias = {int(k): float(v) for k, v in req.logit_bias.items()} if req.logit_bias else None
+        if bias:
+            limit = getattr(sampling, "MAX_LOGIT_BIAS", 300)
+            if len(bias) > limit:
+                raise APIError(400, f"logit_bias: {len(bias)} entries; at most {limit} are supported",
+                               param="logit_bias", code="invalid_value")
+            if max(bias) >= vocab:
+                raise APIError(400, f"logit_bias: token id {max(bias)} is outside the vocabulary [0, {vocab})",
+                               param="logit_bias", code="invalid_value")
+        stop_ids = tuple(req.stop_token_ids or ())
+        if stop_ids and not all(0 <= t < vocab for t in stop_ids):
+            bad = next(t for t in stop_ids if not 0 <= t < vocab)
+            raise APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})",
+                           param="stop_token_ids", code="invalid_value")
+        return bias, stop_ids
+
     def _params(self, req, max_tokens: int, choice: int) -> SamplingParams:
+        bias, stop_ids = self._token_fields(req)
+        top_k = req.top_k or 0
+        extra = {"logit_bias": bias} if bias else {}
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if top_k >= self.engine.vocab_size else top_k, top_p=1.0 if req.top_p is None else req.top_p,
                 seed=None if req.seed is None else (req.seed + choice) % 2**32, stop=req.stop_list,
-                stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos,
-                skip_special_tokens=req.skip_special_tokens,
+                stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens, **extra,
             )
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
     def _encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if self.engine.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
-        return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        try:
+            return self.engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as e:  # noqa: BLE001 - fails this request only
+            log.exception("the tokenizer failed")
+            raise APIError(500, f"the tokenizer failed on this prompt: {type(e).__name__}: {e}",
+                           code="tokenizer_error") from None
 
     # ----------------------------------------------------------------- endpoints
     async def completions(self, request: Request, req: CompletionRequest):
@@ -233,16 +296,38 @@ class _Serving:
     def _decode(self, ids: list[int]) -> str:
         return self.engine.tokenizer.decode(ids) if self.engine.tokenizer is not None else ""
 
+    def _count(self, req, ids_list: list[list[int]]) -> int:
+        """Candidates per prompt (best_of, default n), after the per-request limits."""
+        n, best_of = req.n, req.best_of if req.best_of is not None else req.n
+        if best_of < n:
+            raise APIError(400, f"best_of: must be >= n, got best_of={best_of} and n={n}", param="best_of",
+                           code="invalid_value")
+        if req.stream and best_of > n:
+            raise APIError(400, f"best_of: best_of > n (best_of={best_of}, n={n}) cannot be streamed: the best "
+                           "candidates are known only at the end", param="best_of", code="invalid_value")
+        num_seqs, limit = len(ids_list) * best_of, self.config.max_seqs_per_request
+        if num_seqs > min(limit, self.engine.max_waiting_requests):
+            param = "prompt" if len(ids_list) > 1 else ("best_of" if req.best_of is not None else "n")
+            raise APIError(400, f"{param}: this request asks for {num_seqs} sequences ({len(ids_list)} prompts x "
+                           f"{'best_of' if req.best_of is not None else 'n'}={best_of}); the server's limit is "
+                           f"{min(limit, self.engine.max_waiting_requests)} per request", param=param,
+                           code="too_many_sequences")
+        num_tokens = best_of * sum(len(ids) for ids in ids_list)
+        if num_tokens > self.engine.max_queued_tokens:
+            raise APIError(400, f"prompt: this request queues {num_tokens} prompt tokens; the server's limit is "
+                           f"{self.engine.max_queued_tokens}", param="prompt", code="too_many_tokens")
+        return best_of
+
     async def _generate(self, request, req, model, prefix, ids_list, max_tokens, echo, *, chat: bool):
-        n = req.n
-        prompts = [ids for ids in ids_list for _ in range(n)]
-        params = [self._params(req, max_tokens[k // n], k % n) for k in range(len(prompts))]
+        n, best_of = req.n, self._count(req, ids_list)
+        prompts = [ids for ids in ids_list for _ in range(best_of)]
+        params = [self._params(req, max_tokens[k // best_of], k % best_of) for k in range(len(prompts))]
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         head = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model}
         num_prompt_tokens = sum(len(ids) for ids in ids_list)
         choices = _Choices(self.engine, response_id, prompts, params)
-        if req.stream:
+        if req.stream:  # best_of == n here
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return EventStream(self._stream(choices, head, echo, n, num_prompt_tokens, include_usage, chat),
                                on_close=choices.close)
@@ -254,19 +339,32 @@ class _Serving:
             choices.close()
         for final in finals:
             if final.finish_reason == "error":
-                status = 503 if not self.engine.is_alive else 400
-                raise APIError(status, final.error or "the request failed")
+                raise self._failed(final)
+        num_completion = sum(f.num_output_tokens for f in finals)  # every candidate was computed
+        keep = []  # per prompt, the n candidates of highest cumulative logprob (all n when best_of == n)
+        for p in range(len(ids_list)):
+            group = list(range(p * best_of, (p + 1) * best_of))
+            if best_of > n:
+                group = sorted(group, key=lambda k: -finals[k].cumulative_logprob)[:n]
+            keep += group
         out = []
-        for k, (text, final) in enumerate(zip(texts, finals)):
+        for i, k in enumerate(keep):
+            text, final = texts[k], finals[k]
             if chat:
-                out.append({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
                             "finish_reason": final.finish_reason})
             else:
-                out.append({"index": k, "text": echo[k // n] + text, "logprobs": None, "finish_reason": final.finish_reason})
-        num_completion = sum(f.num_output_tokens for f in finals)
+                out.append({"index": i, "text": echo[k // best_of] + text, "logprobs": None,
+                            "finish_reason": final.finish_reason})
         body = {**head, "object": "chat.completion" if chat else "text_completion", "choices": out,
                 "usage": _usage(num_prompt_tokens, num_completion)}
         return JSONResponse(body)
+
+    def _failed(self, final) -> APIError:
+        """The error of a request the engine failed (a server fault: the request was valid)."""
+        if not self.engine.is_alive:
+            return APIError(503, final.error or "the engine stopped", code="engine_dead")
+        return APIError(500, final.error or "the request failed", code="engine_error")
 
     @staticmethod
     async def _collect(choices: _Choices) -> tuple[list[str], list[Any]]:
@@ -297,8 +395,7 @@ class _Serving:
                     yield chunk(i, echo[i // n])
             async for i, delta in choices:
                 if delta.finish_reason == "error":
-                    status = 503 if not self.engine.is_alive else 400
-                    yield sse(APIError(status, delta.error or "the request failed").body())
+                    yield sse(self._failed(delta).body())
                     break
                 if delta.text:
                     yield chunk(i, delta.text)

@@ -1,5 +1,5 @@
-"""HTTP plumbing of the server: body limits, API keys, OpenAI-style error responses, server-sent events,
-client-disconnect detection and per-route HTTP counters."""
+"""HTTP plumbing of the server: body limits and read timeouts, the JSON content type, API keys, OpenAI-style
+error responses, server-sent events, client-disconnect detection and per-route HTTP counters."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import anyio
+import h11
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.responses import StreamingResponse
@@ -19,8 +20,17 @@ _DRAIN_LIMIT = 16 << 20  # read (and drop) at most this much of an oversized bod
 
 
 def error_response(e: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+    return JSONResponse(e.body(), status_code=e.status, headers={**headers, **(e.headers or {})})
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is declared `Content-Type: application/json` (parameters such as charset allowed).
+    Browsers send other types (text/plain, forms) cross-origin without a CORS preflight; this refuses them."""
+    declared = request.headers.get("content-type", "")
+    if declared.split(";")[0].strip().lower() != "application/json":
+        raise APIError(415, f"the request body must be sent as Content-Type: application/json, got {declared or 'none'!r}",
+                       code="unsupported_media_type")
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:
@@ -35,8 +45,18 @@ def check_api_key(request: Request, api_key: str | None) -> None:
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body; 413 when its Content-Length or its actual size exceeds `limit` bytes."""
+async def read_body(request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The request body; 413 when its Content-Length or its actual size exceeds `limit` bytes, 408 when it has
+    not arrived whole within `timeout` seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
+                       headers={"Connection": "close"}) from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -147,3 +167,48 @@ class HTTPMetricsMiddleware:
         finally:
             route = scope["path"] if scope["path"] in self.routes else "other"
             self.counter.labels(scope["method"], route, str(status)).inc()
+
+
+def header_timeout_protocol(seconds: float) -> type:
+    """uvicorn's h11 protocol with a request-header read timeout: a connection whose request line and headers
+    have not arrived whole within `seconds` of its first byte (or of connecting) gets 408 and is closed.
+    uvicorn's own `timeout_keep_alive` covers idle connections between requests; the body timeout is
+    `read_body`'s."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self.conn.their_state is h11.IDLE:
+                self._arm()  # a request is starting (or will, after this keep-alive's bytes)
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(seconds, self._expired)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _expired(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                     b"connection: close\r\ncontent-length: 38\r\n\r\n"
+                                     b"request headers not received in time\r\n")
+                self.transport.close()
+
+    return HeaderTimeoutH11Protocol

@@ -7,7 +7,7 @@ Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
 | `jhybrid:time_to_first_token_seconds` | histogram | request arrival -> its first token reaches the host |
 | `jhybrid:inter_token_latency_seconds` | histogram | gap between a request's successive tokens |
 | `jhybrid:e2e_request_latency_seconds` | histogram | arrival -> finish (stop / length) |
-| `jhybrid:num_requests_running` / `_waiting` | gauge | scheduler queues |
+| `jhybrid:num_requests_running` / `_waiting` | gauge | scheduler queues (waiting includes requests queued for the engine thread) |
 | `jhybrid:num_requests_preempted` | gauge | waiting requests that were preempted (and will re-prefill) |
 | `jhybrid:num_preemptions_total` | counter | preemptions so far |
 | `jhybrid:kv_blocks_used` / `_total`, `jhybrid:kv_cache_usage_perc` | gauge | paged KV pool (null block excluded) |
@@ -25,6 +25,9 @@ Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
 | `jhybrid:offload_copy_bytes_total` | counter | `kv_offload="copy"`: host blocks copied to the device |
 | `jhybrid:request_success_total{finished_reason}` | counter | finished requests: stop, length, abort, error |
 | `jhybrid:http_requests_total{method,route,status}` | counter | HTTP responses (rejections included) |
+| `jhybrid:startup_programs_compiled`, `jhybrid:startup_compile_seconds` | gauge | programs compiled (or loaded) before ready, and the seconds it took |
+| `jhybrid:programs_compiled_after_ready_total` | gauge | programs compiled after the server reported ready (each one stalled steps) |
+| `jhybrid:engine_steps_total`, `jhybrid:engine_host_{schedule,prepare,postprocess}_seconds_total`, `jhybrid:engine_device_wait_seconds_total` | gauge | engine steps, the engine thread's host time per phase, and its time blocked on the device |
 
 Engine-side metrics are written by the engine thread only; prometheus_client's metrics are thread-safe, so
 scrapes from the server thread read them directly.
@@ -120,12 +123,29 @@ class EngineMetrics:
         self.engine_counters["num_steps_host"] = steps.labels(model_name=model_name, path="host")
         self.engine_counters["num_steps_plain"] = steps.labels(model_name=model_name, path="plain")
         self._last: dict[str, float] = {}
+        self.stat_gauges = {  # engine stats keys that are absent on engines without them read 0
+            "startup_programs_compiled": gauge("jhybrid:startup_programs_compiled",
+                                               "Programs compiled or loaded before the server reported ready."),
+            "startup_compile_seconds": gauge("jhybrid:startup_compile_seconds",
+                                             "Seconds spent compiling before the server reported ready."),
+            "programs_compiled_after_ready": gauge("jhybrid:programs_compiled_after_ready_total",
+                                                   "Programs compiled after the server reported ready."),
+            "num_steps": gauge("jhybrid:engine_steps_total", "Engine steps run."),
+            "host_schedule_seconds": gauge("jhybrid:engine_host_schedule_seconds_total",
+                                           "Engine-thread seconds spent scheduling steps."),
+            "host_prepare_seconds": gauge("jhybrid:engine_host_prepare_seconds_total",
+                                          "Engine-thread seconds spent building and dispatching steps."),
+            "host_postprocess_seconds": gauge("jhybrid:engine_host_postprocess_seconds_total",
+                                              "Engine-thread seconds spent reading tokens: detokenizing, stop checks."),
+            "device_wait_seconds": gauge("jhybrid:engine_device_wait_seconds_total",
+                                         "Engine-thread seconds spent waiting for a step's tokens."),
+        }
 
-    def observe_engine(self, engine) -> None:
-        """Sets the gauges from the engine's state (engine thread only)."""
+    def observe_engine(self, engine, num_queued: int = 0) -> None:
+        """Sets the gauges from the engine's state (engine thread only); `num_queued` requests wait to be added."""
         sched = engine.scheduler
         self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
+        self.waiting.set(len(sched.waiting) + num_queued)
         self.preempted.set(sum(1 for s in sched.waiting if s.num_preemptions))
         blocks_total, slots_total = engine.blocks.capacity - 1, engine.slots.capacity - 1
         self.blocks_used.set(engine.blocks.num_used)
@@ -138,7 +158,7 @@ class EngineMetrics:
             self.preemptions.inc(engine.num_preemptions - self._num_preemptions)
             self._num_preemptions = engine.num_preemptions
         stats = engine.stats() if hasattr(engine, "stats") else {}
-        for key, g in self.host_gauges.items():
+        for key, g in (*self.host_gauges.items(), *self.stat_gauges.items()):
             g.set(stats.get(key, 0))
         for key, c in self.engine_counters.items():
             value = stats.get(key, 0)

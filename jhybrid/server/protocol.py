@@ -2,8 +2,12 @@
 
 Errors have OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`; validation failures are 400
 with a message that starts with the offending field (`max_tokens: Input should be greater than 0`).
-Unknown fields are ignored, as OpenAI clients send vendor fields freely. Extensions beyond OpenAI's API,
-as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`, `chat_template_kwargs`.
+Every field is range-checked against what the engine can represent: integers that reach int32 arrays are
+bounded, floats must be finite (NaN and Infinity are refused). Unknown fields are ignored, as OpenAI
+clients send vendor fields freely, except those that would change the output (`UNSUPPORTED`, e.g.
+`repetition_penalty`, `guided_json`, `response_format` other than text): those answer 400 unless they hold
+their neutral value. Extensions beyond OpenAI's API, as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`,
+`skip_special_tokens`, `chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -12,16 +16,33 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+_ERROR_TYPES = {500: "server_error", 503: "server_error"}  # the rest: invalid_request_error
+
+INT32_MAX = 2**31 - 1
+MAX_N = 128  # OpenAI's limit on `n`
+
+# Fields other OpenAI-compatible servers accept that change the output, with their neutral values: present
+# with another value, they answer 400 instead of being ignored.
+UNSUPPORTED: dict[str, tuple] = {
+    "repetition_penalty": (None, 1.0), "min_p": (None, 0.0), "min_tokens": (None, 0), "typical_p": (None, 1.0),
+    "length_penalty": (None, 1.0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+    "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "logits_processors": (None, []), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
+    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
+    "verbosity": (None,), "web_search_options": (None,), "continue_final_message": (None, False),
+}
 
 
 class APIError(Exception):
-    """An error answered as OpenAI does: HTTP `status` with `{"error": {...}}`."""
+    """An error answered as OpenAI does: HTTP `status` with `{"error": {...}}` (and `headers`, e.g. Retry-After)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": _ERROR_TYPES.get(self.status, "invalid_request_error"),
@@ -58,14 +79,17 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(None, gt=0)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    n: int = Field(1, ge=1, le=16)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -76,6 +100,32 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise ValueError(f"keys must be token ids (decimal integers as strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v):
+        if v is not None and v.get("type") != "text":
+            raise ValueError(f"structured output ({v.get('type')!r}) is not supported by this server; leave "
+                             'response_format unset or {"type": "text"}')
+        return v
+
+    def check_supported(self) -> None:
+        """400 for a field this server does not implement that would change the output."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and not any(value == ok and isinstance(value, bool) == isinstance(ok, bool)
+                                               for ok in UNSUPPORTED[name]):
+                raise APIError(400, f"{name}: not supported by this server (it would change the output); leave it "
+                               f"unset", param=name, code="unsupported_parameter")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -106,7 +156,6 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
-    best_of: int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -172,6 +221,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool = False  # vLLM's chat extension; refused when true
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -191,6 +241,20 @@ class ChatCompletionRequest(_GenerationRequest):
     def _no_tools(cls, v):
         if v:
             raise ValueError("tool calling is not supported")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, v):
+        if v:
+            raise ValueError("logprobs are not supported by this server yet")
+        return v
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported for chat completions")
         return v
 
     @property
