@@ -77,6 +77,16 @@ def child(args) -> dict:
                 eng.release(f"{rep}-{i}")
         res["decode_step_ms_b64"] = float(np.median(times[4:])) * 1e3
         res["compiled_after_ready"] = eng.stats()["programs_compiled_after_ready"]
+        # mixed steps of few rows, outside the grid: what the max_rows padding of mixed steps costs
+        extra = [(False, t, 4) for t in (64, 512)]
+        eng.runner.compile_all(extra)
+        for key in extra:
+            times = []
+            for _ in range(5):
+                t1 = time.perf_counter()
+                eng.runner.warm(key)
+                times.append(time.perf_counter() - t1)
+            program_ms["mixed t%d r%d (not in the grid)" % (key[1], key[2])] = float(np.median(times)) * 1e3
     return res
 
 
@@ -123,7 +133,7 @@ def main(argv=None):
               f"{r['process_s']:>9.1f} {step:>11}")
     for r in rows:
         for name, ms in r.get("program_ms", {}).items():
-            print(f"  step program {name:>22}: {ms:7.2f} ms (one step, dummy rows, host work and fetch included)")
+            print(f"  step program {name:>38}: {ms:7.2f} ms (one step, dummy rows, host work and fetch included)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": rows}, f, indent=2)

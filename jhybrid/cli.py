@@ -113,10 +113,19 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fraction", type=float, default=0.9, metavar="F",
                    help="share of free device memory for the KV pool and state slots (default 0.9)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N", help="token budget of one step")
-    g.add_argument("--warmup", action="store_true",
-                   help="compile every step program (each batch-size and token bucket, greedy and sampled) before "
-                   "serving, so that no request waits for a compile; set JAX_COMPILATION_CACHE_DIR to keep them "
-                   "across restarts")
+    g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
+                   help="prefill tokens a step that carries decode rows may take beside them (default: the step's "
+                   "whole budget): smaller lowers running streams' inter-token latency while prompts arrive, at a "
+                   "cost in throughput (see benchmarks/RESULTS.md)")
+    c = parser.add_argument_group("compilation")
+    c.add_argument("--no-warmup", action="store_true",
+                   help="skip compiling every step program before serving (development only: requests then wait "
+                   "for compiles of the shapes they meet). By default the server compiles them all, on several "
+                   "threads, before /health answers, and never compiles on the request path")
+    c.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache, so a restart loads compiled programs from disk "
+                   "(default: $JAX_COMPILATION_CACHE_DIR or ~/.cache/jhybrid/jax)")
+    c.add_argument("--no-compilation-cache", action="store_true", help="do not read or write compiled programs on disk")
     g.add_argument("--seed", type=int, default=0, help="seed of requests that give none (default 0)")
     g.add_argument("--host-kv-memory-gb", type=float, default=0.0, metavar="G",
                    help="host memory for swapped-out KV blocks and state slots (default 0: off)")
@@ -251,6 +260,11 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    cache_dir = None
+    if not args.no_compilation_cache:
+        from jhybrid.engine.compilation import default_cache_dir
+
+        cache_dir = args.compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR") or default_cache_dir()
     status = serve(
         args.model, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("JHYBRID_API_KEY") or None,
         served_model_name=args.served_model_name, chat_template=args.chat_template, max_body_bytes=args.max_body_bytes,
@@ -259,7 +273,9 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, host_kv_memory_gb=args.host_kv_memory_gb,
         preemption_mode=args.preemption_mode, swap_transfer=args.swap_transfer, kv_offload=args.kv_offload,
-        offload_policy=args.offload_policy, warmup=args.warmup, max_seqs_per_request=args.max_seqs_per_request,
+        offload_policy=args.offload_policy, warmup=not args.no_warmup, compilation_cache_dir=cache_dir,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+        max_seqs_per_request=args.max_seqs_per_request,
         max_waiting_requests=args.max_waiting_requests, max_queued_tokens=args.max_queued_tokens,
         shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         allowed_origins=origins,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -110,10 +111,14 @@ def test_serve_passes_host_tier_options(monkeypatch):
     monkeypatch.setattr(jhybrid.server, "serve", lambda model, **kw: seen.update(kw, model=model))
     assert main(["serve", "--model", "m", "--host-kv-memory-gb", "2.5", "--preemption-mode", "swap"]) == 0
     assert seen["model"] == "m" and seen["host_kv_memory_gb"] == 2.5 and seen["preemption_mode"] == "swap"
-    assert seen["offload_policy"] == "cost" and seen["warmup"] is False  # the defaults
+    assert seen["offload_policy"] == "cost" and seen["warmup"] is True  # the defaults: compile before serving,
+    assert seen["compilation_cache_dir"].endswith(os.path.join("jhybrid", "jax"))  # with a cache on disk
     assert main(["serve", "--model", "m", "--host-kv-memory-gb", "1", "--kv-offload", "copy", "--offload-policy",
-                 "always", "--warmup"]) == 0
-    assert seen["kv_offload"] == "copy" and seen["offload_policy"] == "always" and seen["warmup"] is True
+                 "always", "--no-warmup", "--no-compilation-cache"]) == 0
+    assert seen["kv_offload"] == "copy" and seen["offload_policy"] == "always" and seen["warmup"] is False
+    assert seen["compilation_cache_dir"] is None
+    assert main(["serve", "--model", "m", "--compilation-cache-dir", "/tmp/jh-cache"]) == 0
+    assert seen["compilation_cache_dir"] == "/tmp/jh-cache"
     with pytest.raises(SystemExit):  # argparse rejects an unknown mode
         main(["serve", "--model", "m", "--preemption-mode", "sometimes"])
     with pytest.raises(SystemExit):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -57,7 +58,7 @@ class LLMEngine:
                  preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None, swap_transfer: str = "pageable",
                  prefill_tokens_per_s: float | None = None, kv_offload: str = "off", offload_admission: bool = False,
                  offload_overlap: bool = True, offload_threads: int | None = None, offload_policy: str = "cost",
-                 warmup: bool = False):
+                 max_prefill_tokens_with_decodes: int | None = None, warmup: bool = False):
         cfg = model.cfg
         if kv_offload not in ("off", "cpu", "copy"):
             raise ValueError(f"unknown {kv_offload=}; choose 'off', 'cpu' or 'copy'")
@@ -110,41 +111,52 @@ class LLMEngine:
                                    host=self.host, cost_model=self.cost_model,
                                    preemption_mode=preemption_mode if self.host is not None else "recompute",
                                    kv_offload=kv_offload, offload_admission=offload_admission,
-                                   offload_policy=offload_policy)
+                                   offload_policy=offload_policy,
+                                   max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes)
         self.requests: dict[Any, Sequence] = {}
         self._prev: StepResult | None = None
         self._arrivals = 0
         self.num_preemptions = 0
+        self.startup_programs_compiled = 0
+        self.startup_compile_seconds = 0.0
+        self._after_ready = None  # a CompileWatch once warmed up
+        # host time per step by phase, and the time spent waiting for the device (`stats()`)
+        self.timing = dict(num_steps=0, host_schedule_seconds=0.0, host_prepare_seconds=0.0,
+                           host_postprocess_seconds=0.0, device_wait_seconds=0.0)
         log.info("KV pool: %d blocks of %d tokens; %d state slots", self.cache.num_blocks - 1, block_size,
                  self.cache.num_slots - 1)
         if warmup:
             self.warmup()
 
-    def warmup(self, sampling: tuple[SamplingParams, ...] | None = None, progress: bool = True) -> int:
-        """Compiles the step program of every (decode, rows, tokens) bucket the scheduler can produce, for each
-        of `sampling` (default: greedy, and temperature 1 without top-k / top-p, the OpenAI default), before any
-        request needs it. Without it each bucket compiles the first time a step meets it: on the H200 the 2.2 B
-        model's first preemptions stalled about 47 s compiling re-prefill shapes (benchmarks/RESULTS.md).
-        Steps with log-probabilities, top-k / top-p or host-resident KV still compile on first use. Runs dummy
-        rows on the null slot and page only; no request is touched. Returns how many programs it compiled.
-        `JAX_COMPILATION_CACHE_DIR` makes later starts load them from disk instead."""
-        import time
-
+    def warmup(self, progress: bool = True, threads: int | None = None) -> int:
+        """Compiles every step program the scheduler can need (each decode row bucket and each mixed-step token
+        bucket; sampling settings are runtime arrays, so these are all) on `threads` threads at once, runs each
+        once on dummy rows (the null slot and page only; no request is touched), and seals the runner: from
+        then on a step whose bucket is missing runs in a larger compiled one instead of compiling. Steps with
+        host-resident KV (`kv_offload`) and swaps still compile on first use. Returns how many step programs
+        it compiled; `stats()` reports the programs XLA built or loaded and the seconds taken.
+        `jhybrid.engine.compilation.enable_compilation_cache` makes later starts load them from disk."""
         from tqdm import tqdm
+
+        from jhybrid.engine.compilation import CompileWatch
 
         if self.has_unfinished():
             raise RuntimeError("warmup() runs before requests are added: it would reorder the device's work")
-        sampling = sampling or (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0))
-        layouts = self.runner.step_layouts(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)
-        before = len(self.runner.compiled_shapes)
         t0 = time.perf_counter()
-        work = [(layout, params) for params in sampling for layout in layouts]
-        for (decode, _rows, tokens, real), params in tqdm(work, desc="compiling steps", unit="program",
-                                                          disable=not progress):
-            self.runner.warm(decode, real, tokens, params)
-        self.runner.warm_zero_slots(self.scheduler.max_num_seqs)
-        compiled = len(self.runner.compiled_shapes) - before
-        log.info("warm-up: %d step programs compiled in %.1f s", compiled, time.perf_counter() - t0)
+        grid = self.runner.program_grid(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)
+        with CompileWatch() as watch, tqdm(total=len(grid), desc="compiling step programs", unit="program",
+                                           disable=not progress) as bar:
+            compiled = self.runner.compile_all(grid, threads=threads, progress=lambda key: bar.update())
+            bar.update(len(grid) - bar.n)
+            for key in grid:
+                self.runner.warm(key)
+            self.runner.warm_slot_programs()
+        self.runner.seal()
+        self._after_ready = CompileWatch()  # every program the process compiles from now on
+        self.startup_programs_compiled += watch.count
+        self.startup_compile_seconds += time.perf_counter() - t0
+        log.info("start-up compilation: %d programs (%d step programs) compiled or loaded in %.1f s", watch.count,
+                 len(grid), time.perf_counter() - t0)
         return compiled
 
     def _host_tier(self, host_kv_memory_gb, mode, bandwidth_gbps, prefill_rate, max_num_seqs, max_num_batched_tokens,
@@ -222,9 +234,12 @@ class LLMEngine:
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that got tokens or finished while reading."""
+        timing, t0 = self.timing, time.perf_counter()
         current = None
         if self.scheduler.has_work():
             sched = self.scheduler.schedule()
+            t1 = time.perf_counter()
+            timing["host_schedule_seconds"] += t1 - t0
             self.num_preemptions += len(sched.preempted)
             if sched.swap_out:  # gather before anything below reuses the pages and slots
                 self.swapper.swap_out(self.runner.state, sched.swap_out)
@@ -235,12 +250,14 @@ class LLMEngine:
                 if sched.swap_in:
                     self.runner.state = self.swapper.swap_in(self.runner.state, sched.swap_in)
                 current = self.runner.execute(sched, self._prev)
+            timing["host_prepare_seconds"] += time.perf_counter() - t1
         updated = self._read(self._prev) if self._prev is not None else []
         self._prev = current
         if self.swapper is not None:
             self.swapper.flush()  # the previous step is read, so swap-out data has (nearly) arrived
         if self.offloader is not None:
             self.offloader.flush()  # before the next schedule() commits these offloads
+        timing["num_steps"] += 1
         return updated
 
     def stats(self) -> dict[str, float]:
@@ -256,6 +273,12 @@ class LLMEngine:
             swap_out_seconds=0.0, swap_in_seconds=0.0,
             host_resident_blocks=sched.num_host_resident_blocks, num_offloaded_blocks=sched.num_offloaded_blocks,
             num_offloads_declined=sched.num_offloads_declined,
+            startup_programs_compiled=self.startup_programs_compiled,
+            startup_compile_seconds=self.startup_compile_seconds,
+            programs_compiled_after_ready=self._after_ready.count if self._after_ready is not None else 0,
+            **self.timing,
+            host_step_seconds=sum(self.timing[k] for k in ("host_schedule_seconds", "host_prepare_seconds",
+                                                           "host_postprocess_seconds")),
         )
         out.update(dataclasses.asdict(self.host_attn.stats if self.host_attn is not None else OffloadStats()))
         if self.host is not None:
@@ -270,7 +293,15 @@ class LLMEngine:
         return out
 
     def _read(self, result: StepResult) -> list[Sequence]:
+        t0 = time.perf_counter()
         tokens, token_logp, top_lp, top_ids = result.fetch()  # waits for that step only
+        t1 = time.perf_counter()
+        self.timing["device_wait_seconds"] += t1 - t0
+        updated = self._postprocess(result, tokens, token_logp, top_lp, top_ids)
+        self.timing["host_postprocess_seconds"] += time.perf_counter() - t1
+        return updated
+
+    def _postprocess(self, result: StepResult, tokens, token_logp, top_lp, top_ids) -> list[Sequence]:
         updated = []
         for i, row in enumerate(result.sched.rows):
             if not row.samples:

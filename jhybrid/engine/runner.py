@@ -9,8 +9,8 @@ Rows whose last fed token was sampled by the previous step (not yet read on the 
 step's device output (`token_src`), so step n+1 is dispatched before step n's tokens reach the host.
 
 Programs. Sampling settings are runtime arrays (`jhybrid.engine.sampling`), so a step's program depends only
-on its shape: decode steps bucket their rows (powers of two from 4), mixed (prefill) steps always carry
-`max_rows` rows and bucket their tokens (powers of two from 64). The runner keeps the compiled programs in a
+on its shape: decode steps bucket their rows (powers of two from 4), mixed (prefill) steps carry `max_rows`
+rows and bucket their tokens (powers of two from 64); on the CPU mixed steps bucket their rows too. The runner keeps the compiled programs in a
 table of its own (`jax.jit(...).lower(...).compile()`), so `compile_all` can build every program of the
 grid at once, on several threads, before serving; once `seal()`ed, a step whose bucket was not compiled
 runs in the smallest compiled bucket that holds it instead of compiling on the request path (and a compile
@@ -168,7 +168,11 @@ class ModelRunner:
     re-laid out shard-major and sharded over it, and the state is created in its shards."""
 
     def __init__(self, cfg: ModelConfig, params, cache: CacheConfig, *, max_num_seqs: int, max_model_len: int,
-                 max_num_batched_tokens: int, seed: int = 0, mesh=None, host_attn=None):
+                 max_num_batched_tokens: int, seed: int = 0, mesh=None, host_attn=None,
+                 mixed_row_buckets: bool | None = None):
+        # mixed steps: one row count (fewer programs; on the H200 64 rows cost 4% more than 4 at 64 tokens) or
+        # bucketed rows (default on the CPU, whose reference prefill path pays for every padding row)
+        self.mixed_row_buckets = jax.default_backend() == "cpu" if mixed_row_buckets is None else mixed_row_buckets
         self.host_attn = host_attn  # offloaded attention (`jhybrid.engine.offload.HostAttention`) or None
         self.mesh = mesh if parallel.num_shards(mesh) > 1 else None
         if self.mesh is not None:
@@ -249,11 +253,13 @@ class ModelRunner:
 
     def buckets(self, decode: bool, num_rows: int, num_tokens: int) -> tuple[int, int]:
         """The (rows, tokens) bucket of a step of `num_rows` rows and `num_tokens` tokens: decode steps bucket
-        their rows, mixed steps carry `max_rows` rows and bucket their tokens."""
+        their rows, mixed steps carry `max_rows` rows (or, with `mixed_row_buckets`, bucket them too) and
+        bucket their tokens."""
+        rows = min(_pow2(num_rows, MIN_ROWS), self.max_rows)
         if decode:
-            rows = min(_pow2(num_rows, MIN_ROWS), self.max_rows)
             return rows, rows
-        return self.max_rows, min(_pow2(num_tokens, MIN_MIXED_TOKENS), self.max_tokens_bucket)
+        return rows if self.mixed_row_buckets else self.max_rows, min(_pow2(num_tokens, MIN_MIXED_TOKENS),
+                                                                      self.max_tokens_bucket)
 
     def _fit(self, decode: bool, num_rows: int, num_tokens: int) -> tuple[int, int]:
         """Once sealed: the smallest compiled bucket that holds the step (the same bucket when compiled)."""
@@ -384,10 +390,12 @@ class ModelRunner:
         grid = {self.buckets(True, n, n)[::-1] for n in range(1, max_num_seqs + 1)}
         grid = {(True, t, r) for t, r in grid}
         # a mixed step has a row of two or more tokens, and each row fewer than max_model_len
-        most = min(max_num_batched_tokens, max_num_seqs * (self.max_model_len - 1))
-        for t in range(2, most + 1):
-            rows, tokens = self.buckets(False, 1, t)
-            grid.add((False, tokens, rows))
+        for n in range(1, max_num_seqs + 1) if self.mixed_row_buckets else (1,):
+            rows = n if self.mixed_row_buckets else max_num_seqs  # the most rows that share the tokens
+            most = min(max_num_batched_tokens, rows * (self.max_model_len - 1))
+            for t in range(n + 1, most + 1):
+                rows, tokens = self.buckets(False, n, t)
+                grid.add((False, tokens, rows))
         return sorted(grid)
 
     def compile_all(self, grid: list[tuple[bool, int, int]], *, threads: int | None = None, progress=None) -> int:
@@ -458,7 +466,9 @@ class ModelRunner:
             sizes = [1] * num_rows
         else:  # as many tokens as the bucket holds, in rows that each fit a sequence
             num_real = min(num_rows, -(-num_tokens // (self.max_model_len - 1)))
-            tokens = max(2, min(num_tokens, num_real * (self.max_model_len - 1)))
+            if self.mixed_row_buckets:  # enough rows to reach the row bucket
+                num_real = max(num_real, num_rows // 2 + 1 if num_rows > MIN_ROWS else 1)
+            tokens = max(num_real + 1, min(num_tokens, num_real * (self.max_model_len - 1)))
             sizes = [tokens // num_real + (i < tokens % num_real) for i in range(num_real)]
         rows = []
         for i, k in enumerate(sizes):

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jhybrid.engine import sampling
 from jhybrid.engine.sampling import SamplingParams
-from jhybrid.server.async_engine import AsyncEngine, EngineDeadError, EngineDrainingError, EngineOverloadedError
+from jhybrid.server.async_engine import Delta, AsyncEngine, EngineDeadError, EngineDrainingError, EngineOverloadedError
 from jhybrid.server.chat_template import ChatTemplate, ChatTemplateError
 from jhybrid.server.http import (ClientDisconnected, EventStream, HTTPMetricsMiddleware, check_api_key, error_response,
                                  read_body, require_json, sse, unless_disconnected)
@@ -173,17 +173,34 @@ class _Choices:
         self.open = set(range(len(prompts)))
 
     async def __aiter__(self):
+        """Yields (choice index, delta). Deltas that queued up while the consumer was busy (writing to a slow
+        client, or this event loop behind the engine) come merged, one per choice, so a loaded server writes
+        fewer, larger events instead of falling further behind."""
         while self.open:
-            i, delta = await self.sink.get()
-            if delta.finished:
-                self.open.discard(i)
-            yield i, delta
+            items = [await self.sink.get()]
+            while not self.sink.empty():
+                items.append(self.sink.get_nowait())
+            for i, delta in _merge_deltas(items):
+                if delta.finished:
+                    self.open.discard(i)
+                yield i, delta
 
     def close(self) -> None:
         """Aborts the requests still open (a no-op for finished ones)."""
         for i in self.open:
             self.engine.abort(self.ids[i])
         self.open = set()
+
+
+def _merge_deltas(items: list[tuple[int, Delta]]) -> list[tuple[int, Delta]]:
+    """Consecutive deltas of one choice as one (text and token ids joined, the rest from the later one), in
+    the order their choices first appear."""
+    merged: dict[int, Delta] = {}
+    for i, delta in items:
+        before = merged.get(i)
+        merged[i] = delta if before is None else dataclasses.replace(
+            delta, text=before.text + delta.text, token_ids=before.token_ids + delta.token_ids)
+    return list(merged.items())
 
 
 class _Serving:

@@ -1,0 +1,95 @@
+"""Where one engine step's device time goes: a decode step and a small mixed (prefill) step of the 2.2 B
+Qwen3-Next-shaped model, traced with the JAX profiler, kernels summed by name.
+
+    PYTHONPATH=. python -m benchmarks.step_profile [--out DIR] [--vocab 4096]
+
+Builds random bf16 weights on the device (as `benchmarks.startup`), compiles the two programs
+(`--programs`, default a 4-row decode step and a 64-token mixed step of 4 rows), runs each a few times, then
+traces `--repeats` runs of each (`jax.profiler.trace(create_perfetto_trace=True)`) and prints, per program,
+the device kernels with the most total time (per step) and the step's total kernel time. The trace goes to
+DIR (`perfetto_trace.json.gz`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import tempfile
+import time
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default=None)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--top", type=int, default=18)
+    p.add_argument("--programs", default="mixed:64:4,decode:4:4", help="kind:tokens:rows, comma-separated")
+    p.add_argument("--tiny", action="store_true", help="a small model (CPU check of the script)")
+    args = p.parse_args(argv)
+    import jax
+
+    from benchmarks.decode_step import random_params
+    from benchmarks.generate import HF_CONFIG
+    from jhybrid.config import ModelConfig
+    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.engine.llm_engine import LLMEngine
+
+    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16", vocab_size=args.vocab)
+    if args.tiny:
+        hf.update(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+    cfg = ModelConfig.from_hf(hf)
+    eng = LLMEngine(LoadedModel(cfg=cfg, params=random_params(cfg)), max_num_seqs=64, max_model_len=2048)
+    runner = eng.runner
+    keys = []
+    for spec in args.programs.split(","):
+        kind, tokens, rows = spec.split(":")
+        keys.append((kind == "decode", int(tokens), int(rows)))
+    runner.compile_all(keys)
+    runner.warm_slot_programs()
+    for key in keys:
+        for _ in range(3):
+            runner.warm(key)
+    out = args.out or tempfile.mkdtemp()
+    results = {}
+    for key in keys:
+        name = "%s t%d r%d" % ("decode" if key[0] else "mixed", key[1], key[2])
+        folder = os.path.join(out, name.replace(" ", "_"))
+        t0 = time.perf_counter()
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(args.repeats):
+                runner.warm(key)
+        wall = (time.perf_counter() - t0) / args.repeats
+        (trace,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
+        with gzip.open(trace) as f:
+            events = json.load(f)["traceEvents"]
+        # device kernels live on the GPU's process; take complete events whose process is named like a GPU stream
+        pids = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+        gpu = {pid for pid, n in pids.items() if "GPU" in n.upper() and "HOST" not in n.upper()}
+        if not gpu:  # no GPU (a CPU check): every process
+            print("no GPU process in the trace; processes:", sorted(set(pids.values())))
+            gpu = set(pids)
+        total = collections.Counter()
+        count = collections.Counter()
+        for e in events:
+            if e.get("ph") == "X" and e.get("pid") in gpu:
+                total[e["name"]] += e.get("dur", 0)
+                count[e["name"]] += 1
+        step_us = sum(total.values()) / args.repeats
+        results[name] = dict(wall_ms=wall * 1e3, kernel_ms=step_us / 1e3, num_kernels=sum(count.values()) / args.repeats,
+                             top=[(k, v / args.repeats, count[k] / args.repeats) for k, v in total.most_common(args.top)])
+        print(f"\n{name}: wall {wall * 1e3:.2f} ms per step (host included), kernels {step_us / 1e3:.2f} ms, "
+              f"{sum(count.values()) / args.repeats:.0f} kernel launches", flush=True)
+        for k, v, c in results[name]["top"]:
+            print(f"  {v / 1e3:8.3f} ms  x{c:5.0f}  {k[:110]}")
+    with open(os.path.join(out, "step_profile.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
