@@ -51,6 +51,25 @@ def count_kernels(hlo_text: str) -> dict[str, int]:
     }
 
 
+def decode_step_times(eng, prompts, sp, tag: str) -> list[float]:
+    """Runs `prompts` through the engine to the end; returns the wall time of each step in which every row
+    decoded (the engine dispatches a step before reading the last, so in steady state: the device step plus
+    any host time not hidden behind it)."""
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"{tag}-{i}", prompt, sp)
+    times, last = [], None
+    while eng.has_unfinished():
+        decode_only = all(s.num_uncomputed <= 1 for s in eng.scheduler.running) and not eng.scheduler.waiting
+        eng.step()
+        now = time.perf_counter()
+        if decode_only and last is not None:
+            times.append(now - last)
+        last = now
+    for i in range(len(prompts)):
+        eng.release(f"{tag}-{i}")
+    return times
+
+
 def engine_decode(cfg, params, batches, json_path):
     """Steady-state decode step time of the LLM engine (host work + dispatch + device), prompts of 512."""
     import jhybrid
@@ -62,18 +81,7 @@ def engine_decode(cfg, params, batches, json_path):
     sp = jhybrid.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for b in batches:
         for rep in range(2):  # the first compiles
-            for i in range(b):
-                eng.add_request(f"{b}-{rep}-{i}", [t % cfg.vocab_size for t in range(1, 513)], sp)
-            times, last = [], None
-            while eng.has_unfinished():
-                decode_only = all(s.num_uncomputed <= 1 for s in eng.scheduler.running) and not eng.scheduler.waiting
-                eng.step()
-                now = time.perf_counter()
-                if decode_only and last is not None:
-                    times.append(now - last)
-                last = now
-            for i in range(b):
-                eng.release(f"{b}-{rep}-{i}")
+            times = decode_step_times(eng, [[t % cfg.vocab_size for t in range(1, 513)]] * b, sp, f"{b}-{rep}")
         res[f"engine_decode_step_ms_b{b}"] = float(np.median(times[4:])) * 1e3
         print(f"engine batch {b}: decode step {res[f'engine_decode_step_ms_b{b}']:.3f} ms", flush=True)
     if json_path:

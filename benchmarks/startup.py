@@ -27,7 +27,7 @@ def child(args) -> dict:
     import jax
     import numpy as np
 
-    from benchmarks.decode_step import random_params
+    from benchmarks.decode_step import decode_step_times, random_params
     from benchmarks.generate import HF_CONFIG
     from jhybrid.config import ModelConfig
     from jhybrid.engine.compilation import enable_compilation_cache
@@ -63,18 +63,7 @@ def child(args) -> dict:
         rng = np.random.default_rng(0)
         sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
         for rep in range(2):
-            for i in range(64):
-                eng.add_request(f"{rep}-{i}", rng.integers(1, args.vocab, 300).tolist(), sp)
-            times, last = [], None
-            while eng.has_unfinished():
-                decode_only = all(s.num_uncomputed <= 1 for s in eng.scheduler.running) and not eng.scheduler.waiting
-                eng.step()
-                now = time.perf_counter()
-                if decode_only and last is not None:
-                    times.append(now - last)
-                last = now
-            for i in range(64):
-                eng.release(f"{rep}-{i}")
+            times = decode_step_times(eng, [rng.integers(1, args.vocab, 300).tolist() for _ in range(64)], sp, str(rep))
         res["decode_step_ms_b64"] = float(np.median(times[4:])) * 1e3
         res["compiled_after_ready"] = eng.stats()["programs_compiled_after_ready"]
         # mixed steps of few rows, outside the grid: what the max_rows padding of mixed steps costs
