@@ -385,7 +385,7 @@ def test_sigterm_drains_then_aborts_1000_queued_requests_and_exits_0(dirs):
     assert set(reasons) <= {"length", "abort"} and reasons.count("abort") > n // 2, reasons[:5]
     assert 2.5 < drain_s < 30, drain_s
     final = next(line for line in proc.log if "stopped (exit status" in line)
-    assert "kv_blocks_used=0 state_slots_used=0 open_requests=0" in final, final
+    assert "kv_blocks_used=0 state_slots_used=0 open_requests=0 engine_requests=0" in final, final
 
 
 # ----------------------------------------------------------------------------------------- defect 4

@@ -144,8 +144,9 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     finally:
         engine.shutdown()
     stats = engine.engine.stats()
-    log.info("stopped (exit status %d): kv_blocks_used=%d state_slots_used=%d open_requests=%d", server.exit_code,
-             stats["kv_blocks_used"], stats["state_slots_used"], engine.num_open_requests)
+    log.info("stopped (exit status %d): kv_blocks_used=%d state_slots_used=%d open_requests=%d engine_requests=%d",
+             server.exit_code, stats["kv_blocks_used"], stats["state_slots_used"], engine.num_open_requests,
+             len(engine.engine.requests))
     return server.exit_code
 
 
