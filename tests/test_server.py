@@ -60,7 +60,7 @@ def dirs(tmp_path_factory):
 def servers(dirs):
     plain, chat = dirs
     engine = build_engine(chat, dtype="float32", served_model_name=MODEL, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
-                          max_num_batched_tokens=16)
+                          max_num_batched_tokens=16, warmup=True)  # as `jhybrid serve`: no compile mid-test
     template = load_chat_template(chat)
     apps = {
         "main": create_app(engine, ServerConfig(model_names=(MODEL,), chat_template=template)),
