@@ -66,17 +66,19 @@ def _ok(client: httpx.Client, url: str) -> None:
 
 @contextlib.contextmanager
 def paused(engine):
-    """Holds the engine thread at its next step until the block exits (requests queue up meanwhile)."""
-    go = threading.Event()
+    """Holds the engine thread at its next step until the block exits (requests queue up meanwhile); yields an
+    event set once the thread is held."""
+    go, held = threading.Event(), threading.Event()
     real = engine.engine.safe_step
 
     def step():
+        held.set()
         go.wait(30)
         return real()
 
     engine.engine.safe_step = step
     try:
-        yield
+        yield held
     finally:
         del engine.engine.safe_step
         go.set()
@@ -338,6 +340,40 @@ def test_full_queue_answers_503_with_retry_after_and_gauges_stay_true(served, mo
         more.join(120)
     assert [len(_texts(r)) for r in results] == [8, 8, 8]
     wait_idle(engine, url)
+
+
+def test_requests_aborted_while_queued_never_run(served):
+    """Defect 2: a client that left still had its queued work run (the engine drained adds before the aborts
+    behind them). An abort of a request the engine thread has not taken yet drops it where it waits: it ends
+    with finish_reason "abort" and no token, and its prompt never reaches the engine. Checked to fail with
+    aborts of queued requests sent through the control queue (they arrive before the add and are ignored)."""
+    from jhybrid.engine.sampling import SamplingParams
+
+    engine, url, _ = served
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    before = scrape(url)["jhybrid:prompt_tokens_total"]
+
+    async def run():
+        sink: asyncio.Queue = asyncio.Queue()
+        with paused(engine) as held:
+            engine.submit("queued-blocker", [5, 6, 7], params, sink, tag="blocker")
+            assert await asyncio.to_thread(held.wait, 10)
+            for i in range(3):
+                engine.submit(f"queued-{i}", [8, 9, 10 + i], params, sink, tag=i)
+            engine.abort("queued-0")
+            engine.abort("queued-1")
+        finals = {}
+        while len(finals) < 4:
+            tag, delta = await asyncio.wait_for(sink.get(), 60)
+            if delta.finished:
+                finals[tag] = delta
+        return finals
+
+    finals = asyncio.run(run())
+    assert [(finals[t].finish_reason, finals[t].num_output_tokens) for t in ("blocker", 0, 1, 2)] == [
+        ("length", 3), ("abort", 0), ("abort", 0), ("length", 3)]
+    wait_idle(engine, url)
+    assert scrape(url)["jhybrid:prompt_tokens_total"] - before == 6  # the blocker's and queued-2's prompts only
 
 
 # ----------------------------------------------------------------------------------------- defect 3
