@@ -394,11 +394,14 @@ def test_sigterm_drains_then_aborts_1000_queued_requests_and_exits_0(dirs):
                     return [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
 
             tasks = [asyncio.ensure_future(one()) for _ in range(n)]
-            while True:  # wait until every request is in the server (running or waiting)
-                m = await client.get(url + "/metrics")
-                values = dict(re.findall(r'^jhybrid:(num_requests_\w+)\{[^}]*\} (\S+)$', m.text, re.M))
-                if float(values["num_requests_waiting"]) + float(values["num_requests_running"]) >= n - 50:
+            deadline = time.monotonic() + 120
+            while True:  # wait until every request has reached the engine (waiting, running or finished)
+                m = (await client.get(url + "/metrics")).text
+                gauges = re.findall(r'^jhybrid:num_requests_(?:waiting|running)\{[^}]*\} (\S+)$', m, re.M)
+                done = re.findall(r'^jhybrid:request_success_total\{[^}]*\} (\S+)$', m, re.M)
+                if sum(map(float, gauges + done)) >= n:
                     break
+                assert time.monotonic() < deadline, f"not every request reached the server: {gauges} {done}"
                 await asyncio.sleep(0.2)
             proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
