@@ -229,7 +229,7 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "top_logprobs")
     @classmethod
     def _no_logprobs(cls, v):
         if v:
@@ -241,13 +241,6 @@ class ChatCompletionRequest(_GenerationRequest):
     def _no_tools(cls, v):
         if v:
             raise ValueError("tool calling is not supported")
-        return v
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported by this server yet")
         return v
 
     @field_validator("echo")
