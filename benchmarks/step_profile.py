@@ -2,6 +2,7 @@
 Qwen3-Next-shaped model, traced with the JAX profiler, kernels summed by name.
 
     PYTHONPATH=. python -m benchmarks.step_profile [--out DIR] [--vocab 4096]
+        [--programs mixed:512:64:63,decode:64:64:64]
 
 Builds random bf16 weights on the device (as `benchmarks.startup`), compiles the two programs
 (`--programs`, default a 4-row decode step and a 64-token mixed step of 4 rows), runs each a few times, then
@@ -28,7 +29,10 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=18)
-    p.add_argument("--programs", default="mixed:64:4,decode:4:4", help="kind:tokens:rows, comma-separated")
+    p.add_argument("--programs", default="mixed:64:4,decode:4:4",
+                   help="kind:tokens:rows[:decodes], comma-separated. With a fourth field the step runs real rows "
+                        "(each its own state slot and KV pages): that many one-token (decode) rows, and a prompt "
+                        "row with the rest of the tokens (mixed), as a server's step beside running decodes")
     p.add_argument("--tiny", action="store_true", help="a small model (CPU check of the script)")
     args = p.parse_args(argv)
     import jax
@@ -46,24 +50,31 @@ def main(argv=None):
     cfg = ModelConfig.from_hf(hf)
     eng = LLMEngine(LoadedModel(cfg=cfg, params=random_params(cfg)), max_num_seqs=64, max_model_len=2048)
     runner = eng.runner
-    keys = []
+    keys, runs = [], {}
     for spec in args.programs.split(","):
-        kind, tokens, rows = spec.split(":")
-        keys.append((kind == "decode", int(tokens), int(rows)))
-    runner.compile_all(keys)
+        kind, tokens, rows, *decodes = spec.split(":")
+        key = (kind == "decode", int(tokens), int(rows))
+        keys.append(key)
+        name = "%s t%d r%d" % ("decode" if key[0] else "mixed", key[1], key[2])
+        if decodes:
+            sizes = [1] * int(decodes[0]) + ([] if key[0] else [key[1] - int(decodes[0])])
+            name += " real %d+%s" % (int(decodes[0]), sizes[-1] if not key[0] else 0)
+            runs[name] = lambda sizes=sizes: run_real_rows(runner, sizes)
+        else:
+            runs[name] = lambda key=key: runner.warm(key)
+    runner.compile_all(sorted(set(keys)))
     runner.warm_slot_programs()
-    for key in keys:
+    for run in runs.values():
         for _ in range(3):
-            runner.warm(key)
+            run()
     out = args.out or tempfile.mkdtemp()
     results = {}
-    for key in keys:
-        name = "%s t%d r%d" % ("decode" if key[0] else "mixed", key[1], key[2])
-        folder = os.path.join(out, name.replace(" ", "_"))
+    for name, run in runs.items():
+        folder = os.path.join(out, name.replace(" ", "_").replace("+", "p"))
         t0 = time.perf_counter()
         with jax.profiler.trace(folder, create_perfetto_trace=True):
             for _ in range(args.repeats):
-                runner.warm(key)
+                run()
         wall = (time.perf_counter() - t0) / args.repeats
         (trace,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
         with gzip.open(trace) as f:
@@ -89,6 +100,25 @@ def main(argv=None):
             print(f"  {v / 1e3:8.3f} ms  x{c:5.0f}  {k[:110]}")
     with open(os.path.join(out, "step_profile.json"), "w") as f:
         json.dump(results, f, indent=1)
+
+
+def run_real_rows(runner, sizes: list[int]) -> None:
+    """One step of rows of `sizes` tokens, each in its own state slot (1, 2, ...) and its own KV pages (one-token
+    rows continue a one-token context); waits for it. The slots' state is whatever earlier runs left."""
+    from jhybrid.engine.sampling import SamplingParams
+    from jhybrid.engine.scheduler import ScheduledRow, SchedulerOutput
+    from jhybrid.engine.sequence import Sequence
+
+    bs, page, rows = runner.cache.block_size, 1, []
+    for i, k in enumerate(sizes):
+        length = k + 1 if k == 1 else k
+        seq = Sequence(f"profile-{i}", [1] * length, SamplingParams(temperature=0.0))
+        seq.slot = i + 1
+        blocks = -(-length // bs)
+        seq.block_table = list(range(page, page + blocks))
+        page += blocks
+        rows.append(ScheduledRow(seq, length - k, k, True))
+    runner.execute(SchedulerOutput(rows, [], []), None).fetch()
 
 
 if __name__ == "__main__":

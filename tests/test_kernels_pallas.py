@@ -200,6 +200,8 @@ CHUNK_CASES = [
     ([16, 1], 2, 2, 16, 32, 16, jnp.float32),  # exactly one chunk
     ([1, 63, 0, 37], 2, 4, 32, 16, 16, jnp.float32),  # many chunks, ragged tails, an empty row, GQA 2
     ([40, 9], 1, 2, 64, 64, 32, jnp.bfloat16),
+    # a mixed step: one-token (decode) rows beside a prompt whose last chunk holds one token, padding rows
+    ([1, 17, 1, 1, 0, 0], 2, 2, 16, 16, 16, jnp.float32),
 ]
 
 
@@ -211,6 +213,9 @@ CHUNK_VARIANTS = {  # the default (G and the scores from the WY stage, fused out
     "scan_split": dict(gcum=False, fused_output=False),
     "wy_input": dict(wy_precision="input"),
     "wy_tf32": dict(wy_precision="tf32"),
+    # one program per value tile walks every row of more than one token (the rows loop of the sequential pass)
+    "one_row_group": dict(row_groups=1),
+    "one_row_group_split": dict(row_groups=1, fused_output=False),
 }
 
 

@@ -70,7 +70,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, slot_ids, *, imp
 
     impl: "auto", "reference" (chunked WY form), "recurrent" (token-by-token scan, the definition) or
     "pallas". `tuning` (block_v, num_warps, num_stages, wy_num_warps, wy_precision, gcum, scores, fused_output,
-    out_block_v) goes to the Pallas kernel.
+    out_block_v, single_block_v, row_groups) goes to the Pallas kernel.
     """
     impl = _pick(impl, "chunk", q, v)
     args = (q, k, v, g, beta, cu_seqlens, state, slot_ids)

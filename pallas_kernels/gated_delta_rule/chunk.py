@@ -12,21 +12,26 @@ token), so nothing is gathered into chunk buffers.
    (`wy_precision="bf16"`) every dot takes the input dtype (bf16 tensor cores, fp32 accumulation). It also
    stores G itself (`gcum`) and the output's masked decayed scores `lower(q.k exp(G_i - G_j)) scale`
    (`scores`), so that
-2. the sequential pass, grid `(B, HV, V // BV)`, over each sequence's chunks from `state[slot_ids[b]]`
+2. the sequential pass, grid `(G, HV, V // BV)` (program g walks the g-th, (g+G)-th, ... row of more than
+   one token, `_row_groups`), over each sequence's chunks from `state[slot_ids[b]]`
    (zeros on the null slot 0), final state written back into the slot (aliased, in place under jit with a
    donated state), does no scan, reduction or `[C, C]` exp per chunk: `v_new = u - w S`,
    `o = exp(G) scale (q S) + scores v_new` and `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`, with
    G_last one scalar load (`_state_kernel`). With `fused_output=False` (`_state_only_kernel`) the pass
    stores the state entering each chunk and `v_new`, and
 3. `_output_kernel`, grid `(N, HV, V // BV')`, computes the output over all chunks in parallel, as in fla.
+4. `_single_token_kernel`, grid `(B, HV, V // BV'')`: rows of exactly one token, which a serving engine's
+   mixed step has many of (its decode rows), skip stages 1-3 (their chunk slots stay unused) and take the
+   decode kernel's recurrent update instead. A one-token chunk would cost a full `[C, ...]` chunk's work in
+   a program sized for it; the decode update costs what a decode step costs.
+Programs with nothing to do (unused chunk slots) exit at once, and the sequential pass launches a few
+programs per value tile rather than one per row, so a step padded to many rows costs what its real rows cost.
 The older forms stay selectable and tested: `gcum=False` (the pass scans g per chunk), `scores=False`,
 `wy_precision="input"` or TF32 for the inverse.
 Dot operands are in v's dtype (q and k are cast), accumulation, the decays and the state are fp32; w, u,
 the scores, the per-chunk states and v_new are stored in v's dtype. Tokens past a chunk's end are masked
 to zero on load, so their g = 0 keeps `G_last = G[C - 1]` right.
-On the H200 (B1 T32768 H16 K=V=128 bf16, benchmarks/RESULTS.md): WY 0.38 ms, fused pass 0.74 ms, whole
-kernel 1.15 ms against fla's 1.25 ms in the same run. The scan and the sum of g inside the sequential loop
-had cost 0.35 ms (state-only pass 0.90 -> 0.55 ms without them).
+H200 timings of every stage and variant, against fla in the same run: benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
+
+from pallas_kernels.gated_delta_rule.fused_recurrent import recurrent_step
 
 _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
 _DOT = (((1,), (0,)), ((), ()))  # a @ b
@@ -74,7 +81,18 @@ def _wy_kernel(
     scale: float,
 ):
     n, j = pl.program_id(0), pl.program_id(1)
-    start, length = chunk_start_ref[n], chunk_len_ref[n]
+    length = chunk_len_ref[n]
+
+    @pl.when(length > 0)  # unused chunk slots and one-token rows' chunks do nothing
+    def _():
+        _wy_chunk(chunk_start_ref[n], length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref,
+                  *extra_refs, chunk_size=chunk_size, group=group, precision=precision, input_dots=input_dots,
+                  bf16_inverse=bf16_inverse, gcum=gcum, scores=scores, scale=scale)
+
+
+def _wy_chunk(start, length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, *extra_refs,
+              chunk_size, group, precision, input_dots, bf16_inverse, gcum, scores, scale):
+    """The WY stage of one non-empty chunk (`_wy_kernel`)."""
     lane = jnp.arange(chunk_size)
     valid = lane < length
     k = _load_chunk(k_ref, start, valid, j // group, slice(None))  # [C, K]
@@ -91,12 +109,12 @@ def _wy_kernel(
     dt = v_ref.dtype if input_dots else jnp.float32
     io_dot = dot if dt == jnp.float32 else functools.partial(
         jax.lax.dot_general, preferred_element_type=jnp.float32)
-    a = io_dot((k * beta[:, None]).astype(dt), k.astype(dt), _DOT_T) * decay  # [C, C] strictly lower
     eye = (lane[:, None] == lane[None, :]).astype(jnp.float32)
     inv_dot = dot
     if bf16_inverse:  # the squarings in bf16 operands (fp32 accumulation): half the tensor-core time of TF32
         inv_dot = lambda x, y, dims: jax.lax.dot_general(  # noqa: E731
             x.astype(dt), y.astype(dt), dims, precision=precision, preferred_element_type=jnp.float32)
+    a = io_dot((k * beta[:, None]).astype(dt), k.astype(dt), _DOT_T) * decay  # [C, C] strictly lower
     x = -a
     inv = eye + x  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
     steps = chunk_size.bit_length() - 2  # log2(C) - 1 more factors
@@ -125,6 +143,8 @@ def _chunk_decays(g_ref, n, start, valid, j, chunk_size: int, gcum: bool):
 
 
 def _state_kernel(
+    num_multi_ref,  # [1] rows of more than one token
+    multi_rows_ref,  # [B] those rows first
     row_chunks_ref,  # [B + 1] first chunk slot of each row (cumulative)
     slot_ids_ref,  # [B]
     cu_seqlens_ref,  # [B + 1]
@@ -146,17 +166,27 @@ def _state_kernel(
     precision,
     gcum: bool,
     scores: bool,
+    row_groups: int,
 ):
     """The fused pass. Per chunk: `v_new = u - w S`, `o = exp(G) scale (q S) + scores v_new` and
     `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`; the decays scale `[C, BV]` tiles, not `[C, K]` ones."""
     del o_in_ref
-    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = slot_ids_ref[b]
+    j, i = pl.program_id(1), pl.program_id(2)
     v_slice = pl.ds(i * block_v, block_v)
-    h = state_in_ref[slot, j, :, v_slice].astype(jnp.float32)  # [K, BV]
-    h = jnp.where(slot == 0, 0.0, h)
-    seq_start, seq_end = cu_seqlens_ref[b], cu_seqlens_ref[b + 1]
-    first_chunk = row_chunks_ref[b]
+
+    def row(b):  # empty rows (padding) and one-token rows (`_single_token_kernel`) never come here
+        slot = slot_ids_ref[b]
+        h = jnp.where(slot == 0, 0.0, state_in_ref[slot, j, :, v_slice].astype(jnp.float32))  # [K, BV]
+        _state_chunks(h, slot, j, v_slice, cu_seqlens_ref[b], cu_seqlens_ref[b + 1], row_chunks_ref[b], q_ref, k_ref,
+                      g_ref, w_ref, u_ref, s_ref, o_ref, state_ref, chunk_size=chunk_size, group=group, scale=scale,
+                      precision=precision, gcum=gcum, scores=scores)
+
+    _for_each_multi_row(num_multi_ref, multi_rows_ref, row_groups, row)
+
+
+def _state_chunks(h, slot, j, v_slice, seq_start, seq_end, first_chunk, q_ref, k_ref, g_ref, w_ref, u_ref, s_ref,
+                  o_ref, state_ref, *, chunk_size, group, scale, precision, gcum, scores):
+    """`_state_kernel`'s loop over the chunks of a row of more than one token."""
     lane = jnp.arange(chunk_size)
     causal = lane[:, None] >= lane[None, :]
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
@@ -187,6 +217,8 @@ def _state_kernel(
 
 
 def _state_only_kernel(
+    num_multi_ref,  # [1]
+    multi_rows_ref,  # [B]
     row_chunks_ref,  # [B + 1]
     slot_ids_ref,  # [B]
     cu_seqlens_ref,  # [B + 1]
@@ -204,16 +236,24 @@ def _state_only_kernel(
     block_v: int,
     precision,
     gcum: bool,
+    row_groups: int,
 ):
     """The sequential part only: per chunk, snapshot S, `v_new = u - w S`,
     `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`."""
-    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = slot_ids_ref[b]
-    v_slice = pl.ds(i * block_v, block_v)
+    j, i = pl.program_id(1), pl.program_id(2)
+
+    def row(b):
+        _state_only_chunks(slot_ids_ref[b], j, pl.ds(i * block_v, block_v), cu_seqlens_ref[b], cu_seqlens_ref[b + 1],
+                           row_chunks_ref[b], k_ref, g_ref, w_ref, u_ref, state_in_ref, h_ref, v_new_ref, state_ref,
+                           chunk_size=chunk_size, group=group, precision=precision, gcum=gcum)
+
+    _for_each_multi_row(num_multi_ref, multi_rows_ref, row_groups, row)
+
+
+def _state_only_chunks(slot, j, v_slice, seq_start, seq_end, first_chunk, k_ref, g_ref, w_ref, u_ref, state_in_ref,
+                       h_ref, v_new_ref, state_ref, *, chunk_size, group, precision, gcum):
     h = state_in_ref[slot, j, :, v_slice].astype(jnp.float32)  # [K, BV]
     h = jnp.where(slot == 0, 0.0, h)
-    seq_start, seq_end = cu_seqlens_ref[b], cu_seqlens_ref[b + 1]
-    first_chunk = row_chunks_ref[b]
     lane = jnp.arange(chunk_size)
     dt = w_ref.dtype
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
@@ -256,7 +296,17 @@ def _output_kernel(
     """All chunks in parallel: o = (q exp(G)) S_n + lower(q.k exp(G_i - G_j)) v_new."""
     del o_in_ref
     n, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    start, length = chunk_start_ref[n], chunk_len_ref[n]
+    length = chunk_len_ref[n]
+
+    @pl.when(length > 0)  # unused chunk slots do nothing
+    def _():
+        _output_chunk(chunk_start_ref[n], length, j, i, q_ref, k_ref, g_ref, h_ref, v_new_ref, o_ref,
+                      chunk_size=chunk_size, group=group, block_v=block_v, scale=scale, precision=precision,
+                      gcum=gcum)
+
+
+def _output_chunk(start, length, j, i, q_ref, k_ref, g_ref, h_ref, v_new_ref, o_ref, *, chunk_size, group, block_v,
+                  scale, precision, gcum):
     lane = jnp.arange(chunk_size)
     valid = lane < length
     dt = q_ref.dtype
@@ -268,30 +318,112 @@ def _output_kernel(
     decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], -jnp.inf))
     attn = (dot(q, k, _DOT_T) * (decay * scale)).astype(dt)  # [C, C]
     q_dec = (q.astype(jnp.float32) * (jnp.exp(cum) * scale)[:, None]).astype(dt)
-    # an unused chunk slot (length 0) has no h written, but all its rows are masked on store
     o = dot(q_dec, h_ref[...].astype(dt), _DOT) + dot(attn, v_new_ref[...].astype(dt), _DOT)  # [C, BV]
     plt.store(o_ref.at[pl.ds(start, chunk_size), j, pl.ds(i * block_v, block_v)], o.astype(o_ref.dtype),
               mask=valid[:, None])
 
 
+def _single_token_kernel(
+    cu_seqlens_ref,  # [B + 1]
+    slot_ids_ref,  # [B]
+    q_ref,  # [T, H, K] (whole)
+    k_ref,  # [T, H, K] (whole)
+    v_ref,  # [T, HV, V] (whole)
+    g_ref,  # [T, HV] (whole)
+    beta_ref,  # [T, HV] (whole)
+    o_in_ref,  # [T, HV, V] (whole, aliased with o_ref): the chunk stages' output
+    state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
+    o_ref,  # [T, HV, V] (whole)
+    state_ref,  # [S, HV, K, V] (whole)
+    *,
+    group: int,
+    block_v: int,
+    scale: float,
+):
+    """Rows of exactly one token (the decode rows of a mixed step): the recurrent update, as the decode kernel
+    does it, in place of a `[C, ...]` chunk that would hold one token. Other rows are left alone."""
+    del o_in_ref
+    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t = cu_seqlens_ref[b]
+
+    @pl.when(cu_seqlens_ref[b + 1] - t == 1)
+    def _():
+        slot = slot_ids_ref[b]
+        v_slice = pl.ds(i * block_v, block_v)
+        o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q_ref[t, j // group, :], k_ref[t, j // group, :],
+                              v_ref[t, j, v_slice], g_ref[t, j], beta_ref[t, j], scale)
+        o_ref[t, j, v_slice] = o.astype(o_ref.dtype)
+
+        @pl.when(slot != 0)
+        def _():
+            state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
+
+
+def single_token_stage(q, k, v, g, beta, cu, o, state, slot_ids, *, block_v: int, num_warps: int, interpret: bool,
+                       scale: float):
+    """`_single_token_kernel` over every row (o and state updated in place): (o, new state)."""
+    num_value_heads, value_dim = v.shape[1:]
+    kernel = functools.partial(_single_token_kernel, group=num_value_heads // k.shape[1], block_v=block_v,
+                               scale=scale)
+    return pl.pallas_call(
+        kernel,
+        grid=(slot_ids.shape[0], num_value_heads, value_dim // block_v),
+        in_specs=[_WHOLE] * 9,
+        out_specs=[_WHOLE, _WHOLE],
+        out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
+        input_output_aliases={7: 0, 8: 1},
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"gdn_chunk_single_bv{block_v}_w{num_warps}",
+    )(cu, slot_ids.astype(jnp.int32), q, k, v, g, beta, o, state)
+
+
 class _Layout(NamedTuple):
-    row_chunks: Array  # [B + 1] first chunk slot of each row (cumulative)
+    row_chunks: Array  # [B + 1] first chunk slot of each row (cumulative; rows of one token have none)
     chunk_start: Array  # [N] first packed token of each chunk
     chunk_len: Array  # [N] tokens in each chunk, 0 for unused slots
+    multi_rows: Array  # [B] the rows of more than one token first (in order), then the others
+    num_multi: Array  # [1] how many rows have more than one token
     num_chunks: int
 
 
 def _layout(cu_seqlens, num_tokens: int, batch: int, c: int) -> _Layout:
     cu = cu_seqlens.astype(jnp.int32)
     num_chunks = -(-num_tokens // c) + batch
-    chunks_per_row = (cu[1:] - cu[:-1] + c - 1) // c  # [B]
+    row_len = cu[1:] - cu[:-1]
+    # one-token rows (the decode rows of a mixed step) are `_single_token_kernel`'s: they get no chunk slot
+    chunks_per_row = jnp.where(row_len > 1, (row_len + c - 1) // c, 0)  # [B]
     row_chunks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(chunks_per_row)])
     ids = jnp.arange(num_chunks, dtype=jnp.int32)
     chunk_row = jnp.clip(jnp.searchsorted(row_chunks[1:], ids, side="right"), 0, batch - 1)
     chunk_start = cu[chunk_row] + (ids - row_chunks[chunk_row]) * c
     chunk_len = jnp.where(ids < row_chunks[-1], jnp.minimum(c, cu[chunk_row + 1] - chunk_start), 0)
     chunk_start = jnp.where(chunk_len > 0, chunk_start, 0)
-    return _Layout(row_chunks, chunk_start, chunk_len, num_chunks)
+    multi = row_len > 1
+    multi_rows = jnp.argsort(~multi, stable=True).astype(jnp.int32)
+    num_multi = jnp.sum(multi, dtype=jnp.int32)[None]
+    return _Layout(row_chunks, chunk_start, chunk_len, multi_rows, num_multi, num_chunks)
+
+
+def _row_groups(batch: int, num_value_heads: int, value_blocks: int) -> int:
+    """Programs per (value head, value block) of a sequential pass: each walks every G-th row of more than
+    one token. About 512 programs in all (a few per SM: a pass holds one or two per SM), so that a step of
+    many one-token or padding rows launches no program per row that would only exit, while a pure prefill
+    step of many rows still fills the GPU."""
+    return max(1, min(batch, 512 // (num_value_heads * value_blocks)))
+
+
+def _for_each_multi_row(num_multi_ref, multi_rows_ref, groups: int, body) -> None:
+    """Calls `body(b)` for the rows of more than one token that belong to this program's group: the
+    `pl.program_id(0)`-th, then every `groups`-th after it."""
+    first = pl.program_id(0)
+    count = (num_multi_ref[0] - first + groups - 1) // groups
+
+    def step(r, carry):
+        body(multi_rows_ref[first + r * groups])
+        return carry
+
+    jax.lax.fori_loop(0, jnp.maximum(count, 0), step, 0)
 
 
 # the WY stage's dots on the GPU: "tf32x3" / "tf32": every dot in fp32 (3xTF32 or one TF32 pass); "input":
@@ -337,57 +469,60 @@ def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: s
 
 def fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int,
                       block_v: int, scale: float, num_warps: int, num_stages: int, interpret: bool,
-                      gcum: bool = False, scores=None):
+                      gcum: bool = False, scores=None, row_groups: int | None = None):
     """The sequential pass with the output computed inside it: (o [T', HV, V], new state). With `gcum`, `g`
     is the WY stage's in-chunk cumulative g; `scores` optionally its masked decayed scores."""
     num_value_heads, value_dim = v.shape[1:]
     group = num_value_heads // k.shape[1]
+    groups = row_groups or _row_groups(slot_ids.shape[0], num_value_heads, value_dim // block_v)
     kernel = functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
                                precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum,
-                               scores=scores is not None)
+                               scores=scores is not None, row_groups=groups)
     zeros_o = jnp.zeros(v.shape, v.dtype)
     return pl.pallas_call(
         kernel,
-        grid=(slot_ids.shape[0], num_value_heads, value_dim // block_v),
-        in_specs=[_WHOLE] * 11,
+        grid=(groups, num_value_heads, value_dim // block_v),
+        in_specs=[_WHOLE] * 13,
         out_specs=[_WHOLE, _WHOLE],
         out_shape=[
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),
         ],
-        input_output_aliases={10: 0, 9: 1},
+        input_output_aliases={12: 0, 11: 1},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"gdn_chunk_fused_c{chunk_size}_bv{block_v}_w{num_warps}_s{num_stages}{'_gc' if gcum else ''}"
              f"{'_sc' if scores is not None else ''}",
-    )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, q, k, g, w, u, w if scores is None else scores, state,
-      zeros_o)
+    )(layout.num_multi, layout.multi_rows, layout.row_chunks, slot_ids.astype(jnp.int32), cu, q, k, g, w, u,
+      w if scores is None else scores, state, zeros_o)
 
 
 def state_stage(k, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int, block_v: int,
-                num_warps: int, num_stages: int, interpret: bool, gcum: bool = False):
+                num_warps: int, num_stages: int, interpret: bool, gcum: bool = False, row_groups: int | None = None):
     """The sequential pass alone: (h [N, HV, K, V] entering each chunk, v_new [N, C, HV, V], new state).
     With `gcum`, `g` is the WY stage's in-chunk cumulative g."""
     num_value_heads, key_dim, value_dim = state.shape[1:]
     group = num_value_heads // k.shape[1]
+    groups = row_groups or _row_groups(slot_ids.shape[0], num_value_heads, value_dim // block_v)
     kernel = functools.partial(_state_only_kernel, chunk_size=chunk_size, group=group, block_v=block_v,
-                               precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum)
+                               precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum,
+                               row_groups=groups)
     n, c = layout.num_chunks, chunk_size
     return pl.pallas_call(
         kernel,
-        grid=(slot_ids.shape[0], num_value_heads, value_dim // block_v),
-        in_specs=[_WHOLE] * 8,
+        grid=(groups, num_value_heads, value_dim // block_v),
+        in_specs=[_WHOLE] * 10,
         out_specs=[_WHOLE, _WHOLE, _WHOLE],
         out_shape=[
             jax.ShapeDtypeStruct((n, num_value_heads, key_dim, value_dim), u.dtype),
             jax.ShapeDtypeStruct((n, c, num_value_heads, value_dim), u.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),
         ],
-        input_output_aliases={7: 2},
+        input_output_aliases={9: 2},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"gdn_chunk_state_c{c}_bv{block_v}_w{num_warps}_s{num_stages}{'_gc' if gcum else ''}",
-    )(layout.row_chunks, slot_ids.astype(jnp.int32), cu, k, g, w, u, state)
+    )(layout.num_multi, layout.multi_rows, layout.row_chunks, slot_ids.astype(jnp.int32), cu, k, g, w, u, state)
 
 
 def output_stage(q, k, g, h, v_new, layout: _Layout, *, chunk_size: int, scale: float, block_v: int,
@@ -432,7 +567,8 @@ def _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, chunk_size, interpret):
     jax.jit,
     static_argnames=(
         "scale", "chunk_size", "block_v", "num_warps", "num_stages", "wy_num_warps", "wy_precision",
-        "fused_output", "gcum", "scores", "out_block_v", "interpret",
+        "fused_output", "gcum", "scores", "out_block_v", "single_block_v", "row_groups",
+        "interpret",
     ),
 )
 def chunk_gated_delta_rule_pallas(
@@ -456,6 +592,8 @@ def chunk_gated_delta_rule_pallas(
     gcum: bool = True,
     scores: bool = True,
     out_block_v: int = 128,
+    single_block_v: int = 128,
+    row_groups: int | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T HV V"], Float[Array, "S HV K V"]]:
     """Same arguments and results as `chunk_gated_delta_rule_reference`.
@@ -469,7 +607,10 @@ def chunk_gated_delta_rule_pallas(
     decayed scores, so the fused pass computes neither `q k^T` nor a `[C, C]` exp. `fused_output` computes
     the output inside the sequential pass; otherwise the pass stores the state entering each chunk and the
     corrected values, and a parallel kernel over all chunks (`out_block_v` values per program) computes the
-    output. The defaults are the fastest checked configuration on the H200 (benchmarks/RESULTS.md).
+    output. Rows of one token (the decode rows of a mixed step) take none of this: `_single_token_kernel`
+    (`single_block_v` values per program) updates them as the decode kernel would. `row_groups` (G) overrides
+    the sequential pass's programs per value tile (`_row_groups`). The defaults are the fastest
+    checked configuration on the H200 (benchmarks/RESULTS.md).
     `num_stages` of the sequential pass defaults to 3, or 2 for 4-byte inputs: its loop pipelines the q and
     k tiles and the scores (80 KiB a stage in fp32; three stages exceed the H200's 227 KiB of shared memory).
     """
@@ -483,15 +624,18 @@ def chunk_gated_delta_rule_pallas(
     scale = key_dim**-0.5 if scale is None else scale
     scores = scores and gcum and fused_output
     q, k, v, g, beta, cu, layout = _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, c, interpret)
-    tuning = dict(chunk_size=c, block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    tuning = dict(chunk_size=c, block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+                  row_groups=row_groups)
     w, u, *extra = wy_stage(k, v, g, beta, layout, chunk_size=c, wy_precision=wy_precision, num_warps=wy_num_warps,
                             interpret=interpret, gcum=gcum, q=q if scores else None, scale=scale)
     g_pass = extra[0] if gcum else g
     if fused_output:
         o, new_state = fused_state_stage(q, k, v, g_pass, w, u, cu, state, slot_ids, layout, scale=scale, gcum=gcum,
                                          scores=extra[1] if scores else None, **tuning)
-        return o[:num_tokens], new_state
-    h, v_new, new_state = state_stage(k, g_pass, w, u, cu, state, slot_ids, layout, gcum=gcum, **tuning)
-    o = output_stage(q, k, g_pass, h, v_new, layout, chunk_size=c, scale=scale, block_v=out_block_v,
-                     num_warps=wy_num_warps, interpret=interpret, gcum=gcum)
+    else:
+        h, v_new, new_state = state_stage(k, g_pass, w, u, cu, state, slot_ids, layout, gcum=gcum, **tuning)
+        o = output_stage(q, k, g_pass, h, v_new, layout, chunk_size=c, scale=scale, block_v=out_block_v,
+                         num_warps=wy_num_warps, interpret=interpret, gcum=gcum)
+    o, new_state = single_token_stage(q, k, v, g, beta, cu, o, new_state, slot_ids, scale=scale,
+                                      block_v=min(single_block_v, value_dim), num_warps=4, interpret=interpret)
     return o[:num_tokens], new_state

@@ -4,8 +4,8 @@ Grid `(B, HV, V // BV)`: program (b, j, i) owns the `[K, BV]` tile of value head
 It reads the tile from `state[slot_ids[b]]` (zeros when the slot is 0, the null slot), applies the decay
 and the delta-rule update for the row's single token, writes `o[b, j, i*BV:(i+1)*BV]` and stores the tile
 back into the same slot. The state is aliased input -> output, so under `jit` with a donated state it is
-updated in place: only the rows' slots are touched. Padded rows share slot 0; their writes race, which is
-harmless because nothing valid lives there (pallas_kernels/README.md).
+updated in place: only the rows' slots are touched. Padded rows share slot 0, which always reads as zeros
+(pallas_kernels/README.md): they compute an output but store no state.
 """
 
 from __future__ import annotations
@@ -38,15 +38,24 @@ def _fused_recurrent_kernel(
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ids_ref[b]
     v_slice = pl.ds(i * block_v, block_v)
-    h = state_in_ref[slot, j, :, v_slice].astype(jnp.float32)  # [K, BV]
-    h = jnp.where(slot == 0, 0.0, h)  # the null slot always starts from zeros
-    h = h * jnp.exp(g_ref[b, j].astype(jnp.float32))
-    k = k_ref[...].astype(jnp.float32)  # [K]
-    q = q_ref[...].astype(jnp.float32) * scale  # [K]
-    v_err = v_ref[...].astype(jnp.float32) - jnp.sum(h * k[:, None], axis=0)  # [BV]
-    h = h + k[:, None] * (beta_ref[b, j].astype(jnp.float32) * v_err)[None, :]
-    o_ref[...] = jnp.sum(h * q[:, None], axis=0).astype(o_ref.dtype)
-    state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
+    o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q_ref[...], k_ref[...], v_ref[...], g_ref[b, j],
+                          beta_ref[b, j], scale)
+    o_ref[...] = o.astype(o_ref.dtype)
+
+    @pl.when(slot != 0)  # padding rows (the null slot) keep no state: no racing writes to slot 0
+    def _():
+        state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
+
+
+def recurrent_step(h, slot, q, k, v, g, beta, scale: float):
+    """One token's gated delta rule on a `[K, BV]` state tile `h` of `slot` (zeros on the null slot 0):
+    (o [BV], new tile), in fp32. q, k: [K]; v: [BV]; g, beta: scalars."""
+    h = jnp.where(slot == 0, 0.0, h.astype(jnp.float32))  # the null slot always starts from zeros
+    h = h * jnp.exp(g.astype(jnp.float32))
+    k = k.astype(jnp.float32)
+    v_err = v.astype(jnp.float32) - jnp.sum(h * k[:, None], axis=0)  # [BV]
+    h = h + k[:, None] * (beta.astype(jnp.float32) * v_err)[None, :]
+    return jnp.sum(h * (q.astype(jnp.float32) * scale)[:, None], axis=0), h
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_v", "num_warps", "num_stages", "interpret"))
