@@ -315,7 +315,11 @@ def worker_offline(args) -> int:
 
     res["device"] = jax.devices()[0].device_kind
     res["backend"] = jax.default_backend()
-    llm = jhybrid.LLM(spec["model_dir"], max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"])
+    extra = {}
+    if spec.get("max_prefill_tokens_with_decodes") is not None:
+        extra["max_prefill_tokens_with_decodes"] = spec["max_prefill_tokens_with_decodes"]
+    llm = jhybrid.LLM(spec["model_dir"], max_num_seqs=spec["max_num_seqs"], max_model_len=spec["max_model_len"],
+                      **extra)
     eng = llm.engine
     res["load_s"] = time.perf_counter() - t0
     log(f"offline: LLM ready in {res['load_s']:.1f} s on {res['device']}")
@@ -653,6 +657,10 @@ def main(argv=None) -> int:
     parser.add_argument("--serve-args", default="", help="extra `jhybrid serve` arguments, e.g. \"--no-warmup\"")
     parser.add_argument("--no-log-compiles", action="store_true", help="do not set JAX_LOG_COMPILES=1 for the server")
     parser.add_argument("--skip-offline", action="store_true")
+    parser.add_argument("--skip-cold", action="store_true",
+                        help="start the server once (its start-up is labelled 'first'), not cold and then cached")
+    parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
+                        help="the engine option, for the server and the offline engine alike (default: the engine's)")
     parser.add_argument("--echo", action="store_true", help="echo the servers' output here too")
     parser.add_argument("--worker", choices=("build", "offline"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -692,7 +700,8 @@ def main(argv=None) -> int:
             "commit": git_commit(), "host": platform.node(), "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "fastapi": version("fastapi"), "uvicorn": version("uvicorn")}
     config = dict(concurrency=conc, max_num_seqs=max_num_seqs, max_model_len=max_model_len, max_tokens=max_tokens,
-                  prompt_tokens=prompt_tokens, tiny=tiny, serve_args=a.serve_args)
+                  prompt_tokens=prompt_tokens, tiny=tiny, serve_args=a.serve_args,
+                  max_prefill_tokens_with_decodes=a.max_prefill_tokens_with_decodes)
     results: dict = {"config": config, "phases": {}, "load": [], "offline": None}
     t_all = time.perf_counter()
 
@@ -741,11 +750,13 @@ def main(argv=None) -> int:
             env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
             cache_how = "JAX_COMPILATION_CACHE_DIR"
         tail += a.serve_args.split()
+        if a.max_prefill_tokens_with_decodes is not None:
+            tail += ["--max-prefill-tokens-with-decodes", str(a.max_prefill_tokens_with_decodes)]
         config.update(cache=cache_how, serve_options=sorted(options))
         log(f"[serve] {' '.join(tail)} (cache via {cache_how})")
         starts = {}
         st = None
-        for label in ("cold", "cached"):
+        for label in ("first",) if a.skip_cold else ("cold", "cached"):
             later = ((MIN_CACHED if label == "cold" else 0) + MIN_LOAD * len(conc)
                      + (0 if a.skip_offline else MIN_OFFLINE))
             st = start_server(label, tail, env, out, budget.phase(300 if label == "cold" else 180, reserve=later,
@@ -814,7 +825,8 @@ def main(argv=None) -> int:
             spec = {"model_dir": str(model_dir), "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                     "max_tokens": max_tokens, "prompts": texts, "concurrencies": conc,
                     "num_requests": [max(a.requests_per_stream * c, min_requests) for c in conc],
-                    "step_batches": sorted({min(c, max_num_seqs) for c in conc}), "out": str(work / "offline.json")}
+                    "step_batches": sorted({min(c, max_num_seqs) for c in conc}), "out": str(work / "offline.json"),
+                    "max_prefill_tokens_with_decodes": a.max_prefill_tokens_with_decodes}
             (work / "offline_spec.json").write_text(json.dumps(spec))
             timeout = budget.phase(600, floor=MIN_OFFLINE)
             log(f"[offline] {len(conc)} concurrencies + decode steps at batches {spec['step_batches']}, "
@@ -858,7 +870,8 @@ def main(argv=None) -> int:
     if results.get("error"):
         log(f"error: {results['error']}")
     ok = not results.get("error") and all(s["num_errors"] == 0 and s["num_cancelled"] == 0 for s in results["load"])
-    ok = ok and results.get("startup", {}).get("cached", {}).get("ok", False)
+    st = results.get("startup", {})
+    ok = ok and (st.get("cached") or st.get("first") or {}).get("ok", False)
     return 0 if ok else 1
 
 
@@ -888,7 +901,7 @@ def ratios(results: dict, max_num_seqs: int) -> list[dict]:
 def report(info: dict, results: dict, out: Path) -> None:
     st = results.get("startup", {})
     log("")
-    for label in ("cold", "cached"):
+    for label in ("cold", "cached", "first"):
         s = st.get(label)
         if s:
             log(f"start-up {label:6s}: {fmt(s['seconds'])} s to /health 200{'' if s['ok'] else ' (FAILED)'}; startup "
