@@ -68,17 +68,6 @@ def test_batched_with_preemption_equals_alone_and_hf(tiny):
     assert len(llm.engine.runner.compiled_shapes) <= 3, llm.engine.runner.compiled_shapes
 
 
-def test_reused_slot_equals_fresh_engine(tiny):
-    _, model = tiny
-    a, b = prompts_1_to_300()[9], prompts_1_to_300()[4]
-    params = SamplingParams(max_tokens=12, **GREEDY)
-    llm = LLM(model, dtype=None, max_num_seqs=1, max_model_len=320)  # one slot: b must reuse a's slot
-    llm.generate([a], params)
-    reused = llm.generate([b], params)[0].token_ids
-    fresh = LLM(model, dtype=None, max_num_seqs=1, max_model_len=320).generate([b], params)[0].token_ids
-    assert reused == fresh
-
-
 def test_seeded_sampling_does_not_depend_on_batching(tiny):
     _, model = tiny
     prompts = prompts_1_to_300(6)

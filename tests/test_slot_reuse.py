@@ -1,0 +1,135 @@
+"""State slots handed from one request to the next start clean: a request's tokens and log-probabilities do
+not depend on who held its slot before.
+
+A linear layer's state (the recurrent state, and the conv state of Gated DeltaNet and Mamba2 layers) lives in
+a slot that outlives its request; the engine zeroes a slot when it hands it to a new sequence
+(`ModelRunner.zero_slots`), and a swapped-out sequence comes back into whatever slot is free. A dirty or
+wrongly restored slot is the classic hybrid-model bug: the output stays fluent but is wrong. Every test here
+runs one tiny random model per layer kind: Gated DeltaNet (Qwen3.5, with conv state), lightning attention
+(MiniMax, no conv state) and Mamba2 (Bamba, with conv state), each with full-attention layers too. Each
+request is compared, token for token and by its top-2 log-probabilities, with the same request run alone on
+a fresh engine of the same shapes (so the compiled programs are shared).
+
+How the tests were checked to fail: on a copy of the tree (`git archive HEAD`) with one change each, never
+committed, the file was run whole:
+  * the engine's `self.runner.zero_slots(sched.new_slots)` call (`LLMEngine.step`) deleted: all 9 cases fail
+    (Gated DeltaNet by log-probabilities off by 8e-3 / 3e-2, lightning and Mamba2 by other tokens);
+  * `zero_slots` (jhybrid/cache/state.py) zeroing the recurrent state only, the conv state left dirty: the 6
+    Gated DeltaNet and Mamba2 cases fail, the 3 lightning ones pass (lightning has no conv state);
+  * `zero_slots` zeroing the conv state only, the recurrent state left dirty: all 9 fail (Mamba2 by
+    log-probabilities off by 1.7e-3..4.8e-3, 100x the tolerance);
+  * `Swapper.swap_in` scattering the restored state into the null slot instead of the sequence's new slot:
+    the 3 swap cases fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jhybrid import LLM, SamplingParams
+from tests.hf_models import make_bamba, make_minimax, make_qwen3_5
+
+# layer kind under test -> builder of a tiny random HF model holding it
+FAMILIES = {
+    "gated_deltanet": lambda p: make_qwen3_5(p, seed=21),
+    "lightning": lambda p: make_minimax(p, seed=22),
+    "mamba2": lambda p: make_bamba(p, seed=23),
+}
+# one shape set per engine kind, shared by every engine of this file (fresh engines reuse the programs)
+ONE_SLOT = dict(dtype=None, max_num_seqs=1, max_model_len=96, max_num_batched_tokens=32)
+# three slots, a KV pool of 13 blocks of 8 tokens (three 96-token sequences need 36): preemption
+POOL = dict(dtype=None, max_num_seqs=3, max_model_len=96, block_size=8, num_kv_blocks=13, max_num_batched_tokens=32)
+HOST = dict(host_kv_memory_gb=0.01, preemption_mode="swap")
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    FAMILIES[request.param](path)
+    return request.param, LLM(path, **ONE_SLOT).model  # loaded once; later engines take the LoadedModel
+
+
+def prompt(seed: int, n: int, vocab: int = 128) -> list[int]:
+    return np.random.default_rng(seed).integers(0, vocab, size=n).tolist()
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def assert_same(label: str, got_ids, got_lps, want_ids, want_lps) -> None:
+    """Same tokens; at every position the same top-2 ids with log-probabilities within 1e-5 (a dirty slot
+    moves them by 1e-3 and more; the same request in another batch or chunking by ~1e-6)."""
+    assert got_ids == want_ids, f"{label}: tokens {got_ids} != alone {want_ids}"
+    for pos, (got, want) in enumerate(zip(got_lps, want_lps, strict=True)):
+        assert list(got) == list(want), f"{label}: position {pos}: top-2 ids {list(got)} != alone {list(want)}"
+        err = np.abs(np.array(list(got.values())) - np.array(list(want.values()))).max()
+        assert err <= 1e-5, f"{label}: position {pos}: log-probabilities off by {err:.2e} from alone"
+
+
+def alone(model, prompt_ids: list[int], sp: SamplingParams, engine: dict):
+    (out,) = LLM(model, **engine).generate([prompt_ids], sp)
+    return out.token_ids, out.logprobs
+
+
+def test_one_slot_the_next_request_gets_a_clean_slot(model):
+    """`max_num_seqs=1`: there is one slot, so the second request runs in the slot the first one left (its
+    state from 70 prompt and 16 generated tokens); its output equals its run on a fresh engine. Fails for
+    every family with the zeroing removed (module docstring)."""
+    name, loaded = model
+    llm = LLM(loaded, **ONE_SLOT)
+    assert llm.engine.cache.num_slots == 2, "one slot besides the null slot"
+    first, second = prompt(1, 70), prompt(2, 21)
+    llm.generate([first], params(16))
+    (out,) = llm.generate([second], params(10))
+    assert_same(f"{name}: second request in the first one's slot", out.token_ids, out.logprobs,
+                *alone(loaded, second, params(10), ONE_SLOT))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_pool_reuses_slots_out_of_order_under_preemption_and_aborts(model, mode):
+    """Three slots and a KV pool too small for three long sequences: requests of mixed lengths arrive over
+    time, two are aborted mid-run (one running, one just admitted), the pool preempts (recomputed, or swapped
+    to the host tier and restored into another slot), so slots are freed and handed out again out of arrival
+    order. Every request that finishes equals its run alone on a fresh engine. Fails for every family with the
+    zeroing removed, and in the swap case with the restored state scattered into the wrong slot (module
+    docstring)."""
+    name, loaded = model
+    engine = POOL | (HOST if mode == "swap" else {})
+    llm = LLM(loaded, **engine)
+    eng = llm.engine
+    lengths = [60, 7, 33, 1, 71, 18, 45, 3, 26]
+    work = {f"r{i}": (prompt(10 + i, n), params(6 + (5 * i) % 11)) for i, n in enumerate(lengths)}
+    arrive = {0: ["r0", "r1", "r2"], 2: ["r3", "r4"], 5: ["r5", "r6"], 9: ["r7", "r8"]}
+    aborted = ["r1", "r7"]  # r1 at step 4, running; r7 right after its first step
+    seqs, slots_of, handed, step = {}, {rid: [] for rid in work}, [], 0
+    while step <= max(arrive) or eng.has_unfinished():
+        for rid in arrive.get(step, []):
+            seqs[rid] = eng.add_request(rid, *work[rid])
+        if step == 4:
+            assert seqs["r1"].slot, "r1 was meant to hold a slot when aborted"
+            eng.abort("r1")
+        eng.step()
+        for rid, seq in seqs.items():
+            if seq.slot and (not slots_of[rid] or slots_of[rid][-1] != seq.slot):
+                slots_of[rid].append(seq.slot)
+                handed.append(seq.slot)
+        if "r7" in seqs and seqs["r7"].slot and not seqs["r7"].is_finished:
+            eng.abort("r7")
+        step += 1
+    # the workload did what it is meant to: preemption, slots reused, and not in first-in-first-out order
+    assert eng.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    if mode == "swap":
+        assert eng.scheduler.num_swap_preemptions > 0, "a preempted sequence was meant to swap out"
+    assert any(len(s) > 1 for s in slots_of.values()), f"no request came back in another slot: {slots_of}"
+    assert handed != [1 + i % 3 for i in range(len(handed))], f"slots handed out in turn only: {handed}"
+    assert eng.slots.num_used == 0 and eng.blocks.num_used == 0, f"{name}: slots or blocks leaked"
+    for rid, (p, sp) in work.items():
+        seq = seqs[rid]
+        if rid in aborted:
+            assert seq.finish_reason == "abort" and slots_of[rid], f"{rid}: {seq.finish_reason}, slots {slots_of[rid]}"
+            continue
+        assert seq.finish_reason == "length", f"{rid}: {seq.finish_reason}"
+        assert_same(f"{name} {mode}: {rid} (slots {slots_of[rid]})", seq.output_ids, seq.logprobs,
+                    *alone(loaded, p, sp, engine))
