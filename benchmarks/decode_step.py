@@ -22,9 +22,9 @@ import numpy as np
 
 from benchmarks.generate import HF_CONFIG
 from jhybrid.config import ModelConfig
-from jhybrid.engine.generate import SequenceRunner, _step
 from jhybrid.models.batch import RowSpec, make_batch
 from jhybrid.models.params import flatten_shapes, pack_params, param_shapes, unflatten
+from tests.runner_helpers import SequenceRunner, _step
 
 
 def random_params(cfg: ModelConfig, seed: int = 0):
@@ -73,7 +73,7 @@ def decode_step_times(eng, prompts, sp, tag: str) -> list[float]:
 def engine_decode(cfg, params, batches, json_path):
     """Steady-state decode step time of the LLM engine (host work + dispatch + device), prompts of 512."""
     import jhybrid
-    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.model_loader import LoadedModel
 
     llm = jhybrid.LLM(LoadedModel(cfg=cfg, params=params), dtype=None, max_num_seqs=max(batches), max_model_len=1024,
                       max_num_batched_tokens=8192)

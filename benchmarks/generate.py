@@ -90,7 +90,7 @@ def check_logits(path: str, hf_model, batch_results: list) -> None:
     import torch
 
     from jhybrid.checkpoint import load_model
-    from jhybrid.engine.generate import SequenceRunner
+    from tests.runner_helpers import SequenceRunner
 
     ids = np.random.default_rng(1).integers(0, HF_CONFIG["vocab_size"], 128).tolist()
     hf = {}
@@ -119,7 +119,7 @@ def check_logits(path: str, hf_model, batch_results: list) -> None:
 
 def decode_device_ms(cfg, params, steps: int = 64) -> float:
     """Batch-1 decode step time with no host work in the loop (steps dispatched back to back)."""
-    from jhybrid.engine.generate import SequenceRunner
+    from tests.runner_helpers import SequenceRunner
 
     runner = SequenceRunner(cfg, params, max_len=PROMPT + steps + 16)
     table, slot = runner.start()
@@ -137,7 +137,7 @@ def decode_device_ms(cfg, params, steps: int = 64) -> float:
 def bench_jhybrid(path: str, batches: list[int], results: list, hf_model=None, json_path=None, extra=None):
     import jhybrid
     from jhybrid.checkpoint import load_model
-    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.model_loader import LoadedModel
     from jhybrid.models.params import count_params
 
     t0 = time.perf_counter()

@@ -305,7 +305,7 @@ def main(argv=None):
                              "default: --mode-seconds)")
     args = parser.parse_args(argv)
     from jhybrid.config import ModelConfig
-    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.model_loader import LoadedModel
     from jhybrid.engine.swap import measure_transfer_bandwidth
 
     if args.tiny:

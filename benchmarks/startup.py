@@ -31,7 +31,7 @@ def child(args) -> dict:
     from benchmarks.generate import HF_CONFIG
     from jhybrid.config import ModelConfig
     from jhybrid.engine.compilation import enable_compilation_cache
-    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.model_loader import LoadedModel
     from jhybrid.engine.llm_engine import LLMEngine
     from jhybrid.engine.sampling import SamplingParams
 

@@ -40,7 +40,7 @@ def main(argv=None):
     from benchmarks.decode_step import random_params
     from benchmarks.generate import HF_CONFIG
     from jhybrid.config import ModelConfig
-    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.model_loader import LoadedModel
     from jhybrid.engine.llm_engine import LLMEngine
 
     hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16", vocab_size=args.vocab)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from converters.name_maps import _attention, _dense_mlp, embed_and_head
+from converters.layer_maps import attention, dense_mlp, embed_and_head
 from converters.plan import Plan, Rule, identity, linear
 from jhybrid.config import ModelConfig
 
@@ -81,7 +81,7 @@ def minimax_plan(cfg: ModelConfig, disk: set[str]) -> Plan:
         plan[jh + "input_norm"] = identity((d,), hf + "input_layernorm.weight")
         plan[jh + "post_norm"] = identity((d,), hf + "post_attention_layernorm.weight")
         if kind == "full_attention":
-            plan |= _prefixed(jh + "attn.", _attention(cfg, hf + "self_attn."))
+            plan |= _prefixed(jh + "attn.", attention(cfg, hf + "self_attn."))
         else:
             plan |= _prefixed(jh + "lightning.", _lightning(cfg, hf + "self_attn."))
         plan |= _prefixed(jh + "mlp.", _minimax_moe(cfg, hf, disk))
@@ -143,7 +143,7 @@ def nemotron_h_plan(cfg: ModelConfig, disk: set[str]) -> Plan:
         if kind == "mamba2":
             plan |= {jh + "input_norm": norm} | _prefixed(jh + "mamba.", _mamba2(cfg, mixer))
         elif kind == "full_attention":
-            plan |= {jh + "input_norm": norm} | _prefixed(jh + "attn.", _attention(cfg, mixer))
+            plan |= {jh + "input_norm": norm} | _prefixed(jh + "attn.", attention(cfg, mixer))
         elif mlp_kind == "dense":
             plan |= {jh + "post_norm": norm} | _prefixed(jh + "mlp.", _relu2_mlp(d, cfg.intermediate_size, mixer, cfg.mlp_bias))
         else:
@@ -159,10 +159,10 @@ def bamba_plan(cfg: ModelConfig, disk: set[str]) -> Plan:
         plan[jh + "input_norm"] = identity((d,), hf + "input_layernorm.weight")
         plan[jh + "post_norm"] = identity((d,), hf + "pre_ff_layernorm.weight")
         if kind == "full_attention":
-            plan |= _prefixed(jh + "attn.", _attention(cfg, hf + "self_attn."))
+            plan |= _prefixed(jh + "attn.", attention(cfg, hf + "self_attn."))
         else:
             plan |= _prefixed(jh + "mamba.", _mamba2(cfg, hf + "mamba."))
-        plan |= _prefixed(jh + "mlp.", _dense_mlp(d, cfg.intermediate_size, hf + "feed_forward.", cfg.mlp_bias))
+        plan |= _prefixed(jh + "mlp.", dense_mlp(d, cfg.intermediate_size, hf + "feed_forward.", cfg.mlp_bias))
     return plan
 
 
@@ -198,7 +198,7 @@ def granitemoehybrid_plan(cfg: ModelConfig, disk: set[str]) -> Plan:
         plan[jh + "input_norm"] = identity((d,), hf + "input_layernorm.weight")
         plan[jh + "post_norm"] = identity((d,), hf + "post_attention_layernorm.weight")
         if kind == "full_attention":
-            plan |= _prefixed(jh + "attn.", _attention(cfg, hf + "self_attn."))
+            plan |= _prefixed(jh + "attn.", attention(cfg, hf + "self_attn."))
         else:
             plan |= _prefixed(jh + "mamba.", _mamba2(cfg, hf + "mamba."))
         if mlp_kind == "moe":

@@ -21,8 +21,8 @@ heads), `*.rotary_emb.inv_freq`, MiniMax's derived lightning-decay buffers (`*.s
 and `lm_head.weight` when the embeddings are tied.
 
 The lightning-attention and Mamba2 families (MiniMax, NemotronH, Bamba, Granite-4.0-H) have their maps in
-`family_maps.py`. Multimodal Qwen3.5 checkpoints keep the text model under `model.language_model.`, read as
-`model.`.
+`family_maps.py`; the embeddings, attention and dense MLP maps that every family uses are in `layer_maps.py`.
+Multimodal Qwen3.5 checkpoints keep the text model under `model.language_model.`, read as `model.`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from typing import Iterable
 
 import numpy as np
 
+from converters.family_maps import FAMILY_PLANS
+from converters.layer_maps import attention, dense_mlp, embed_and_head
 from converters.plan import Plan, Rule, identity, linear
 from jhybrid.config import ModelConfig
 
@@ -66,8 +68,6 @@ def build_plan(cfg: ModelConfig, disk_names: Iterable[str]) -> Plan:
         per-expert MoE weights), never to decide what is required.
     """
     disk = set(disk_names)
-    from converters.family_maps import FAMILY_PLANS
-
     if cfg.model_type in FAMILY_PLANS:
         return FAMILY_PLANS[cfg.model_type](cfg, disk)
     d = cfg.hidden_size
@@ -77,7 +77,7 @@ def build_plan(cfg: ModelConfig, disk_names: Iterable[str]) -> Plan:
         plan[jh + "input_norm"] = identity((d,), hf + "input_layernorm.weight")
         plan[jh + "post_norm"] = identity((d,), hf + "post_attention_layernorm.weight")
         if kind == "full_attention":
-            mixer = _attention(cfg, hf + "self_attn.")
+            mixer = attention(cfg, hf + "self_attn.")
         elif cfg.model_type == "qwen3_next":
             mixer = _gdn_packed(cfg, hf + "linear_attn.")
         else:
@@ -86,34 +86,9 @@ def build_plan(cfg: ModelConfig, disk_names: Iterable[str]) -> Plan:
         if mlp_kind == "moe":
             mlp = _moe(cfg, hf + "mlp.", fused=f"{hf}mlp.experts.gate_up_proj" in disk)
         else:
-            mlp = _dense_mlp(d, cfg.intermediate_size, hf + "mlp.", cfg.mlp_bias)
+            mlp = dense_mlp(d, cfg.intermediate_size, hf + "mlp.", cfg.mlp_bias)
         plan.update({f"{jh}mlp.{k}": r for k, r in mlp.items()})
     return plan
-
-
-def embed_and_head(cfg: ModelConfig, embed: str = "model.embed_tokens.weight", norm: str = "model.norm.weight") -> Plan:
-    d, v = cfg.hidden_size, cfg.vocab_size
-    plan: Plan = {"embed": identity((v, d), embed), "final_norm": identity((d,), norm)}
-    if not cfg.tie_word_embeddings:
-        plan["lm_head"] = linear((d, v), "lm_head.weight")
-    return plan
-
-
-def _attention(cfg: ModelConfig, p: str) -> dict[str, Rule]:
-    d, h, kvh, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q_out = h * hd * (2 if cfg.attn_output_gate else 1)  # gated: per head, hd query dims then hd gate dims
-    rules = {
-        "q_proj": linear((d, q_out), p + "q_proj.weight"),
-        "k_proj": linear((d, kvh * hd), p + "k_proj.weight"),
-        "v_proj": linear((d, kvh * hd), p + "v_proj.weight"),
-        "o_proj": linear((h * hd, d), p + "o_proj.weight"),
-    }
-    if cfg.qk_norm:
-        rules |= {"q_norm": identity((hd,), p + "q_norm.weight"), "k_norm": identity((hd,), p + "k_norm.weight")}
-    if cfg.attention_bias:
-        for name, n in (("q", q_out), ("k", kvh * hd), ("v", kvh * hd), ("o", d)):
-            rules[f"{name}_bias"] = identity((n,), f"{p}{name}_proj.bias")
-    return rules
 
 
 def _gdn_common(cfg: ModelConfig, p: str) -> dict[str, Rule]:
@@ -169,21 +144,6 @@ def _gdn_packed(cfg: ModelConfig, p: str) -> dict[str, Rule]:
     } | _gdn_common(cfg, p)
 
 
-def _dense_mlp(d: int, i: int, p: str, bias: bool = False) -> dict[str, Rule]:
-    rules = {
-        "gate_proj": linear((d, i), p + "gate_proj.weight"),
-        "up_proj": linear((d, i), p + "up_proj.weight"),
-        "down_proj": linear((i, d), p + "down_proj.weight"),
-    }
-    if bias:
-        rules |= {
-            "gate_bias": identity((i,), p + "gate_proj.bias"),
-            "up_bias": identity((i,), p + "up_proj.bias"),
-            "down_bias": identity((d,), p + "down_proj.bias"),
-        }
-    return rules
-
-
 def _moe(cfg: ModelConfig, p: str, fused: bool) -> dict[str, Rule]:
     d, e, ie = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     rules = {"router": linear((d, e), p + "gate.weight")}
@@ -205,7 +165,7 @@ def _moe(cfg: ModelConfig, p: str, fused: bool) -> dict[str, Rule]:
             "down_proj": stacked("down_proj", (d, ie)),
         }
     if cfg.shared_expert_intermediate_size:
-        shared = _dense_mlp(d, cfg.shared_expert_intermediate_size, p + "shared_expert.")
+        shared = dense_mlp(d, cfg.shared_expert_intermediate_size, p + "shared_expert.")
         rules |= {f"shared.{k}": r for k, r in shared.items()}
         rules["shared_gate"] = linear((d, 1), p + "shared_expert_gate.weight")
     return rules

@@ -7,9 +7,11 @@ print `error: ...` to stderr and return 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-from typing import Sequence
+import typing
+from typing import Any, Sequence
 
 _DESCRIPTION = """\
 jhybrid: a JAX inference engine for hybrid LLMs (full attention + Gated DeltaNet layers).
@@ -36,8 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--max-tokens", type=int, default=64, metavar="N", help="new tokens per prompt (default 64)")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default 0)")
-    gen.add_argument("--dtype", default=None, metavar="D", help="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    _parallel_options(gen, multi_process=True)
+    groups = _engine_options(gen, defaults=GENERATE_DEFAULTS,
+                             none={"max_model_len": "the longest prompt + --max-tokens, rounded up to a power of two"})
+    _multi_process_options(groups["parallelism"])
     gen.set_defaults(func=_generate)
 
     conv = sub.add_parser(
@@ -96,71 +99,77 @@ def _parser() -> argparse.ArgumentParser:
     lim.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
                      help="comma-separated origins whose web pages may call the API (CORS), or '*' for any; "
                      "default: none (CORS off)")
-    _engine_options(srv)
-    _parallel_options(srv, multi_process=False)
-    srv.set_defaults(func=_serve)
-    return parser
-
-
-def _engine_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--dtype", default=None, metavar="D", help="float32 | bfloat16 | float16 (default: the checkpoint's)")
-    g.add_argument("--max-num-seqs", type=int, default=64, metavar="N", help="sequences running at once (default 64)")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                   help="longest prompt + output (default: min(model context, 4096))")
-    g.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, metavar="N", help="KV blocks (default: from --memory-fraction)")
-    g.add_argument("--memory-fraction", type=float, default=0.9, metavar="F",
-                   help="share of free device memory for the KV pool and state slots (default 0.9)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N", help="token budget of one step")
-    g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None, metavar="N",
-                   help="prefill tokens a step that carries decode rows may take beside them (default: the step's "
-                   "whole budget): smaller lowers running streams' inter-token latency while prompts arrive, at a "
-                   "cost in throughput (see benchmarks/RESULTS.md)")
-    c = parser.add_argument_group("compilation")
-    c.add_argument("--no-warmup", action="store_true",
-                   help="skip compiling every step program before serving (development only: requests then wait "
-                   "for compiles of the shapes they meet). By default the server compiles them all, on several "
-                   "threads, before /health answers, and never compiles on the request path")
+    groups = _engine_options(srv, defaults=SERVE_DEFAULTS)
+    c = groups["compilation"]
     c.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
                    help="JAX's persistent compilation cache, so a restart loads compiled programs from disk "
                    "(default: $JAX_COMPILATION_CACHE_DIR or ~/.cache/jhybrid/jax)")
     c.add_argument("--no-compilation-cache", action="store_true", help="do not read or write compiled programs on disk")
-    g.add_argument("--seed", type=int, default=0, help="seed of requests that give none (default 0)")
-    g.add_argument("--host-kv-memory-gb", type=float, default=0.0, metavar="G",
-                   help="host memory for swapped-out KV blocks and state slots (default 0: off)")
-    g.add_argument("--preemption-mode", default="auto", choices=("auto", "swap", "recompute"),
-                   help="what a preempted sequence does: swap to the host tier, recompute its prompt, or pick by "
-                   "estimated cost (default auto; swap needs --host-kv-memory-gb)")
-    g.add_argument("--swap-transfer", default="pageable", choices=("pageable", "pinned"),
-                   help="where swapped-out KV and state wait: the host tier's pageable NumPy arrays, or JAX's "
-                   "page-locked pinned_host memory (default pageable)")
-    g.add_argument("--kv-offload", default="off", choices=("off", "cpu", "copy"),
-                   help="let running sequences keep their oldest KV blocks in the host tier instead of being preempted, "
-                   "attending over them on the CPU or over per-step copies on the GPU (default off; needs "
-                   "--host-kv-memory-gb; see benchmarks/offload.py)")
-    g.add_argument("--offload-policy", default="cost", choices=("cost", "always"),
-                   help="with --kv-offload: offload only where the measured cost model prices the host attention "
-                   "below the preemption it avoids (cost, default), or whenever a sequence would be preempted")
+    srv.set_defaults(func=_serve)
+    return parser
 
 
-def _parallel_options(parser: argparse.ArgumentParser, *, multi_process: bool) -> None:
-    g = parser.add_argument_group("parallelism")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="shard the model over N devices (a tensor-parallel mesh; N must divide the head counts)")
-    if multi_process:
-        g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                       help="multi-process run: address of process 0 (default: $JHYBRID_COORDINATOR); every process "
-                       "runs the same command with its own --process-id")
-        g.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run ($JHYBRID_NUM_PROCESSES)")
-        g.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0..N-1 ($JHYBRID_PROCESS_ID)")
+# The engine flags are EngineConfig's fields (`--max-num-seqs` for `max_num_seqs`), with their help metadata; these
+# are the subcommands' own defaults where they differ from EngineConfig's (`jhybrid serve` compiles before serving).
+GENERATE_DEFAULTS = dict(dtype=None, max_num_seqs=1)
+SERVE_DEFAULTS = dict(dtype=None, max_num_seqs=64, warmup=True)
+
+
+def _engine_options(parser: argparse.ArgumentParser, *, defaults: dict[str, Any],
+                    none: dict[str, str] | None = None) -> dict[str, argparse._ArgumentGroup]:
+    """Adds one flag per `EngineConfig` field, in argument groups by the field's `group` metadata, which it
+    returns by name. `defaults` replace fields' defaults; `none` says what a None default means where the field's
+    own `none` metadata does not fit this subcommand."""
+    from jhybrid.engine.engine_config import EngineConfig
+
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    types = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        meta = field.metadata
+        group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        default = defaults.get(field.name, field.default)
+        shown = "%(default)s"
+        if default is None:
+            shown = (none or {}).get(field.name, meta["none"])
+        elif isinstance(default, bool):
+            shown = "on" if default else "off"
+        kwargs = dict(default=default, help=f"{meta['help']} (default: {shown})")
+        kind = _flag_type(types[field.name])
+        if kind is bool:
+            kwargs.update(action=argparse.BooleanOptionalAction)
+        else:
+            kwargs.update(type=kind, metavar=meta["metavar"], choices=meta["choices"])
+        group.add_argument("--" + field.name.replace("_", "-"), **kwargs)
+    return groups
+
+
+def _flag_type(annotation: Any) -> type:
+    """int, float, str or bool: the field's type without None."""
+    kinds = [t for t in typing.get_args(annotation) or (annotation,) if t is not type(None)]
+    assert len(kinds) == 1 and kinds[0] in (int, float, str, bool), annotation
+    return kinds[0]
+
+
+def _engine_config_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The parsed engine flags as `EngineConfig` fields."""
+    from jhybrid.engine.engine_config import OPTION_NAMES
+
+    return {name: getattr(args, name) for name in OPTION_NAMES}
+
+
+def _multi_process_options(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process run: address of process 0 (default: $JHYBRID_COORDINATOR); every process "
+                   "runs the same command with its own --process-id")
+    g.add_argument("--num-processes", type=int, default=None, metavar="N", help="processes in the run ($JHYBRID_NUM_PROCESSES)")
+    g.add_argument("--process-id", type=int, default=None, metavar="I", help="this process, 0..N-1 ($JHYBRID_PROCESS_ID)")
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from jhybrid.engine.engine_config import EngineConfig
     from jhybrid.parallel import init_distributed
 
-    if args.tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    config = EngineConfig(**_engine_config_options(args))
     init_distributed(args.coordinator, args.num_processes, args.process_id)  # no-op without a coordinator
     if not args.model:
         from jhybrid.assets import default_model_path
@@ -176,18 +185,18 @@ def _generate(args: argparse.Namespace) -> int:
         raise ValueError("give at least one --prompt TEXT or --prompt-ids 1,2,3")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    from jhybrid.engine.generate import _bucket, load
-    from jhybrid.engine.llm import LLM
+    from jhybrid.model_loader import load
+    from jhybrid.engine.llm import LLM, _bucket
     from jhybrid.engine.sampling import SamplingParams
 
-    model = load(args.model, args.dtype)
+    model = load(args.model, config.dtype, host=config.tensor_parallel_size > 1)
     lengths = [len(model.tokenizer.encode(p)) if isinstance(p, str) and model.tokenizer else len(p) for p in prompts]
     context = model.cfg.max_position_embeddings
     if max(lengths) + args.max_tokens > context:
         raise ValueError(f"prompt ({max(lengths)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's context ({context})")
-    llm = LLM(model, dtype=None, max_num_seqs=1, max_model_len=min(context, _bucket(max(lengths) + args.max_tokens, minimum=64)),
-              tensor_parallel_size=args.tensor_parallel_size)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    max_model_len = config.max_model_len or min(context, _bucket(max(lengths) + args.max_tokens, minimum=64))
+    llm = LLM(model, config, max_model_len=max_model_len)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=config.seed)
     for i, prompt in enumerate(prompts):
         if len(prompts) > 1:
             print(f"--- [{i}]", flush=True)
@@ -268,17 +277,10 @@ def _serve(args: argparse.Namespace) -> int:
     status = serve(
         args.model, host=args.host, port=args.port, api_key=args.api_key or os.environ.get("JHYBRID_API_KEY") or None,
         served_model_name=args.served_model_name, chat_template=args.chat_template, max_body_bytes=args.max_body_bytes,
-        log_level=args.log_level, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, memory_fraction=args.memory_fraction,
-        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size, host_kv_memory_gb=args.host_kv_memory_gb,
-        preemption_mode=args.preemption_mode, swap_transfer=args.swap_transfer, kv_offload=args.kv_offload,
-        offload_policy=args.offload_policy, warmup=not args.no_warmup, compilation_cache_dir=cache_dir,
-        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
-        max_seqs_per_request=args.max_seqs_per_request,
+        log_level=args.log_level, compilation_cache_dir=cache_dir, max_seqs_per_request=args.max_seqs_per_request,
         max_waiting_requests=args.max_waiting_requests, max_queued_tokens=args.max_queued_tokens,
         shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        allowed_origins=origins,
+        allowed_origins=origins, **_engine_config_options(args),
     )
     return status or 0  # 1 when the engine could not continue
 

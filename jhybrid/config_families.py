@@ -7,9 +7,10 @@ Each parser reads an HF `config.json` dict into the one `ModelConfig`; the per-l
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from jhybrid.config import ModelConfig
+if TYPE_CHECKING:  # each parser is handed the class (`cls`): config.py imports this module when it parses
+    from jhybrid.config import ModelConfig
 
 
 def _eos(hf: dict[str, Any]) -> tuple[int, ...]:

@@ -58,7 +58,7 @@ def ours_fp32(heldout_windows) -> np.ndarray:
 def _logits(dtype: str, windows: list[list[int]]) -> np.ndarray:
     """jhybrid's logits of every input token of every window, [windows, WINDOW, vocab] float64."""
     from jhybrid.checkpoint import load_model
-    from jhybrid.engine.generate import SequenceRunner
+    from tests.runner_helpers import SequenceRunner
 
     cfg, params = load_model(MODEL, dtype=dtype)
     runner = SequenceRunner(cfg, params, max_len=WINDOW)

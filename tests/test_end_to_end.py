@@ -63,7 +63,7 @@ def test_bf16_logits_err_like_hf_bf16(tiny_dir):
     from transformers import AutoModelForCausalLM
 
     from jhybrid.checkpoint import load_model
-    from jhybrid.engine.generate import SequenceRunner
+    from tests.runner_helpers import SequenceRunner
 
     ids = list(range(3, 40))
     ours, theirs = {}, {}

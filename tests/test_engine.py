@@ -11,7 +11,7 @@ import jhybrid
 from jhybrid import LLM, SamplingParams
 from jhybrid.checkpoint import load_model
 from tests.example_ckpt import write_example_checkpoint
-from jhybrid.engine.generate import LoadedModel
+from jhybrid.model_loader import LoadedModel
 from tests.hf_models import make_qwen3_5
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

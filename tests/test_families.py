@@ -41,9 +41,10 @@ from jhybrid.cache import CacheConfig, init_state
 from jhybrid.checkpoint import load_model
 from jhybrid.checkpoint_summary import summarize
 from jhybrid.cli import main as cli_main
-from jhybrid.engine.generate import LoadedModel, SequenceRunner
+from jhybrid.model_loader import LoadedModel
 from jhybrid.models.params import flatten_params
 from tests.hf_models import make_bamba, make_granitemoehybrid, make_minimax, make_nemotron_h
+from tests.runner_helpers import SequenceRunner
 
 # name -> (builder, prefill tolerance: relative error of the logits against HF)
 FAMILIES = {

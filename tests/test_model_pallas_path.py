@@ -12,7 +12,7 @@ import pytest
 
 from jhybrid.checkpoint import load_model
 from tests.example_ckpt import write_example_checkpoint
-from jhybrid.engine.generate import SequenceRunner
+from tests.runner_helpers import SequenceRunner
 
 
 

@@ -19,8 +19,9 @@ import torch
 
 import jhybrid
 from jhybrid.checkpoint import load_model
-from jhybrid.engine.generate import LoadedModel, SequenceRunner
+from jhybrid.model_loader import LoadedModel
 from tests.hf_models import make_llama, make_qwen3, make_qwen3_5, make_qwen3_next
+from tests.runner_helpers import SequenceRunner
 
 FAMILIES = {
     "qwen3_next_moe": lambda p: make_qwen3_next(p, moe=True, seed=1),

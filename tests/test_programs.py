@@ -10,7 +10,7 @@ import pytest
 from jhybrid import LLM, SamplingParams
 from jhybrid.checkpoint import load_model
 from jhybrid.engine.compilation import CompileWatch
-from jhybrid.engine.generate import LoadedModel
+from jhybrid.model_loader import LoadedModel
 from tests.hf_models import make_qwen3_5
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)

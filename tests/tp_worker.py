@@ -74,7 +74,7 @@ def family_config(name: str):
 
 
 def _model(name: str, seed: int = 0):
-    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.model_loader import LoadedModel
     from jhybrid.models.params import init_params
 
     cfg = family_config(name)
@@ -236,7 +236,7 @@ def from_checkpoints(tp: int) -> dict:
 
     from converters.convert import convert
     from jhybrid import LLM, SamplingParams
-    from jhybrid.engine.generate import load
+    from jhybrid.model_loader import load
     from tests.example_ckpt import write_example_checkpoint
 
     out: dict = {}
@@ -261,7 +261,7 @@ def replicated_kv(tp: int) -> dict:
     import dataclasses
 
     from jhybrid import LLM, SamplingParams
-    from jhybrid.engine.generate import LoadedModel
+    from jhybrid.model_loader import LoadedModel
     from jhybrid.models.params import init_params
     from jhybrid.parallel import shard_fraction
 

@@ -1,4 +1,5 @@
-"""The offline API: `jhybrid.LLM(model).generate(prompts, SamplingParams(...))` and `.stream(...)`."""
+"""The offline API: `jhybrid.LLM(model).generate(prompts, SamplingParams(...))` and `.stream(...)`, and
+`jhybrid.generate(model, prompts)`, a one-call wrapper over `LLM`."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from jhybrid.engine.engine_config import EngineConfig, engine_config
 from jhybrid.engine.llm_engine import LLMEngine
 from jhybrid.engine.sampling import SamplingParams
+from jhybrid.model_loader import LoadedModel, load
 
 
 @dataclasses.dataclass
@@ -42,63 +45,16 @@ class LLM:
 
     Args:
       model: an HF or converted checkpoint directory (or a `LoadedModel`).
-      dtype: parameter and KV dtype ("bfloat16", "float32", "float16"; None: the checkpoint's).
-      max_num_seqs: sequences running at once (state slots).
-      max_model_len: longest sequence (prompt + output); default min(model's context, 4096).
-      block_size: tokens per KV page.
-      num_kv_blocks: KV pages; None lets the memory planner size the pool from `memory_fraction`.
-      memory_fraction: share of free device memory for the KV pool and the state slots.
-      seed: seeds requests that give none.
-      max_num_batched_tokens: token budget of one step (chunked prefill splits longer prompts).
-      tensor_parallel_size: devices to shard the model over (a "tp" mesh over the first N of
-        `jax.devices()`; `jhybrid.parallel`); N must divide the head counts.
-      host_kv_memory_gb: host memory (GiB) for the KV and state of preempted sequences; 0: no host tier.
-      preemption_mode: "auto" (swap to the host tier when the cost model says it is cheaper than recomputing),
-        "swap" (whenever the host tier has room) or "recompute"; without a host tier, always recompute.
-      swap_bandwidth_gbps, prefill_tokens_per_s: the cost model's rates; None measures them at start.
-      swap_transfer: where swapped-out data waits: "pageable" (default; the host tier's NumPy arrays) or
-        "pinned" (JAX's page-locked pinned_host memory, as JAX arrays, until swapped back in).
-      kv_offload: "off" (default), "cpu" or "copy": running sequences may keep their oldest KV blocks in the
-        host tier (needs host_kv_memory_gb > 0) instead of being preempted; attention over them runs on the
-        CPU ("cpu") or on the GPU over copies sent each step ("copy"). `offload_overlap` pipelines the CPU
-        part with the GPU's work (two sub-batches); `offload_threads` CPU attention workers. Blocks are
-        offloaded so that running sequences need not be preempted; `offload_admission` also offloads to
-        admit waiting ones (off by default: slower than waiting on the H200, benchmarks/RESULTS.md).
-      offload_policy: "cost" (default): offload only where the cost model prices the rest of the sequence's
-        host attention below the preemption it avoids; "always": whenever a running sequence would
-        otherwise be preempted (on the H200 that ran 13x slower than recomputing, benchmarks/RESULTS.md).
-      max_prefill_tokens_with_decodes: prefill tokens a step that carries decode rows may take beside them
-        (default None: up to `max_num_batched_tokens`). Smaller keeps running requests' inter-token latency
-        lower while prompts arrive, at a price: on the H200 a mixed step costs about 10 ms however few its
-        prefill tokens, so a cap of 256 cut throughput at 64 streams from 8.2k to 3.0k tokens/s
-        (benchmarks/RESULTS.md).
-      warmup: compile every step program the scheduler can produce at start, on several threads
-        (`LLMEngine.warmup`; sampling settings are runtime arrays, so this is the whole set), instead of the
-        first time each is needed; then no step compiles.
+      config: the engine options, an `EngineConfig` (default: its defaults).
+      **options: `EngineConfig` fields that replace `config`'s, e.g.
+        `LLM(path, dtype="float32", max_num_seqs=64, max_model_len=4096)`. Each field's `help` metadata says
+        what it does (`jhybrid serve --help` prints them all).
     """
 
-    def __init__(self, model: str | os.PathLike | Any, *, dtype: str | None = "bfloat16", max_num_seqs: int = 16,
-                 max_model_len: int | None = None, block_size: int = 16, num_kv_blocks: int | None = None,
-                 memory_fraction: float = 0.9, seed: int = 0, max_num_batched_tokens: int | None = None,
-                 tensor_parallel_size: int = 1,
-                 host_kv_memory_gb: float = 0.0, preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None,
-                 prefill_tokens_per_s: float | None = None, swap_transfer: str = "pageable", kv_offload: str = "off",
-                 offload_overlap: bool = True, offload_threads: int | None = None, offload_admission: bool = False,
-                 offload_policy: str = "cost", max_prefill_tokens_with_decodes: int | None = None,
-                 warmup: bool = False):
-        from jhybrid.engine.generate import load
-
-        self.model = load(model, dtype, host=tensor_parallel_size > 1)
-        self.engine = LLMEngine(self.model, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                block_size=block_size, num_kv_blocks=num_kv_blocks, memory_fraction=memory_fraction,
-                                seed=seed, max_num_batched_tokens=max_num_batched_tokens,
-                                tensor_parallel_size=tensor_parallel_size,
-                                host_kv_memory_gb=host_kv_memory_gb, preemption_mode=preemption_mode,
-                                swap_bandwidth_gbps=swap_bandwidth_gbps, prefill_tokens_per_s=prefill_tokens_per_s,
-                                swap_transfer=swap_transfer, kv_offload=kv_offload, offload_overlap=offload_overlap,
-                                offload_threads=offload_threads, offload_admission=offload_admission,
-                                offload_policy=offload_policy,
-                                max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes, warmup=warmup)
+    def __init__(self, model: str | os.PathLike | LoadedModel, config: EngineConfig | None = None, /, **options: Any):
+        config = engine_config(config, **options)
+        self.model = load(model, config.dtype, host=config.tensor_parallel_size > 1)
+        self.engine = LLMEngine(self.model, config)
         self._ids = itertools.count()
 
     @property
@@ -161,3 +117,42 @@ class LLM:
         """Runs the engine until nothing is in flight (after aborts)."""
         while self.engine.has_unfinished() and not self.engine.scheduler.has_work():
             self.engine.step()
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    """`n` rounded up to a power of two, at least `minimum`."""
+    return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def generate(
+    model: str | os.PathLike | LoadedModel,
+    prompts: Sequence[str | Sequence[int]],
+    *,
+    max_tokens: int = 16,
+    temperature: float = 0.0,
+    dtype: str | None = None,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    max_num_batched_tokens: int | None = None,
+):
+    """Generates a continuation of each prompt (a string, or a list of token ids): a thin wrapper over
+    `jhybrid.LLM`. Greedy when `temperature == 0`. Stops at `max_tokens` or at an EOS id of the checkpoint
+    (config / generation_config.json) unless `ignore_eos`. Raises ValueError if any prompt is invalid.
+    """
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, seed=seed)
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # one prompt given bare
+    m = load(model, dtype)
+    lengths = [len(p) if not isinstance(p, str) else (len(m.tokenizer.encode(p)) if m.tokenizer else 1) for p in prompts]
+    context = m.cfg.max_position_embeddings
+    needed = max(lengths, default=1) + max_tokens
+    if needed > context:
+        raise ValueError(f"prompt ({max(lengths)} tokens) + max_tokens ({max_tokens}) exceeds the model's context ({context})")
+    max_model_len = min(context, _bucket(needed, minimum=64))
+    llm = LLM(m, dtype=None, max_num_seqs=min(16, max(1, len(prompts))), max_model_len=max_model_len, seed=seed,
+              max_num_batched_tokens=max_num_batched_tokens)
+    outputs = llm.generate(list(prompts), params)
+    for i, out in enumerate(outputs):
+        if out.error:
+            raise ValueError(f"prompt {i}: {out.error}")
+    return outputs

@@ -30,9 +30,10 @@ import numpy as np
 from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
 from jhybrid.cache.host_tier import HostTier, SwapCostModel, plan_host_tier
 from jhybrid.cache.planner import plan_cache
+from jhybrid.engine.engine_config import EngineConfig, engine_config
 from jhybrid.engine.runner import ModelRunner, StepResult
 from jhybrid.engine.sampling import SamplingParams
-from jhybrid.engine.scheduler import OFFLOAD_POLICIES, Scheduler
+from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
 from jhybrid.engine.swap import Swapper, check_transfer, measure_prefill_rate, measure_transfer_bandwidth
 from jhybrid.engine.offload import HostAttention, Offloader, OffloadStats
@@ -51,23 +52,13 @@ def _tp_free_bytes(tensor_parallel_size: int) -> int | None:
 
 
 class LLMEngine:
-    def __init__(self, model, *, max_num_seqs: int = 16, max_model_len: int | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, memory_fraction: float = 0.9, seed: int = 0,
-                 tensor_parallel_size: int = 1,
-                 max_num_batched_tokens: int | None = None, host_kv_memory_gb: float = 0.0,
-                 preemption_mode: str = "auto", swap_bandwidth_gbps: float | None = None, swap_transfer: str = "pageable",
-                 prefill_tokens_per_s: float | None = None, kv_offload: str = "off", offload_admission: bool = False,
-                 offload_overlap: bool = True, offload_threads: int | None = None, offload_policy: str = "cost",
-                 max_prefill_tokens_with_decodes: int | None = None, warmup: bool = False):
+    """The engine over a loaded model. `config` holds the options (`EngineConfig`; `options` replace its fields,
+    e.g. `LLMEngine(model, max_num_seqs=8)`); `config.dtype` is not used (the model is loaded already)."""
+
+    def __init__(self, model, config: EngineConfig | None = None, /, **options: Any):
+        config = self.config = engine_config(config, **options)
         cfg = model.cfg
-        if kv_offload not in ("off", "cpu", "copy"):
-            raise ValueError(f"unknown {kv_offload=}; choose 'off', 'cpu' or 'copy'")
-        if offload_policy not in OFFLOAD_POLICIES:
-            raise ValueError(f"unknown {offload_policy=}; choose one of {OFFLOAD_POLICIES}")
-        if kv_offload != "off" and not host_kv_memory_gb > 0:
-            raise ValueError(f"{kv_offload=} keeps KV blocks in the host tier: set host_kv_memory_gb > 0")
-        if kv_offload != "off" and tensor_parallel_size > 1:
-            raise ValueError(f"{kv_offload=} is not supported with {tensor_parallel_size=}: use kv_offload='off'")
+        tensor_parallel_size = config.tensor_parallel_size
         from jhybrid.parallel import kv_replication, make_mesh, replicate_kv_heads, validate_tensor_parallel
 
         validate_tensor_parallel(cfg, tensor_parallel_size)  # before any planning: a bad N names the counts
@@ -80,39 +71,39 @@ class LLMEngine:
         self.model = model
         self.tokenizer = model.tokenizer
         self.eos_token_ids = frozenset(model.eos_token_ids)
-        max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+        max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"{max_model_len=} exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})")
-        if max_num_seqs < 1 or block_size < 1:
-            raise ValueError(f"need max_num_seqs >= 1 and block_size >= 1, got {max_num_seqs=} {block_size=}")
+        max_num_seqs, block_size = config.max_num_seqs, config.block_size
         self.max_model_len = max_model_len
-        max_num_batched_tokens = max_num_batched_tokens or max(512, min(2048, max_model_len))
+        max_num_batched_tokens = config.max_num_batched_tokens or max(512, min(2048, max_model_len))
         kv_dtype = np.dtype(model.params["embed"].dtype).name
         self.cache = plan_cache(cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-                                kv_dtype=kv_dtype, num_kv_blocks=num_kv_blocks, memory_fraction=memory_fraction,
-                                free_bytes=_tp_free_bytes(tensor_parallel_size))
+                                kv_dtype=kv_dtype, num_kv_blocks=config.num_kv_blocks,
+                                memory_fraction=config.memory_fraction, free_bytes=_tp_free_bytes(tensor_parallel_size))
         self.blocks = BlockAllocator(self.cache.num_blocks, block_size)
         self.slots = SlotAllocator(self.cache.num_slots)
         self.runner = ModelRunner(cfg, model.params, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  max_num_batched_tokens=max_num_batched_tokens, seed=seed, mesh=self.mesh)
+                                  max_num_batched_tokens=max_num_batched_tokens, seed=config.seed, mesh=self.mesh)
+        kv_offload = config.kv_offload
         self.host, self.swapper, self.cost_model = self._host_tier(
-            host_kv_memory_gb, preemption_mode, swap_bandwidth_gbps, prefill_tokens_per_s, max_num_seqs,
-            max_num_batched_tokens, swap_transfer, needs_cost=kv_offload != "off" and offload_policy == "cost")
+            config, max_num_batched_tokens, needs_cost=kv_offload != "off" and config.offload_policy == "cost")
         self.host_attn = self.offloader = None
         if kv_offload != "off":
             import os
 
-            threads = offload_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
-            self.host_attn = HostAttention(cfg, self.host, kv_offload, overlap=offload_overlap, num_threads=threads)
+            threads = config.offload_threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+            self.host_attn = HostAttention(cfg, self.host, kv_offload, overlap=config.offload_overlap,
+                                           num_threads=threads)
             self.offloader = Offloader(self.host, self.host_attn.stats)
             self.runner.host_attn = self.host_attn
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                    host=self.host, cost_model=self.cost_model,
-                                   preemption_mode=preemption_mode if self.host is not None else "recompute",
-                                   kv_offload=kv_offload, offload_admission=offload_admission,
-                                   offload_policy=offload_policy,
-                                   max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes)
+                                   preemption_mode=config.preemption_mode if self.host is not None else "recompute",
+                                   kv_offload=kv_offload, offload_admission=config.offload_admission,
+                                   offload_policy=config.offload_policy,
+                                   max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes)
         self.requests: dict[Any, Sequence] = {}
         self._prev: StepResult | None = None
         self._arrivals = 0
@@ -125,7 +116,7 @@ class LLMEngine:
                            host_postprocess_seconds=0.0, device_wait_seconds=0.0)
         log.info("KV pool: %d blocks of %d tokens; %d state slots", self.cache.num_blocks - 1, block_size,
                  self.cache.num_slots - 1)
-        if warmup:
+        if config.warmup:
             self.warmup()
 
     def warmup(self, progress: bool = True, threads: int | None = None) -> int:
@@ -159,25 +150,20 @@ class LLMEngine:
                  len(grid), time.perf_counter() - t0)
         return compiled
 
-    def _host_tier(self, host_kv_memory_gb, mode, bandwidth_gbps, prefill_rate, max_num_seqs, max_num_batched_tokens,
-                   transfer, needs_cost=False):
-        if mode not in ("auto", "swap", "recompute"):
-            raise ValueError(f"unknown preemption_mode={mode!r}; choose 'auto', 'swap' or 'recompute'")
-        check_transfer(transfer)
-        if host_kv_memory_gb < 0:
-            raise ValueError(f"{host_kv_memory_gb=} must be >= 0 (0: no host tier)")
+    def _host_tier(self, config: EngineConfig, max_num_batched_tokens: int, needs_cost: bool = False):
+        host_kv_memory_gb, mode, transfer = config.host_kv_memory_gb, config.preemption_mode, config.swap_transfer
+        check_transfer(transfer)  # pinned_host memory: does this backend have it?
         if not host_kv_memory_gb:
-            if mode == "swap":
-                raise ValueError("preemption_mode='swap' needs a host tier: set host_kv_memory_gb > 0")
             return None, None, None
         host = HostTier(self.model.cfg, plan_host_tier(self.model.cfg, self.cache, host_kv_memory_gb=host_kv_memory_gb,
-                                                        max_num_seqs=max_num_seqs))
+                                                        max_num_seqs=config.max_num_seqs))
         cost = None
         if mode == "auto" or needs_cost:
-            if bandwidth_gbps is not None:
-                h2d = d2h = bandwidth_gbps * 1e9
+            if config.swap_bandwidth_gbps is not None:
+                h2d = d2h = config.swap_bandwidth_gbps * 1e9
             else:
                 h2d, d2h = measure_transfer_bandwidth(transfer=transfer)
+            prefill_rate = config.prefill_tokens_per_s
             if prefill_rate is None:
                 prefill_rate = measure_prefill_rate(self.runner, min(max_num_batched_tokens, self.max_model_len - 1))
             cost = SwapCostModel(h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, prefill_tokens_per_s=prefill_rate)

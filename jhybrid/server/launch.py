@@ -21,6 +21,7 @@ from typing import Any
 
 import uvicorn
 
+from jhybrid.engine.engine_config import EngineConfig, engine_config
 from jhybrid.server.app import ServerConfig, create_app
 from jhybrid.server.async_engine import AsyncEngine
 from jhybrid.server.chat_template import load_chat_template
@@ -29,14 +30,18 @@ from jhybrid.server.http import header_timeout_protocol
 log = logging.getLogger("jhybrid.server")
 
 
-def build_engine(model: str, *, dtype: str | None = None, served_model_name: str | None = None,
-                 max_waiting_requests: int = 1024, max_queued_tokens: int = 1 << 20, **engine_kwargs: Any) -> AsyncEngine:
-    """Loads `model` and wraps an `LLMEngine` over it in a (not yet started) `AsyncEngine`.
-    `engine_kwargs` are `LLMEngine`'s: max_num_seqs, max_model_len, block_size, num_kv_blocks, ..."""
-    from jhybrid.engine.generate import load
+def build_engine(model: str, config: EngineConfig | None = None, /, *, served_model_name: str | None = None,
+                 max_waiting_requests: int = 1024, max_queued_tokens: int = 1 << 20, **options: Any) -> AsyncEngine:
+    """Loads `model` and wraps an `LLMEngine` over it in a (not yet started) `AsyncEngine`. `config` holds the
+    engine options and `options` replace its fields (`EngineConfig`: dtype, max_num_seqs, max_model_len, ...);
+    without a `config`, `dtype` defaults to None (the checkpoint's), as in `jhybrid serve`."""
+    from jhybrid.model_loader import load
     from jhybrid.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(load(model, dtype, host=engine_kwargs.get("tensor_parallel_size", 1) > 1), **engine_kwargs)
+    if config is None:
+        options.setdefault("dtype", None)
+    config = engine_config(config, **options)
+    engine = LLMEngine(load(model, config.dtype, host=config.tensor_parallel_size > 1), config)
     return AsyncEngine(engine, model_name=served_model_name or model, max_waiting_requests=max_waiting_requests,
                        max_queued_tokens=max_queued_tokens)
 
@@ -110,13 +115,14 @@ def is_loopback(host: str) -> bool:
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, chat_template: str | None = None, max_body_bytes: int = 1 << 20,
-          log_level: str = "info", dtype: str | None = None, max_seqs_per_request: int = 128,
-          max_waiting_requests: int = 1024, max_queued_tokens: int = 1 << 20, shutdown_timeout: float = 30.0,
-          header_timeout: float = 10.0, body_timeout: float = 30.0, allowed_origins: tuple[str, ...] = (),
-          compilation_cache_dir: str | None = None, **engine_kwargs: Any) -> int:
+          log_level: str = "info", max_seqs_per_request: int = 128, max_waiting_requests: int = 1024,
+          max_queued_tokens: int = 1 << 20, shutdown_timeout: float = 30.0, header_timeout: float = 10.0,
+          body_timeout: float = 30.0, allowed_origins: tuple[str, ...] = (), compilation_cache_dir: str | None = None,
+          engine_config: EngineConfig | None = None, **engine_options: Any) -> int:
     """Loads the model and serves it until SIGTERM / SIGINT (binds to loopback unless `host` says otherwise).
-    `compilation_cache_dir`: JAX's persistent compilation cache (None: off); with `warmup=True` (the CLI's
-    default) every step program is compiled, or loaded from that cache, before the server listens.
+    `engine_config` and `engine_options` are the engine's options, as in `build_engine` (dtype, max_num_seqs,
+    ...). `compilation_cache_dir`: JAX's persistent compilation cache (None: off); with `warmup=True` (the
+    CLI's default) every step program is compiled, or loaded from that cache, before the server listens.
     Returns the exit status: 0 after a graceful shutdown, 1 when the engine could not continue."""
     # the engine thread dispatches steps while the event loop writes streams: let it take the GIL back within
     # 1 ms rather than Python's default 5 ms, or a busy event loop delays every step
@@ -130,8 +136,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     config = ServerConfig(model_names=(name,), api_key=api_key, chat_template=template, max_body_bytes=max_body_bytes,
                           max_seqs_per_request=max_seqs_per_request, body_timeout=body_timeout,
                           allowed_origins=tuple(allowed_origins))
-    engine = build_engine(model, dtype=dtype, served_model_name=name, max_waiting_requests=max_waiting_requests,
-                          max_queued_tokens=max_queued_tokens, **engine_kwargs)
+    engine = build_engine(model, engine_config, served_model_name=name, max_waiting_requests=max_waiting_requests,
+                          max_queued_tokens=max_queued_tokens, **engine_options)
     if not is_loopback(host) and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach this port can use the model", host)
     if template is None:

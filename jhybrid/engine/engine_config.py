@@ -1,0 +1,143 @@
+"""`EngineConfig`: every engine option in one frozen dataclass, validated once, on construction.
+
+`jhybrid.LLM(model, **options)`, `LLMEngine(model, config)`, `jhybrid.server.build_engine` / `serve` and the
+command line all take it: the CLI's engine flags (`--max-num-seqs` for `max_num_seqs`, ...) are generated
+from these fields, their types and their `help` metadata, so an option is added here and nowhere else.
+Checks that need the model (`max_model_len` against its context, `tensor_parallel_size` against its head
+counts) and the device (`swap_transfer="pinned"` needs pinned host memory) run when the engine is built.
+
+    config = EngineConfig(max_num_seqs=64, max_model_len=4096)
+    llm = jhybrid.LLM("path/to/checkpoint", config)                  # or jhybrid.LLM(path, max_num_seqs=64, ...)
+    engine_config(config, warmup=True)                               # a copy with fields replaced, validated
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+from jhybrid.engine.scheduler import KV_OFFLOAD_MODES, OFFLOAD_POLICIES, PREEMPTION_MODES
+from jhybrid.engine.swap import TRANSFERS
+
+
+def _option(default: Any, help: str, *, metavar: str | None = None, choices: tuple | None = None,
+            none: str | None = None, group: str = "engine") -> Any:
+    """A field with what the CLI needs: `help`, `metavar`, `choices`, `group` (its section in `--help`) and
+    `none` (what a None default means)."""
+    return dataclasses.field(default=default, metadata=dict(help=help, metavar=metavar, choices=choices, none=none,
+                                                            group=group))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """The engine's options (each field's `help` metadata says what it does; `jhybrid serve --help` prints
+    them). Raises ValueError naming the option when a value, or a combination, is invalid."""
+
+    dtype: str | None = _option(
+        "bfloat16", "parameter and KV dtype, float32 | bfloat16 | float16, when the model is loaded from a directory",
+        metavar="D", none="the checkpoint's")
+    max_num_seqs: int = _option(16, "sequences running at once (one state slot each)", metavar="N")
+    max_model_len: int | None = _option(None, "longest sequence, prompt + output", metavar="N",
+                                        none="min(model context, 4096)")
+    block_size: int = _option(16, "tokens per KV block", metavar="N")
+    num_kv_blocks: int | None = _option(None, "KV blocks in the device pool", metavar="N",
+                                        none="what --memory-fraction leaves after the state slots")
+    memory_fraction: float = _option(0.9, "share of free device memory for the KV pool and the state slots",
+                                     metavar="F")
+    max_num_batched_tokens: int | None = _option(
+        None, "token budget of one step (longer prompts are prefilled in chunks)", metavar="N",
+        none="max(512, min(2048, max_model_len))")
+    max_prefill_tokens_with_decodes: int | None = _option(
+        None, "prefill tokens a step that carries decode rows may take beside them: smaller lowers running "
+        "streams' inter-token latency while prompts arrive, at a cost in throughput (a mixed step costs about the "
+        "same however few its prefill tokens; benchmarks/RESULTS.md)", metavar="N", none="the step's whole budget")
+    seed: int = _option(0, "seed of requests that give none", metavar="N")
+    host_kv_memory_gb: float = _option(
+        0.0, "host memory (GiB) for the KV blocks and state slots of preempted sequences; 0: no host tier",
+        metavar="G", group="host memory tier")
+    preemption_mode: str = _option(
+        "auto", "what a preempted sequence does: swap to the host tier (whenever it has room), recompute its tokens "
+        "when it resumes, or auto: swap where the cost model prices it below recomputing; without a host tier it "
+        "always recomputes", choices=PREEMPTION_MODES, group="host memory tier")
+    swap_transfer: str = _option(
+        "pageable", "where swapped-out KV and state wait: the host tier's pageable NumPy arrays, or JAX's page-locked "
+        "pinned_host memory (as JAX arrays, until swapped back in)", choices=TRANSFERS, group="host memory tier")
+    swap_bandwidth_gbps: float | None = _option(
+        None, "the cost model's host-device bandwidth in GB/s", metavar="GBPS", none="measured at start",
+        group="host memory tier")
+    prefill_tokens_per_s: float | None = _option(
+        None, "the cost model's prefill rate in tokens/s", metavar="R", none="measured at start",
+        group="host memory tier")
+    kv_offload: str = _option(
+        "off", "let running sequences keep their oldest KV blocks in the host tier instead of being preempted "
+        "(needs --host-kv-memory-gb), attending over them on the CPU (cpu) or over copies sent to the GPU each step "
+        "(copy); where each wins: benchmarks/RESULTS.md", choices=KV_OFFLOAD_MODES, group="host memory tier")
+    offload_policy: str = _option(
+        "cost", "with --kv-offload: offload only where the cost model prices the rest of the sequence's host "
+        "attention below the preemption it avoids (cost), or whenever a running sequence would otherwise be "
+        "preempted (always; far slower than recomputing in benchmarks/RESULTS.md)", choices=OFFLOAD_POLICIES,
+        group="host memory tier")
+    offload_overlap: bool = _option(
+        True, "with --kv-offload cpu: pipeline the CPU attention with the GPU's work (two sub-batches)",
+        group="host memory tier")
+    offload_threads: int | None = _option(None, "with --kv-offload cpu: CPU attention workers", metavar="N",
+                                          none="half the CPU cores, at most 8", group="host memory tier")
+    offload_admission: bool = _option(
+        False, "with --kv-offload: also offload to admit waiting sequences, not only to keep running ones "
+        "(slower than waiting in benchmarks/RESULTS.md)", group="host memory tier")
+    tensor_parallel_size: int = _option(
+        1, "shard the model over N devices (a tensor-parallel mesh over the first N; N must divide the head counts)",
+        metavar="N", group="parallelism")
+    warmup: bool = _option(
+        False, "compile every step program the scheduler can produce at start, on several threads, then never "
+        "compile on the request path (sampling settings are runtime arrays, so that is the whole set); without "
+        "it, a step waits for the compile of each shape the first time it meets it", group="compilation")
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+            _check_count(name, getattr(self, name))
+        for name in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prefill_tokens_with_decodes",
+                     "offload_threads"):
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name), " (or None: the default)")
+        for name, choices in (("preemption_mode", PREEMPTION_MODES), ("swap_transfer", TRANSFERS),
+                              ("kv_offload", KV_OFFLOAD_MODES), ("offload_policy", OFFLOAD_POLICIES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"unknown {name}={getattr(self, name)!r}; choose one of {choices}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not self.host_kv_memory_gb >= 0:
+            raise ValueError(f"host_kv_memory_gb={self.host_kv_memory_gb} must be >= 0 (0: no host tier)")
+        for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0 (or None: measured at start)")
+        if self.preemption_mode == "swap" and not self.host_kv_memory_gb:
+            raise ValueError("preemption_mode='swap' needs a host tier: set host_kv_memory_gb > 0")
+        if self.kv_offload != "off" and not self.host_kv_memory_gb > 0:
+            raise ValueError(f"kv_offload={self.kv_offload!r} keeps KV blocks in the host tier: set host_kv_memory_gb > 0")
+        if self.kv_offload != "off" and self.tensor_parallel_size > 1:
+            raise ValueError(f"kv_offload={self.kv_offload!r} is not supported with "
+                             f"tensor_parallel_size={self.tensor_parallel_size}: use kv_offload='off'")
+
+
+def _check_count(name: str, value: Any, note: str = "") -> None:
+    try:
+        ok = not isinstance(value, bool) and operator.index(value) >= 1
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be an integer >= 1{note}, got {value!r}")
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def engine_config(config: EngineConfig | None = None, /, **options: Any) -> EngineConfig:
+    """`config` (default: `EngineConfig()`) with the named fields replaced, validated. An unknown name raises
+    TypeError listing the options."""
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; EngineConfig has: {', '.join(OPTION_NAMES)}")
+    config = config if config is not None else EngineConfig()
+    return dataclasses.replace(config, **options) if options else config
