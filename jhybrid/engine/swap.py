@@ -7,9 +7,9 @@ starts at once. With `transfer="pageable"` that is `copy_to_host_async`, and `fl
 data into the host tier's NumPy arrays (the engine flushes after it has read the previous step, and always
 before a swap in). With `transfer="pinned"` it is a device_put into JAX's page-locked pinned_host memory,
 and the entry's data *stays* there as JAX arrays until it is swapped in (`num_resident`). The NumPy
-arrays are not touched: on the H200, reading pinned memory into NumPy ran at 3 GB/s, against 50 GB/s for
-pinned transfers each way. The host tier's allocator still accounts for the entry's blocks and slot, so
-`host_kv_memory_gb` bounds both paths.
+arrays are not touched: reading pinned memory into NumPy is much slower than the pinned transfers
+themselves (benchmarks/RESULTS.md, host tier, session 5). The host tier's allocator still accounts for the
+entry's blocks and slot, so `host_kv_memory_gb` bounds both paths.
 
 Swap in (`Swapper.swap_in`): the entry's data (copied out of the NumPy arrays, or its pinned arrays put
 back on the device) is written into the sequence's new pages and slot by one jitted scatter, and the entry

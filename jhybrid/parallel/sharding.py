@@ -265,7 +265,8 @@ def init_sharded_state(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh) -> Hybr
 @functools.lru_cache(maxsize=8)
 def _state_maker(cfg: ModelConfig, cache: CacheConfig, mesh: Mesh):
     """One compiled zero-state maker per (model, cache, mesh): a fresh `jax.jit` of a fresh lambda would
-    recompile on every call (~0.1 s on the H200, which once passed for a slow TP prefill in benchmarks.tp)."""
+    recompile on every call, which once passed for a slow TP prefill in benchmarks.tp (benchmarks/RESULTS.md,
+    tensor parallelism, session 4)."""
     return jax.jit(functools.partial(init_state, cfg, cache), out_shardings=state_shardings(cfg, mesh))
 
 
