@@ -10,6 +10,7 @@ Triton lowering rejects fails CI; `test_lowering_check_can_fail` shows that it c
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +35,28 @@ from pallas_kernels.gated_delta_rule import (
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
 
 
-def lower_for_h200(fn, *args):
+# one Triton call in StableHLO: `custom_call @__gpu$xla.gpu.triton(...) {... ir = "<bytes>", name = "<name>", ...}`
+TRITON_CALL = re.compile(r'stablehlo\.custom_call @__gpu\$xla\.gpu\.triton\(.*? ir = "[^"]*", name = "([^"]*)"')
+
+
+def assert_triton_kernels(text: str, kernels: list[str]) -> None:
+    """The lowered StableHLO `text` calls exactly the Triton kernels `kernels` (regular expressions over the
+    `pallas_call` names, in program order). Kernel names carry the tuning parameters, so this also checks
+    which kernels a variant selects."""
+    names = TRITON_CALL.findall(text)
+    assert len(names) == len(kernels) and all(re.fullmatch(k, n) for k, n in zip(kernels, names)), (
+        f"Triton kernels {names}, expected {kernels}")
+
+
+def lower_for_h200(fn, *args, kernels: list[str]) -> str:
     """Lowers `jit(fn)(*args)` for CUDA under an abstract H200 mesh; returns the StableHLO text.
 
-    Pallas calls lower to Triton IR here, so unsupported block shapes or primitives raise."""
+    Pallas calls lower to Triton IR here, so unsupported block shapes or primitives raise. The program must
+    call exactly the Triton kernels `kernels` (`assert_triton_kernels`)."""
     specs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=H200)):
         text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text or "triton" in text, "no Triton kernel in the lowered program"
+    assert_triton_kernels(text, kernels)
     return text
 
 
@@ -66,9 +81,11 @@ def test_lowering_check_can_fail():
         )(x)
 
     x = jnp.zeros((48,), jnp.float32)
-    lower_for_h200(functools.partial(call, block=16), x)  # power of two: lowers
+    lower_for_h200(functools.partial(call, block=16), x, kernels=["bad"])  # power of two: lowers
     with pytest.raises(Exception, match="power of 2"):
-        lower_for_h200(functools.partial(call, block=24), x)
+        lower_for_h200(functools.partial(call, block=24), x, kernels=["bad"])
+    with pytest.raises(AssertionError, match="Triton kernels"):  # and a kernel other than the expected one fails
+        lower_for_h200(functools.partial(call, block=16), x, kernels=["good"])
 
 
 # ---------------------------------------------------------------- gated delta rule: decode
@@ -117,9 +134,10 @@ def test_fused_recurrent_lowers_for_h200():
     rng = np.random.default_rng(0)
     q, k, v, g, beta, state = _gdn_decode_inputs(rng, 8, 2, 4, 128, 128, 9, jnp.bfloat16)
     fn = functools.partial(fused_recurrent_gated_delta_rule, impl="pallas")
-    lower_for_h200(fn, q, k, v, g, beta, jnp.asarray(state), jnp.arange(8, dtype=jnp.int32))
+    kernels = [r"gdn_fused_recurrent_bv\d+_w\d+"]
+    lower_for_h200(fn, q, k, v, g, beta, jnp.asarray(state), jnp.arange(8, dtype=jnp.int32), kernels=kernels)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    lower_for_h200(fn, f32(q), f32(k), v, g, beta, jnp.asarray(state), jnp.arange(8, dtype=jnp.int32))
+    lower_for_h200(fn, f32(q), f32(k), v, g, beta, jnp.asarray(state), jnp.arange(8, dtype=jnp.int32), kernels=kernels)
 
 
 # ---------------------------------------------------------------- paged attention
@@ -181,8 +199,10 @@ def test_paged_decode_lowers_for_h200(h, kvh, d, per_page):
     fn = lambda *a: paged_attention(  # noqa: E731
         *a, cu_seqlens=cu, decode=True, impl="pallas", return_lse=True, sliding_window=64, per_page=per_page
     )
-    lower_for_h200(fn, *args)
-    lower_for_h200(fn, args[0].astype(jnp.float32), *args[1:])  # fp32 queries over bf16 pages (the model)
+    kernels = [rf"paged_decode_{'pp' if per_page else 'np'}\d+_ns\d+_gp\d+_w\d+_s\d+"]  # the page loop asked for
+    lower_for_h200(fn, *args, kernels=kernels)
+    # fp32 queries over bf16 pages (the model)
+    lower_for_h200(fn, args[0].astype(jnp.float32), *args[1:], kernels=kernels)
 
 
 # ---------------------------------------------------------------- gated delta rule: chunked prefill
@@ -244,6 +264,18 @@ def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, varian
     np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
 
 
+_WY, _SINGLE = r"gdn_chunk_wy_c\d+_bf16_w\d+", r"gdn_chunk_single_bv\d+_w\d+"
+_FUSED, _STATE = r"gdn_chunk_fused_c\d+_bv\d+_w\d+_s\d+", r"gdn_chunk_state_c\d+_bv\d+_w\d+_s\d+"
+_OUTPUT = r"gdn_chunk_output_c\d+_bv\d+_w\d+"
+CHUNK_KERNELS = {  # the kernels each variant lowers to: WY stage, sequential pass (+ output), one-token rows
+    "default": [_WY + "_gc_sc", _FUSED + "_gc_sc", _SINGLE],
+    "split_output": [_WY + "_gc", _STATE + "_gc", _OUTPUT + "_gc", _SINGLE],
+    "no_scores": [_WY + "_gc", _FUSED + "_gc", _SINGLE],
+    "scan": [_WY, _FUSED, _SINGLE],
+    "scan_split": [_WY, _STATE, _OUTPUT, _SINGLE],
+}
+
+
 @pytest.mark.parametrize("hv,dk,dv,variant", [(2, 128, 128, "default"), (4, 64, 128, "default"),
                                                (2, 128, 128, "split_output"), (2, 128, 128, "no_scores"),
                                                (2, 128, 128, "scan"), (2, 128, 128, "scan_split")])
@@ -251,6 +283,8 @@ def test_chunk_lowers_for_h200(hv, dk, dv, variant):
     rng = np.random.default_rng(2)
     q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, [100, 30], 2, hv, dk, dv, 4, jnp.bfloat16)
     fn = functools.partial(chunk_gated_delta_rule, impl="pallas", **CHUNK_VARIANTS[variant])
-    lower_for_h200(fn, q, k, v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32))
+    kernels = CHUNK_KERNELS[variant]
+    lower_for_h200(fn, q, k, v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32), kernels=kernels)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  the model passes fp32 q/k (l2-normed) with bf16 v
-    lower_for_h200(fn, f32(q), f32(k), v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32))
+    lower_for_h200(fn, f32(q), f32(k), v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32),
+                   kernels=kernels)

@@ -50,9 +50,10 @@ def test_paged_prefill_lowers_for_h200(h, kvh, d):
     args, cu = _with_padding(_paged_inputs(rng, [40, 17], [30, 17], h, kvh, d, 16, jnp.bfloat16), [40, 17], [30, 17])
     fn = lambda *a: paged_attention(*a, cu_seqlens=cu, decode=False, impl="pallas", return_lse=True,  # noqa: E731
                                     sliding_window=64)
-    lower_for_h200(fn, *args)
-    lower_for_h200(fn, args[0].astype(jnp.float32), *args[1:])  # fp32 queries over bf16 pages
+    kernel = r"paged_prefill_bq\d+_gp\d+_{}\d+_w\d+_s\d+"  # {}: "pp" per page, "np" one gathered key tile
+    lower_for_h200(fn, *args, kernels=[kernel.format("np")])
+    lower_for_h200(fn, args[0].astype(jnp.float32), *args[1:], kernels=[kernel.format("np")])  # fp32 q, bf16 pages
     for per_page in (True, False):  # no window (the models' case) and gathered page tiles
         plain = lambda *a: paged_attention(*a, cu_seqlens=cu, decode=False, impl="pallas",  # noqa: E731
                                            per_page=per_page, pages_per_block=4)
-        lower_for_h200(plain, *args)
+        lower_for_h200(plain, *args, kernels=[kernel.format("pp" if per_page else "np")])

@@ -284,16 +284,17 @@ def test_per_shard_pallas_kernels_lower_for_two_h200s():
     from jax.sharding import PartitionSpec as P
 
     from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, paged_attention
+    from tests.test_kernels_pallas import CHUNK_KERNELS, assert_triton_kernels
 
     mesh = AbstractMesh((2,), ("tp",), abstract_device=H200)
 
     def sds(shape, dtype, spec=P()):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
-    def lower(fn, *shapes, local: str):
+    def lower(fn, *shapes, local: str, kernels: list[str]):
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-        assert "triton" in text, "no Triton kernel in the lowered program"
+        assert_triton_kernels(text, kernels)
         manual = [line for line in text.splitlines() if "manual_computation" in line]
         assert manual and 'manual_axes={"tp"}' in manual[0], "no per-shard region"
         assert local in manual[0], f"per-shard operand {local} not in {manual[0][:400]}"
@@ -304,18 +305,20 @@ def test_per_shard_pallas_kernels_lower_for_two_h200s():
     pages = sds((p, bs, kvh, d), bf, pages_spec)
     lower(lambda q, kp, vp, bt, ts, pos: paged_attention(q, kp, vp, bt, ts, pos, impl="pallas", decode=True, mesh=mesh),
           sds((b, h, d), bf, heads), pages, pages, sds((b, m), i32), sds((b,), i32), sds((b,), i32),
-          local="tensor<4x4x64xbf16>")
+          local="tensor<4x4x64xbf16>", kernels=[r"paged_decode_pp\d+_ns\d+_gp\d+_w\d+_s\d+"])
     lower(lambda q, kp, vp, bt, ts, pos, cu: paged_attention(q, kp, vp, bt, ts, pos, impl="pallas", cu_seqlens=cu,
                                                              mesh=mesh),
           sds((t, h, d), bf, heads), pages, pages, sds((b, m), i32), sds((t,), i32), sds((t,), i32),
-          sds((b + 1,), i32), local="tensor<32x16x1x64xbf16>")
+          sds((b + 1,), i32), local="tensor<32x16x1x64xbf16>", kernels=[r"paged_prefill_bq\d+_gp\d+_np\d+_w\d+_s\d+"])
     hk, hv, k, v = 4, 8, 64, 64
     state = sds((s, hv, k, v), f32, P(None, "tp", None, None))
     qk, vv, gg = sds((t, hk, k), bf, heads), sds((t, hv, v), bf, heads), sds((t, hv), f32, P(None, "tp"))
     lower(lambda q, kk, v_, g, be, cu, st, sl: chunk_gated_delta_rule(q, kk, v_, g, be, cu, st, sl, impl="pallas",
                                                                        mesh=mesh),
-          qk, qk, vv, gg, gg, sds((b + 1,), i32), state, sds((b,), i32), local="tensor<5x4x64x64xf32>")
+          qk, qk, vv, gg, gg, sds((b + 1,), i32), state, sds((b,), i32), local="tensor<5x4x64x64xf32>",
+          kernels=CHUNK_KERNELS["default"])
     qd, vd, gd = sds((b, hk, k), bf, heads), sds((b, hv, v), bf, heads), sds((b, hv), f32, P(None, "tp"))
     lower(lambda q, kk, v_, g, be, st, sl: fused_recurrent_gated_delta_rule(q, kk, v_, g, be, st, sl, impl="pallas",
                                                                              mesh=mesh),
-          qd, qd, vd, gd, gd, state, sds((b,), i32), local="tensor<4x2x64xbf16>")
+          qd, qd, vd, gd, gd, state, sds((b,), i32), local="tensor<4x2x64xbf16>",
+          kernels=[r"gdn_fused_recurrent_bv\d+_w\d+"])
