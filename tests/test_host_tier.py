@@ -4,6 +4,7 @@ memory pressure (and HF), everything is returned, and moves of KV without state 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -217,11 +218,36 @@ def test_full_host_tier_falls_back_to_recompute(tiny):
     assert all(s.finish_reason == "length" and len(s.token_ids) == min(len(s.prompt_ids) + 30, 320) for s in seqs)
 
 
-def test_measured_cost_model(tiny):
+class FakeClock:
+    """`time.perf_counter` that advances by the given steps, one per call."""
+
+    def __init__(self, steps):
+        self.steps, self.now = iter(steps), 0.0
+
+    def perf_counter(self) -> float:
+        self.now += next(self.steps)
+        return self.now
+
+
+def test_measured_cost_model(tiny, monkeypatch):
+    """The engine's start-up probes turn their timings into the cost model's rates: bytes (tokens) over the
+    median time of the repeats after a warm-up. A fake clock gives each timed interval a chosen length: a
+    warm-up of 100 s, then host->device copies of 1, 2 and 4 s (median 2), device->host copies of 8, 16 and
+    32 s (median 16), prefills of 0.5 and 0.25 s (median 0.375); a warm-up counted or a direction swapped
+    changes a rate."""
+    from jhybrid.engine import swap
+
     _, model = tiny
-    llm = LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32, host_kv_memory_gb=0.001)
+    nbytes = inspect.signature(swap.measure_transfer_bandwidth).parameters["nbytes"].default
+    copies = [1.0, 100.0, 100.0] + [x for h2d, d2h in [(1, 8), (2, 16), (4, 32)] for x in (1.0, h2d, d2h)]
+    prefills = [1.0, 100.0] + [1.0, 0.5] + [1.0, 0.25]
+    with monkeypatch.context() as m:
+        m.setattr(swap, "time", FakeClock(copies + prefills))
+        llm = LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32,
+                  host_kv_memory_gb=0.001)
     cost = llm.engine.cost_model
-    assert cost.h2d_bytes_per_s > 0 and cost.d2h_bytes_per_s > 0 and cost.prefill_tokens_per_s > 0
+    assert (cost.h2d_bytes_per_s, cost.d2h_bytes_per_s) == (nbytes / 2, nbytes / 16)
+    assert cost.prefill_tokens_per_s == 32 / 0.375  # a row of min(max_num_batched_tokens, max_model_len - 1)
     # the probe wrote only into the null slot / page: a generation afterwards equals a fresh engine's
     params = SamplingParams(max_tokens=5, **GREEDY)
     fresh = LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32)
@@ -229,11 +255,13 @@ def test_measured_cost_model(tiny):
     assert llm.generate([p], params)[0].token_ids == fresh.generate([p], params)[0].token_ids
 
 
-def test_transfer_probe_through_pinned_memory_returns_the_data():
+def test_transfer_probe_through_pinned_memory_returns_the_data(monkeypatch):
     from jhybrid.engine import swap
 
-    h2d, d2h = swap.measure_transfer_bandwidth(1 << 20, repeats=1, transfer="pinned")
-    assert h2d > 0 and d2h > 0
+    with monkeypatch.context() as m:  # pinned: device->host (into pinned memory) is timed first, then back
+        m.setattr(swap, "time", FakeClock([1.0, 100.0, 100.0, 1.0, 4.0, 2.0]))
+        h2d, d2h = swap.measure_transfer_bandwidth(1 << 20, repeats=1, transfer="pinned")
+    assert (h2d, d2h) == ((1 << 20) / 2, (1 << 20) / 4)
     x = jnp.arange(1000, dtype=jnp.bfloat16)
     (pinned,) = jax.tree.leaves(swap._to_pinned((x,)))
     assert pinned.sharding.memory_kind == "pinned_host"
@@ -265,7 +293,8 @@ def test_plan_host_tier_sizes(tiny):
     host = HostTier(cfg, plan)
     assert plan.num_slots == 5 and host.bytes_total <= 0.05 * 2**30
     assert host.bytes_total + host.block_bytes > 0.05 * 2**30 - host.slot_bytes  # no whole block left unused
-    assert dataclasses.replace(plan, num_blocks=2).num_blocks == 2
+    with pytest.raises(ValueError, match="needs >= 2 blocks and slots"):  # the config validates itself
+        dataclasses.replace(plan, num_blocks=1)
     with pytest.raises(ValueError, match="host_kv_memory_gb"):
         plan_host_tier(cfg, cache, host_kv_memory_gb=0, max_num_seqs=4)
 
