@@ -1,7 +1,8 @@
 """Randomised property test of the scheduler and allocators (host only, no model).
 
-Hypothesis drives synthetic arrivals, engine steps (read one step behind, as the engine does), stops,
-aborts and the preemptions a small pool forces, and checks the invariants after every step: no block or
+Hypothesis drives synthetic arrivals, engine steps (read one step behind, as the engine does, through the
+engine's own token handling `LLMEngine._postprocess` on random "sampled" tokens: EOS, length and
+max_model_len stops), aborts and the preemptions a small pool forces, and checks the invariants after every step: no block or
 slot held twice, used counts equal what sequences hold, every fed token has KV room, every row's tokens
 are known on the host or sampled by the previous step, and in the end every request finished (with a
 reason) and everything is free. With a host tier (swap preemption), also: a swapped-out sequence holds
@@ -11,14 +12,35 @@ position it stopped, and the host allocators agree with the entries.
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
+
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
 from jhybrid.cache.host_tier import HostAllocator, SwapCostModel
+from jhybrid.engine.llm_engine import LLMEngine
 from jhybrid.engine.sampling import SamplingParams
-from jhybrid.engine.scheduler import Scheduler
+from jhybrid.engine.scheduler import Scheduler, SchedulerOutput
 from jhybrid.engine.sequence import Sequence, Status
+
+EOS = 0  # the token id that stops a sequence (unless it ignores EOS)
+
+
+class HostEngine(LLMEngine):
+    """The engine's host half without a model: its own `_postprocess` (append each sampling row's token unless
+    the sequence finished meanwhile, stop on EOS / stop ids / `max_tokens` / `max_model_len`) reads a step's
+    tokens, drawn at random from `vocab` ids (EOS among them) in place of a device's."""
+
+    def __init__(self, scheduler: Scheduler, max_model_len: int, rng: random.Random, vocab: int = 20):
+        self.scheduler, self.max_model_len, self.eos_token_ids = scheduler, max_model_len, frozenset({EOS})
+        self.rng, self.vocab = rng, vocab
+
+    def read(self, step: SchedulerOutput) -> None:
+        tokens = np.array([self.rng.randrange(self.vocab) for _ in step.rows])
+        self._postprocess(SimpleNamespace(sched=step), tokens, np.zeros(len(step.rows)), None, None)
 
 
 def check_invariants(sched: Scheduler, blocks: BlockAllocator, slots: SlotAllocator, all_seqs: list[Sequence],
@@ -55,22 +77,6 @@ def check_invariants(sched: Scheduler, blocks: BlockAllocator, slots: SlotAlloca
     assert len(sched.running) <= sched.max_num_seqs
 
 
-def read(prev, sched: Scheduler, rng, max_model_len: int):
-    """What the engine does with a step's sampled tokens: append, then stop or keep going."""
-    for row in prev.rows:
-        if not row.samples:
-            continue
-        seq = row.seq
-        seq.num_pending -= 1
-        if seq.is_finished:
-            continue
-        seq.token_ids.append(rng.randrange(100))
-        if rng.random() < 0.05:
-            sched.finish(seq, "stop")
-        elif len(seq.output_ids) >= seq.params.max_tokens or len(seq.token_ids) >= max_model_len:
-            sched.finish(seq, "length")
-
-
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     block_size=st.integers(1, 8),
@@ -85,8 +91,6 @@ def read(prev, sched: Scheduler, rng, max_model_len: int):
     host_slots=st.integers(2, 5),
 )
 def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, events, seed, mode, host_blocks, host_slots):
-    import random
-
     rng = random.Random(seed)
     max_model_len = 4 * block_size + rng.randrange(1, 40)
     num_blocks = -(-max_model_len // block_size) + 1 + extra_blocks  # always fits one full sequence
@@ -95,6 +99,7 @@ def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, event
     cost = SwapCostModel(h2d_bytes_per_s=1e3, d2h_bytes_per_s=1e3, prefill_tokens_per_s=rng.choice([1.0, 10.0, 1e3]))
     sched = Scheduler(blocks, slots, max_num_seqs=rng.randrange(1, num_slots), max_num_batched_tokens=budget,
                       max_model_len=max_model_len, host=host, preemption_mode=mode, cost_model=cost)
+    engine = HostEngine(sched, max_model_len, rng)
     seqs: list[Sequence] = []
     prev = None
 
@@ -120,14 +125,15 @@ def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, event
                 assert op.device_slot not in out.new_slots, "a restored slot would be zeroed"
                 host.release(op.entry.slot)
         if prev is not None:
-            read(prev, sched, rng, max_model_len)
+            engine.read(prev)
         prev = out if out is not None and out.rows else None
         check_invariants(sched, blocks, slots, seqs, host)
 
     for kind, value in events:
         if kind == "arrive":
             prompt = [value % 97] * (1 + value % (max_model_len - 1))
-            seqs.append(Sequence(len(seqs), prompt, SamplingParams(max_tokens=1 + value % 12)))
+            stop_ids = (value % 20,) if value % 3 == 0 else ()
+            seqs.append(Sequence(len(seqs), prompt, SamplingParams(max_tokens=1 + value % 12, stop_token_ids=stop_ids)))
             sched.add(seqs[-1])
         elif kind == "abort" and seqs:
             sched.finish(seqs[value % len(seqs)], "abort")
@@ -138,6 +144,13 @@ def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, event
             break
         step()
     assert all(s.is_finished and s.finish_reason in ("stop", "length", "abort") for s in seqs)
+    for s in seqs:  # each ended where the engine's stop rules say: at its first stop token, or at its length limit
+        out = s.output_ids
+        stops = [i for i, t in enumerate(out) if t == EOS or t in s.params.stop_token_ids]
+        if s.finish_reason == "stop":
+            assert stops == [len(out) - 1], f"{s}: stopped at {stops} of {out}"
+        elif s.finish_reason == "length":
+            assert not stops and (len(out) == s.params.max_tokens or len(s.token_ids) == max_model_len), (s, out)
     assert blocks.num_used == 0 and slots.num_used == 0
     assert all(s.num_pending == 0 for s in seqs)
     if host is not None:
@@ -148,23 +161,15 @@ def test_preemption_happens_and_recovers():
     """A pool too small for all running sequences preempts (recompute) and still finishes every request."""
     blocks, slots = BlockAllocator(12, 4), SlotAllocator(5)
     sched = Scheduler(blocks, slots, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40)
-    seqs = [Sequence(i, [1] * 10, SamplingParams(max_tokens=20)) for i in range(4)]
+    seqs = [Sequence(i, [1] * 10, SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(4)]
     for s in seqs:
         sched.add(s)
-    import random
-
-    rng, prev, preempted = random.Random(0), None, 0
+    engine, prev, preempted = HostEngine(sched, 40, random.Random(0)), None, 0
     while sched.has_work() or prev is not None:
         out = sched.schedule() if sched.has_work() else None
         preempted += len(out.preempted) if out else 0
         if prev is not None:
-            for row in prev.rows:
-                if row.samples:
-                    row.seq.num_pending -= 1
-                    if not row.seq.is_finished:
-                        row.seq.token_ids.append(rng.randrange(100))
-                        if len(row.seq.output_ids) >= 20:
-                            sched.finish(row.seq, "length")
+            engine.read(prev)
         prev = out if out is not None and out.rows else None
         check_invariants(sched, blocks, slots, seqs)
     assert preempted > 0
@@ -174,16 +179,14 @@ def test_preemption_happens_and_recovers():
 
 def test_swap_preemption_resumes_without_refeeding():
     """With room on the host, preempted sequences swap out and resume where they stopped: no token is fed twice."""
-    import random
-
     blocks, slots = BlockAllocator(12, 4), SlotAllocator(5)
     host = HostAllocator(64, 5, 4, block_bytes=100, slot_bytes=300)
     sched = Scheduler(blocks, slots, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40, host=host,
                       preemption_mode="swap")
-    seqs = [Sequence(i, [1] * 10, SamplingParams(max_tokens=20)) for i in range(4)]
+    seqs = [Sequence(i, [1] * 10, SamplingParams(max_tokens=20, ignore_eos=True)) for i in range(4)]
     for s in seqs:
         sched.add(s)
-    rng, prev, fed = random.Random(0), None, {s.seq_id: 0 for s in seqs}
+    engine, prev, fed = HostEngine(sched, 40, random.Random(0)), None, {s.seq_id: 0 for s in seqs}
     while sched.has_work() or prev is not None:
         out = sched.schedule() if sched.has_work() else None
         if out:
@@ -192,13 +195,7 @@ def test_swap_preemption_resumes_without_refeeding():
             for op in out.swap_in:
                 host.release(op.entry.slot)
         if prev is not None:
-            for row in prev.rows:
-                if row.samples:
-                    row.seq.num_pending -= 1
-                    if not row.seq.is_finished:
-                        row.seq.token_ids.append(rng.randrange(100))
-                        if len(row.seq.output_ids) >= 20:
-                            sched.finish(row.seq, "length")
+            engine.read(prev)
         prev = out if out is not None and out.rows else None
         check_invariants(sched, blocks, slots, seqs, host)
     assert sched.num_swap_preemptions > 0 and sched.num_recompute_preemptions == 0
