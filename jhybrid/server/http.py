@@ -169,15 +169,86 @@ class HTTPMetricsMiddleware:
             self.counter.labels(scope["method"], route, str(status)).inc()
 
 
-def header_timeout_protocol(seconds: float) -> type:
-    """uvicorn's h11 protocol with a request-header read timeout: a connection whose request line and headers
-    have not arrived whole within `seconds` of its first byte (or of connecting) gets 408 and is closed.
-    uvicorn's own `timeout_keep_alive` covers idle connections between requests; the body timeout is
-    `read_body`'s."""
+_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+                b"content-length: 38\r\n\r\nrequest headers not received in time\r\n")
+
+
+def header_timeout_protocol(seconds: float, *, prefer: str = "httptools") -> type:
+    """uvicorn's HTTP/1.1 protocol with a request-header read timeout: a connection whose request line and
+    headers have not arrived whole within `seconds` of its first byte (or of connecting) gets 408 and is
+    closed. uvicorn's own `timeout_keep_alive` covers idle connections between requests; the body timeout is
+    `read_body`'s. The protocol is uvicorn's httptools one when httptools is installed (`prefer`), else its
+    pure-Python h11 one: under a streaming load the h11 state machine cost more CPU per server-sent event
+    than everything else the event loop does (benchmarks/RESULTS.md), and that CPU is taken from the engine
+    thread under the GIL."""
+    if prefer == "httptools":
+        try:
+            return _httptools_protocol(seconds)
+        except ImportError:
+            pass
+    elif prefer != "h11":
+        raise ValueError(f"unknown HTTP protocol {prefer!r}; choose 'httptools' or 'h11'")
+    return _h11_protocol(seconds)
+
+
+class _HeaderTimer:
+    """The header timer of one connection (mixed into a uvicorn protocol: `loop`, `transport`)."""
+
+    _header_timer = None
+
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self._header_seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expired(self) -> None:
+        self._header_timer = None
+        if self._awaiting_headers() and not self.transport.is_closing():
+            self.transport.write(_TIMEOUT_408)
+            self.transport.close()
+
+
+def _httptools_protocol(seconds: float) -> type:
+    import httptools  # noqa: F401  (uvicorn's protocol needs it)
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeaderTimeoutHttpToolsProtocol(_HeaderTimer, HttpToolsProtocol):
+        _header_seconds = seconds
+        _in_headers = True  # from connecting until the first request's headers are complete
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:  # the first byte of a request
+            self._in_headers = True
+            self._arm()
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._in_headers = False
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _awaiting_headers(self) -> bool:
+            return self._in_headers
+
+    return HeaderTimeoutHttpToolsProtocol
+
+
+def _h11_protocol(seconds: float) -> type:
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HeaderTimeoutH11Protocol(H11Protocol):
-        _header_timer = None
+    class HeaderTimeoutH11Protocol(_HeaderTimer, H11Protocol):
+        _header_seconds = seconds
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -194,21 +265,7 @@ def header_timeout_protocol(seconds: float) -> type:
             self._disarm()
             super().connection_lost(exc)
 
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(seconds, self._expired)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _expired(self) -> None:
-            self._header_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                                     b"connection: close\r\ncontent-length: 38\r\n\r\n"
-                                     b"request headers not received in time\r\n")
-                self.transport.close()
+        def _awaiting_headers(self) -> bool:
+            return self.conn.their_state is h11.IDLE
 
     return HeaderTimeoutH11Protocol
