@@ -558,6 +558,34 @@ def wait_idle(port: int, timeout: float) -> bool:
     return False
 
 
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) of each thread of process `pid` so far, with its name: {tid: (name, s)}."""
+    tick = os.sysconf("SC_CLK_TCK")
+    threads = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            stat = (task / "stat").read_text()
+            name = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        threads[int(task.name)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return threads
+
+
+def thread_cpu_delta(pid: int, before: dict, after: dict, wall: float, top: int = 6) -> dict:
+    """The server's busiest threads over a load: cores used by each (CPU seconds / wall), the main thread (the
+    event loop under `jhybrid serve`) marked, and the whole process."""
+    rows = []
+    for tid, (name, sec) in after.items():
+        used = sec - before.get(tid, (name, 0.0))[1]
+        rows.append({"tid": tid, "name": ("main: " if tid == pid else "") + name, "cpu_s": used,
+                     "cores": used / wall if wall else None})
+    rows.sort(key=lambda r: -r["cpu_s"])
+    total = sum(r["cpu_s"] for r in rows)
+    return {"threads": rows[:top], "process_cores": total / wall if wall else None}
+
+
 def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: Path) -> dict:
     from benchmarks.serve_load import percentiles, summarize
 
@@ -565,7 +593,10 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     wait_idle(port, 30)
     before_text = http_get(port, "/metrics", 10)[1]
     before, (x0, h0) = parse_metrics(before_text), st.child.counts()
+    pid = st.child.proc.pid
+    cpu0, t0 = thread_cpu(pid), time.perf_counter()
     results, wall, cancelled, warm = asyncio.run(load_run(port, a, timeout))
+    cpu = thread_cpu_delta(pid, cpu0, thread_cpu(pid), time.perf_counter() - t0)
     after_text = http_get(port, "/metrics", 10)[1]
     after, (x1, h1) = parse_metrics(after_text), st.child.counts()
     with open(out / "metrics.txt", "a") as f:  # one file: the device run brings back at most 8
@@ -595,6 +626,9 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     s["server_generation_tokens"] = delta("jhybrid:generation_tokens")
     s["preemptions"] = delta("jhybrid:num_preemptions")
     s["concurrency"], s["warmup_requests"] = c, a.warmup_requests
+    s["server_cpu"] = cpu  # warm-up included
+    log(f"[load] c={c}: server process {fmt(cpu['process_cores'])} cores; busiest threads " + ", ".join(
+        f"{t['name']} {t['cores']:.2f}" for t in cpu["threads"][:4]))
     s["metric_deltas"] = {k: after[k] - before[k] for k in sorted(after)
                           if k in before and after[k] != before[k] and not k.endswith("_total_created")}
     return s
