@@ -170,8 +170,8 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, cache: CacheConfig, *, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, seed: int = 0, mesh=None, host_attn=None,
                  mixed_row_buckets: bool | None = None):
-        # mixed steps: one row count (fewer programs; on the H200 64 rows cost 4% more than 4 at 64 tokens) or
-        # bucketed rows (default on the CPU, whose reference prefill path pays for every padding row)
+        # mixed steps: one row count (fewer programs; on the GPU padding rows cost little: benchmarks/RESULTS.md)
+        # or bucketed rows (default on the CPU, whose reference prefill path pays for every padding row)
         self.mixed_row_buckets = jax.default_backend() == "cpu" if mixed_row_buckets is None else mixed_row_buckets
         self.host_attn = host_attn  # offloaded attention (`jhybrid.engine.offload.HostAttention`) or None
         self.mesh = mesh if parallel.num_shards(mesh) > 1 else None

@@ -19,8 +19,7 @@ Offloaded attention (`kv_offload` "cpu" or "copy", with a host tier): instead of
 moving the oldest full KV blocks (all full layers) of the longest *decoding* sequences to host blocks (an
 `OffloadOp`) until the next step's decode rows fit, so that no running sequence is preempted. With
 `offload_admission` it also offloads to admit the first waiting sequence's first chunk; that is off by
-default: on the H200, offloading so that 16 requests of 4096 tokens ran at once took 4.0 s, against 0.73 s for
-running them in waves (benchmarks/RESULTS.md). The sequence keeps running: its state slot and its newest
+default: on the H200 it was slower than running such requests in waves (benchmarks/RESULTS.md, session 4). The sequence keeps running: its state slot and its newest
 blocks stay on the GPU and new tokens are always written there; its decode attention becomes a GPU part over
 `block_table` plus a host part over `host_blocks` (`jhybrid.cache.host_attention`). An op is executed in two
 phases so that the host copy is in place before anything reads it: the engine dispatches the gather of the
@@ -36,7 +35,7 @@ sequence's host attention for the rest of its decode (`SwapCostModel.offload_sec
 bytes / H2D) against the preemption it avoids (the newest running sequence, swapped or recomputed as the
 mode would, over the blocks that frees); where offloading costs more it is declined
 (`num_offloads_declined`) and the preemption happens. On the H200, offloading whenever a sequence would be
-preempted ("always") ran 13x slower than recomputing.
+preempted ("always") ran far slower than recomputing (benchmarks/RESULTS.md, session 5).
 """
 
 from __future__ import annotations
@@ -365,8 +364,8 @@ class Scheduler:
         """Whether keeping `seq`'s blocks on the host for the rest of its decode frees device blocks more cheaply
         than the preemption it avoids: that of the newest running sequence (the one `schedule()` preempts first),
         priced as swap or recompute as the preemption mode and the cost model would pick. Both are compared per
-        device block freed: a preemption frees all of the victim's blocks at once (on the H200 one 3000-token
-        victim covered ~150 steps of growth), an offload only the blocks it moves."""
+        device block freed: a preemption frees all of the victim's blocks at once (a long victim covers many
+        steps of growth), an offload only the blocks it moves."""
         cost = self.cost_model
         steps = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens)
         victim = self.running[-1]
