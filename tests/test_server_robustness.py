@@ -255,6 +255,7 @@ def _start_serve(model_dir: str, *args: str, code: str | None = None) -> tuple[s
     raise AssertionError("jhybrid serve did not start:\n" + "".join(lines[-30:]))
 
 
+@pytest.mark.slow
 def test_an_engine_that_cannot_continue_exits_nonzero(dirs):
     """If the engine itself is broken (every step of these requests raises), requests fail with an error, /health
     turns 503 and the process exits with status 1 so that a supervisor restarts it. Checked to fail with
@@ -377,13 +378,17 @@ def test_requests_aborted_while_queued_never_run(served):
 
 
 # ----------------------------------------------------------------------------------------- defect 3
+@pytest.mark.slow
 def test_sigterm_drains_then_aborts_1000_queued_requests_and_exits_0(dirs):
     """Defect 3 / fault injection: 1,000 streams queued, then SIGTERM. The server stops accepting at once, lets
     requests run for --shutdown-timeout, then ends every open stream with a final event (finish_reason "abort"
     for the unfinished) and [DONE], frees everything and exits 0. Before, the streams were cut off and the
     process died by the signal. Checked to fail with GracefulServer's handle_exit removed (uvicorn's own)."""
     proc, url = _start_serve(dirs[1], "--shutdown-timeout", "3", "--max-waiting-requests", "2000")
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "ignore_eos": True, "stream": True, **GREEDY}
+    # long outputs (100 of the 128-token context), so that most requests are still open at the SIGTERM however
+    # long the 1,000 clients take to connect (with 24 tokens a fast server finished more than half before it)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True,
+            **GREEDY}
     n = 1000
 
     async def run():
