@@ -37,11 +37,19 @@ from jhybrid.server.async_engine import Delta, AsyncEngine, EngineDeadError, Eng
 from jhybrid.server.chat_template import ChatTemplate, ChatTemplateError
 from jhybrid.server.http import (ClientDisconnected, EventStream, HTTPMetricsMiddleware, check_api_key, error_response,
                                  read_body, require_json, sse, unless_disconnected)
-from jhybrid.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from jhybrid.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    validation_error,
+)
 
 log = logging.getLogger("jhybrid.server")
 
-ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version"})
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/version",
+                    "/tokenize", "/detokenize"})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,6 +151,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(request: Request):
         return await serving.chat(request, await body_of(request, ChatCompletionRequest))
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return serving.tokenize(await body_of(request, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return serving.detokenize(await body_of(request, DetokenizeRequest))
+
     return app
 
 
@@ -151,7 +167,8 @@ def _parse(model, body: bytes):
         req = model.model_validate_json(body)
     except ValidationError as e:
         raise validation_error(e) from None
-    req.check_supported()
+    if hasattr(req, "check_supported"):
+        req.check_supported()
     return req
 
 
@@ -282,6 +299,22 @@ class _Serving:
                            code="tokenizer_error") from None
 
     # ----------------------------------------------------------------- endpoints
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        self._model_name(req.model)
+        ids = self._encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": None}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        self._model_name(req.model)
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        vocab = self.engine.vocab_size
+        if req.tokens and not all(0 <= t < vocab for t in req.tokens):
+            bad = next(t for t in req.tokens if not 0 <= t < vocab)
+            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", param="tokens",
+                           code="invalid_value")
+        return {"prompt": self._decode(req.tokens)}
+
     async def completions(self, request: Request, req: CompletionRequest):
         model = self._model_name(req.model)
         p = req.prompt
