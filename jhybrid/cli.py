@@ -71,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
         "as server-sent events), GET /v1/models, /health and /metrics (Prometheus). Binds to 127.0.0.1 unless "
         "--host says otherwise.",
     )
-    srv.add_argument("--model", required=True, metavar="DIR", help="HF or converted checkpoint directory")
+    srv.add_argument("model_path", nargs="?", default=None, metavar="DIR",
+                     help="HF or converted checkpoint directory (as `vllm serve DIR`; or --model DIR)")
+    srv.add_argument("--model", default=None, metavar="DIR", help="the checkpoint directory, as a flag")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--api-key", default=None, metavar="KEY",
@@ -253,6 +255,11 @@ def _serve(args: argparse.Namespace) -> int:
     import logging
     import os
 
+    if args.model_path and args.model and args.model_path != args.model:
+        raise ValueError(f"two models given: {args.model_path} and --model {args.model}; give one")
+    args.model = args.model or args.model_path
+    if not args.model:
+        raise ValueError("no model given: jhybrid serve DIR (or --model DIR)")
     try:
         from jhybrid.server import serve
     except ImportError as e:

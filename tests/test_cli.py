@@ -123,3 +123,18 @@ def test_serve_passes_host_tier_options(monkeypatch):
         main(["serve", "--model", "m", "--preemption-mode", "sometimes"])
     with pytest.raises(SystemExit):
         main(["serve", "--model", "m", "--offload-policy", "sometimes"])
+
+
+def test_serve_takes_the_model_as_positional_or_flag(monkeypatch, capsys):
+    """`jhybrid serve DIR` as `vllm serve DIR` does, `--model DIR` as before; neither, or two different ones, is
+    a usage error naming the problem."""
+    import jhybrid.server
+
+    seen = []
+    monkeypatch.setattr(jhybrid.server, "serve", lambda model, **kw: seen.append(model))
+    assert main(["serve", "some/dir"]) == 0 and main(["serve", "--model", "other/dir"]) == 0
+    assert main(["serve", "same", "--model", "same"]) == 0
+    assert seen == ["some/dir", "other/dir", "same"]
+    assert main(["serve"]) == 2 and "no model given" in capsys.readouterr().err
+    assert main(["serve", "a", "--model", "b"]) == 2 and "two models given" in capsys.readouterr().err
+    assert seen == ["some/dir", "other/dir", "same"]
