@@ -1,4 +1,17 @@
-"""Shared pytest setup: CPU-only by default; torch (a test dependency) kept to two threads."""
+"""Shared pytest setup: CPU-only by default; torch (a test dependency) kept to two threads.
+
+Most of the suite's time is XLA compiling step programs, and a compiled program is shared by every engine of
+the same model config and shapes in the process. So the tiny Qwen3.5 hybrid that the engine, host-tier and
+offload tests run is built once per session (`tiny`), and their engines share one shape set (`ENGINE`) where
+a test needs no other (the per-family tests likewise share `FAMILY_ENGINE`); `alone` runs each of `prompts_1_to_300()` by itself once, the reference those tests
+compare batched, preempted and swapped runs with.
+
+Tiers: `pytest -m "not slow"` leaves out the tests marked `slow` (every family beyond one of each layer kind,
+the subprocess runs, the kernel variants beyond the default one, ...); the README's command runs everything.
+"""
+
+import numpy as np
+import pytest
 
 try:
     import torch
@@ -7,3 +20,79 @@ except ImportError:  # torch is only needed by the HF-reference tests
 
 if torch is not None:
     torch.set_num_threads(2)
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+# 4 running sequences of up to 310 tokens need up to 80 blocks of 16: 45 force preemption; 128-token steps
+ENGINE = dict(dtype=None, max_num_seqs=4, max_model_len=320, num_kv_blocks=45, max_num_batched_tokens=128)
+# the engine of the family tests (test_model_parity.py, test_families.py, test_slot_reuse.py): 3 rows, 96
+# tokens, 32-token steps (prefills are chunked and interleaved with decodes), 10 blocks of 16 (two long
+# sequences do not fit: preemption, while a slot may be free)
+FAMILY_ENGINE = dict(dtype=None, max_num_seqs=3, max_model_len=96, num_kv_blocks=11, max_num_batched_tokens=32)
+
+
+def prompts_1_to_300(n=16, vocab=128):
+    rng = np.random.default_rng(0)
+    lengths = np.linspace(1, 300, n).astype(int)
+    return [rng.integers(0, vocab, size=int(length)).tolist() for length in lengths]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A tiny random Qwen3.5 hybrid (3 GDN : 1 full) with a 512-token context, and its HF model."""
+    from jhybrid import LLM
+    from tests.hf_models import make_qwen3_5
+
+    path = tmp_path_factory.mktemp("q35")
+    hf_model = make_qwen3_5(path, seed=11, max_position_embeddings=512)
+    return hf_model, LLM(path, dtype=None, max_num_seqs=1, max_model_len=16).model  # the loaded model
+
+
+@pytest.fixture(scope="session")
+def alone(tiny):
+    """`prompts_1_to_300()`, 10 greedy tokens each, each run by itself on an `ENGINE` engine (no preemption)."""
+    from jhybrid import LLM, SamplingParams
+
+    llm = LLM(tiny[1], **ENGINE)
+    outs = [llm.generate([p], SamplingParams(max_tokens=10, **GREEDY))[0] for p in prompts_1_to_300()]
+    assert llm.engine.num_preemptions == 0
+    return [o.token_ids for o in outs]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped unless JAX sees a GPU."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_tests:
+        import jax
+
+        if not any(d.platform == "gpu" for d in jax.devices()):
+            for item in gpu_tests:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+def _num_memory_maps() -> int | None:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_compiled_programs():
+    """Keeps compiled programs across modules (later modules reuse them) until they hold a third of the kernel's
+    memory-map limit: each XLA CPU executable maps ~140 regions, and past `vm.max_map_count` (65530 by default)
+    the next compile aborts the process. Then drops JAX's caches after the module."""
+    yield
+    maps = _num_memory_maps()
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+    except (OSError, ValueError):
+        limit = 65530
+    if maps is not None and maps > limit // 3:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()

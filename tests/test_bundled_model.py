@@ -118,6 +118,7 @@ def test_fp32_greedy_equals_hf(hf_model, llm):
         print(f"\n{prompt!r} -> {out.text!r}")
 
 
+@pytest.mark.slow
 def test_bf16_logits_err_within_hf_bf16_err(hf_model, heldout_windows, ours_fp32):
     """HF's own bf16 run sets the tolerance: jhybrid in bf16 (weights and KV; fp32 linear state) may differ from
     HF fp32 by at most 1.5x HF-bf16's relative error, plus 1e-3 for the different order of bf16 roundings."""
@@ -137,6 +138,7 @@ def test_bf16_logits_err_within_hf_bf16_err(hf_model, heldout_windows, ours_fp32
     assert ours_err <= 1.5 * hf_err + 1e-3, f"bf16 error {ours_err:.3e} vs HF's own bf16 error {hf_err:.3e}"
 
 
+@pytest.mark.slow
 def test_heldout_loss_far_below_unigram(heldout_windows, ours_fp32):
     """Per-token loss on held-out KJV text vs the best unigram model there is for it: unigram frequencies
     fitted (maximum likelihood, no smoothing) on those very held-out tokens, so its loss is their empirical

@@ -21,6 +21,7 @@ def tiny_dir(tmp_path_factory):
     return write_example_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", seed=7)
 
 
+@pytest.mark.slow
 def test_example_checkpoint_loads_in_hf_and_generates_the_same(tiny_dir):
     """The example writes HF's layout by hand; HF itself must load it and agree with jhybrid."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -37,6 +38,7 @@ def test_example_checkpoint_loads_in_hf_and_generates_the_same(tiny_dir):
     assert out.text == tok.decode(want, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_cli_generate_and_converted_checkpoint(tiny_dir, tmp_path, capsys):
     assert main(["generate", "--model", tiny_dir, "--prompt", "Once upon a time", "--max-tokens", "8"]) == 0
     printed_hf = capsys.readouterr().out
@@ -60,6 +62,7 @@ def test_cli_generate_errors(tiny_dir, capsys):
     assert "comma-separated integers" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bf16_logits_err_like_hf_bf16(tiny_dir):
     """bf16 weights and KV: jhybrid's bf16-vs-fp32 logit error is of the size HF's own bf16 run shows."""
     from transformers import AutoModelForCausalLM

@@ -1,4 +1,5 @@
-"""The engine: continuous batching with preemption, slot reuse, sampling, stops, aborts, streaming."""
+"""The engine: continuous batching with preemption, sampling, stops, aborts, streaming (slot reuse:
+test_slot_reuse.py). Engines of the tiny hybrid share one shape set (`ENGINE`, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,33 +10,7 @@ import torch
 
 import jhybrid
 from jhybrid import LLM, SamplingParams
-from jhybrid.checkpoint import load_model
-from tests.example_ckpt import write_example_checkpoint
-from jhybrid.model_loader import LoadedModel
-from tests.hf_models import make_qwen3_5
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random Qwen3.5 hybrid (3 GDN : 1 full) with a 512-token context, and its HF model."""
-    path = tmp_path_factory.mktemp("q35")
-    hf_model = make_qwen3_5(path, seed=11, max_position_embeddings=512)
-    cfg, params = load_model(path)
-    return hf_model, LoadedModel(cfg=cfg, params=params)
-
-
-@pytest.fixture(scope="module")
-def texty(tmp_path_factory):
-    """The example's tiny checkpoint, which has a tokenizer."""
-    return write_example_checkpoint(tmp_path_factory.mktemp("texty") / "ckpt", seed=3)
-
-
-def prompts_1_to_300(n=16, vocab=128):
-    rng = np.random.default_rng(0)
-    lengths = np.linspace(1, 300, n).astype(int)
-    return [rng.integers(0, vocab, size=int(length)).tolist() for length in lengths]
+from tests.conftest import ENGINE, GREEDY, prompts_1_to_300
 
 
 def assert_all_free(llm: LLM):
@@ -45,24 +20,25 @@ def assert_all_free(llm: LLM):
     assert not eng.scheduler.running and not eng.scheduler.waiting
 
 
-def test_batched_with_preemption_equals_alone_and_hf(tiny):
+def test_batched_with_preemption_equals_alone_and_hf(tiny, alone):
+    """16 prompts of 1..300 tokens, 4 at a time in a pool that forces preemption, in 128-token steps (chunked
+    prefill beside decodes): each equals its run alone, and the runs alone equal HF `generate` (a prompt of
+    one token, one of a step and a half, and the longest: three chunks)."""
     hf_model, model = tiny
     prompts = prompts_1_to_300()
     params = SamplingParams(max_tokens=10, **GREEDY)
-    # 4 running sequences of up to 310 tokens need up to 80 blocks of 16; 45 force preemption
-    llm = LLM(model, dtype=None, max_num_seqs=4, max_model_len=320, num_kv_blocks=45, max_num_batched_tokens=128)
+    llm = LLM(model, **ENGINE)
     batched = llm.generate(prompts, params)
     assert llm.engine.num_preemptions > 0, "the pool was meant to be small enough to preempt"
     assert_all_free(llm)
-    alone_llm = LLM(model, dtype=None, max_num_seqs=1, max_model_len=320, max_num_batched_tokens=512)
-    for i, (p, out) in enumerate(zip(prompts, batched)):
-        (alone,) = alone_llm.generate([p], params)
-        assert out.token_ids == alone.token_ids, f"prompt {i} ({len(p)} tokens): batched != alone"
+    for i, (p, out, want) in enumerate(zip(prompts, batched, alone)):
+        assert out.token_ids == want, f"prompt {i} ({len(p)} tokens): batched != alone"
+        assert out.finish_reason == "length"
+    for i in (0, 10, 15):
+        p = prompts[i]
         with torch.no_grad():
             want = hf_model.generate(torch.tensor([p]), max_new_tokens=10, min_new_tokens=10, do_sample=False)
-        assert out.token_ids == want[0, len(p):].tolist(), f"prompt {i} ({len(p)} tokens): differs from HF"
-        assert out.finish_reason == "length"
-    assert_all_free(alone_llm)
+        assert alone[i] == want[0, len(p):].tolist(), f"prompt {i} ({len(p)} tokens): differs from HF"
     # bucketing keeps the number of compiled programs bounded: one decode bucket (4 rows), mixed steps of
     # 64 and 128 tokens
     assert len(llm.engine.runner.compiled_shapes) <= 3, llm.engine.runner.compiled_shapes
@@ -71,7 +47,7 @@ def test_batched_with_preemption_equals_alone_and_hf(tiny):
 def test_seeded_sampling_does_not_depend_on_batching(tiny):
     _, model = tiny
     prompts = prompts_1_to_300(6)
-    llm = LLM(model, dtype=None, max_num_seqs=4, max_model_len=320)
+    llm = LLM(model, **ENGINE)
     sp = [SamplingParams(max_tokens=8, temperature=0.9, top_k=20, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(6)]
     together = [o.token_ids for o in llm.generate(prompts, sp)]
     alone = [llm.generate([p], s)[0].token_ids for p, s in zip(prompts, sp)]
@@ -89,7 +65,7 @@ def test_seeded_sampling_does_not_depend_on_batching(tiny):
 def test_logprobs_match_hf_log_softmax(tiny):
     hf_model, model = tiny
     prompt = prompts_1_to_300()[3]
-    llm = LLM(model, dtype=None, max_num_seqs=2, max_model_len=320)
+    llm = LLM(model, **ENGINE)
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=5, logprobs=3, **GREEDY))
     full = prompt + out.token_ids
     with torch.no_grad():
@@ -121,8 +97,8 @@ def test_invalid_sampling_params_name_the_parameter():
 
 def test_too_long_prompt_fails_alone(tiny):
     _, model = tiny
-    llm = LLM(model, dtype=None, max_num_seqs=2, max_model_len=64)
-    outs = llm.generate([[1] * 80, [2, 3, 4], [5] * 64], SamplingParams(max_tokens=4, **GREEDY))
+    llm = LLM(model, **ENGINE)  # max_model_len 320
+    outs = llm.generate([[1] * 330, [2, 3, 4], [5] * 320], SamplingParams(max_tokens=4, **GREEDY))
     assert outs[0].finish_reason == "error" and "max_model_len" in outs[0].error
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 4
     assert outs[2].finish_reason == "error"
@@ -131,50 +107,52 @@ def test_too_long_prompt_fails_alone(tiny):
 
 def test_generation_stops_at_max_model_len(tiny):
     _, model = tiny
-    llm = LLM(model, dtype=None, max_num_seqs=2, max_model_len=64)
-    (out,) = llm.generate([[7] * 60], SamplingParams(max_tokens=50, **GREEDY))
+    llm = LLM(model, **ENGINE)  # max_model_len 320
+    (out,) = llm.generate([[7] * 316], SamplingParams(max_tokens=50, **GREEDY))
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
-def test_stops_and_stream(texty):
-    llm = LLM(texty, dtype="float32", max_num_seqs=4, max_model_len=128)
-    base = llm.generate(["Once upon a time"], SamplingParams(max_tokens=24, **GREEDY))[0]
+def test_stops_and_stream():
+    # the bundled model (it has a tokenizer) on test_bundled_model.py's engine shapes: their programs are reused
+    llm = LLM(jhybrid.default_model_path(), dtype="float32", max_num_seqs=1, max_model_len=64)
+    base = llm.generate(["And God said"], SamplingParams(max_tokens=24, **GREEDY))[0]
     assert base.text and base.finish_reason == "length"
     # stop token id: the output ends at the first occurrence of the third generated token
     stop_id = base.token_ids[2]
-    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=24, stop_token_ids=[stop_id], **GREEDY))[0]
+    out = llm.generate(["And God said"], SamplingParams(max_tokens=24, stop_token_ids=[stop_id], **GREEDY))[0]
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
     # stop string: the text is cut before it
     stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 3]
-    out = llm.generate(["Once upon a time"], SamplingParams(max_tokens=24, stop=[stop], **GREEDY))[0]
+    out = llm.generate(["And God said"], SamplingParams(max_tokens=24, stop=[stop], **GREEDY))[0]
     assert out.finish_reason == "stop" and out.text == base.text[: base.text.find(stop)]
     # streaming yields the same text, in pieces
-    deltas = list(llm.stream("Once upon a time", SamplingParams(max_tokens=24, **GREEDY)))
+    deltas = list(llm.stream("And God said", SamplingParams(max_tokens=24, **GREEDY)))
     assert "".join(deltas) == base.text and len(deltas) > 1
-    deltas = list(llm.stream("Once upon a time", SamplingParams(max_tokens=24, stop=[stop], **GREEDY)))
+    deltas = list(llm.stream("And God said", SamplingParams(max_tokens=24, stop=[stop], **GREEDY)))
     assert "".join(deltas) == base.text[: base.text.find(stop)]
     assert_all_free(llm)
 
 
 def test_abort_frees_everything(tiny):
     _, model = tiny
-    llm = LLM(model, dtype=None, max_num_seqs=3, max_model_len=320)
+    llm = LLM(model, **ENGINE)
     eng = llm.engine
-    seqs = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=30, **GREEDY)) for i, p in enumerate(prompts_1_to_300(5))]
+    seqs = [eng.add_request(f"r{i}", p, SamplingParams(max_tokens=30, **GREEDY)) for i, p in enumerate(prompts_1_to_300(6))]
     for _ in range(4):
         eng.step()
-    eng.abort("r0")
-    eng.abort("r4")  # still waiting
+    assert seqs[0].slot and seqs[5].status.value == "waiting"
+    eng.abort("r0")  # running
+    eng.abort("r5")  # still waiting (4 run at most)
     while eng.has_unfinished():
         eng.step()
-    assert seqs[0].finish_reason == "abort" and seqs[4].finish_reason == "abort"
-    assert all(s.finish_reason == "length" for s in seqs[1:4])
+    assert seqs[0].finish_reason == "abort" and seqs[5].finish_reason == "abort"
+    assert all(s.finish_reason == "length" for s in seqs[1:5])
     assert_all_free(llm)
 
 
-def test_generate_wrapper_uses_the_engine(tiny):
+@pytest.mark.slow
+def test_generate_wrapper_uses_the_engine(tiny, alone):
     _, model = tiny
-    prompts = prompts_1_to_300(3)
-    outs = jhybrid.generate(model, prompts, max_tokens=6, ignore_eos=True)
-    llm = LLM(model, dtype=None, max_num_seqs=1, max_model_len=320)
-    assert [o.token_ids for o in outs] == [llm.generate([p], SamplingParams(max_tokens=6, **GREEDY))[0].token_ids for p in prompts]
+    prompts = prompts_1_to_300()[::5]
+    outs = jhybrid.generate(model, prompts, max_tokens=10, ignore_eos=True)
+    assert [o.token_ids for o in outs] == alone[::5]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import shutil
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -43,6 +42,7 @@ from jhybrid.checkpoint_summary import summarize
 from jhybrid.cli import main as cli_main
 from jhybrid.model_loader import LoadedModel
 from jhybrid.models.params import flatten_params
+from tests.conftest import FAMILY_ENGINE
 from tests.hf_models import make_bamba, make_granitemoehybrid, make_minimax, make_nemotron_h
 from tests.runner_helpers import SequenceRunner
 
@@ -56,14 +56,15 @@ FAMILIES = {
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# fast tier: NemotronH (Mamba2, MoE, relu^2 MLP, attention without RoPE); the others are `slow`
+@pytest.fixture(scope="module", params=[name if name == "nemotron_h" else pytest.param(name, marks=pytest.mark.slow)
+                                        for name in FAMILIES])
 def family(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     build, tol = FAMILIES[request.param]
     hf_model = build(path)
     cfg, params = load_model(path)
-    yield request.param, path, hf_model, LoadedModel(cfg=cfg, params=params), tol
-    jax.clear_caches()
+    return request.param, path, hf_model, LoadedModel(cfg=cfg, params=params), tol
 
 
 def rel_err(got, want):
@@ -107,7 +108,7 @@ def test_prefill_logits_match_hf(family):
 def test_greedy_32_tokens_equal_hf_generate(family):
     name, _, hf_model, model, _ = family
     prompts = [prompt(1, 7), prompt(2, 53)]
-    outs = jhybrid.generate(model, prompts, max_tokens=32, ignore_eos=True)
+    outs = LLM(model, **FAMILY_ENGINE).generate(prompts, SamplingParams(max_tokens=32, **GREEDY))
     for ids, out in zip(prompts, outs):
         assert out.token_ids == hf_generate(hf_model, ids, 32), f"{name}: greedy tokens differ from HF ({len(ids)}-token prompt)"
 
@@ -144,13 +145,13 @@ def test_chunked_prefill_equals_one_shot_and_hf(family):
 
 
 def test_continuous_batching_equals_one_at_a_time(family):
-    """Mixed prompt lengths, 3 running sequences, a 32-token budget (prefills are chunked and interleaved
-    with decodes, slots are reused): each sequence's tokens equal its run alone (same engine, one request
-    at a time, so the compiled shapes are shared)."""
+    """Mixed prompt lengths, 3 running sequences, a 32-token budget and 10 KV blocks (`FAMILY_ENGINE`:
+    prefills are chunked and interleaved with decodes, slots are reused, long sequences preempt each other):
+    each sequence's tokens equal its run alone (same engine, one request at a time)."""
     name, _, _, model, _ = family
     prompts = [prompt(20 + i, n) for i, n in enumerate([3, 41, 17, 66, 1])]
     params = SamplingParams(max_tokens=12, **GREEDY)
-    llm = LLM(model, dtype=None, max_num_seqs=3, max_model_len=96, max_num_batched_tokens=32)
+    llm = LLM(model, **FAMILY_ENGINE)
     batched = llm.generate(prompts, params)
     for i, (p, out) in enumerate(zip(prompts, batched)):
         (alone,) = llm.generate([p], params)
@@ -200,6 +201,7 @@ def test_convert_round_trip_logits_equal_hf(family, tmp_path, capsys):
 # ------------------------------------------------------------------------------- family specifics
 
 
+@pytest.mark.slow
 def test_minimax_lightning_first_layout_equals_hf_generate(tmp_path):
     """Layer 0 lightning (HF's default MiniMax layout starts with full attention; the slope of layer 0 is
     the fastest decay). HF's cache reports length 0 here (module docstring), so compare through generate."""
@@ -236,6 +238,7 @@ def test_nemotron_h_dt_clamp_is_inactive(family):
     assert model.cfg.mamba_dt_min == hf_model.config.time_step_min
 
 
+@pytest.mark.slow
 def test_nemotron_h_without_attention_layers(tmp_path):
     """No full-attention layer at all: the KV tuples are empty and the engine runs on state slots alone.
     HF's `generate` cannot run this model (its cache's `get_seq_length` raises without an attention layer),
@@ -282,6 +285,7 @@ def test_config_errors_name_the_problem():
 # ------------------------------------------------------------------------------- Granite specifics
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["granitemoehybrid"], indirect=True)
 def test_granitemoehybrid_inspect_counts_from_hf(family):
     """`jhybrid inspect` against numbers taken from the HF model itself: per-layer parameter counts, the
@@ -311,6 +315,7 @@ def test_granitemoehybrid_inspect_counts_from_hf(family):
     assert "scalings: embeddings x12, attention scale 0.015, residual x0.22, logits /6" in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["granitemoehybrid"], indirect=True)
 def test_granitemoehybrid_in_memory_names_equal_hub_names(family, tmp_path):
     """HF's in-memory MoE names (`router.weight`, `experts.gate_up_proj`, `experts.down_proj`; the hub
@@ -327,6 +332,7 @@ def test_granitemoehybrid_in_memory_names_equal_hub_names(family, tmp_path):
         np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), err_msg=k)
 
 
+@pytest.mark.slow
 def test_granitemoehybrid_dense_nope_active_dt_clamp(tmp_path):
     """Granite's other layout: no experts (the shared MLP is the whole MLP), no RoPE
     (`position_embedding_type="nope"`, as the Granite-4.0-H checkpoints ship), tied embeddings, attention

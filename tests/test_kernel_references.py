@@ -70,8 +70,9 @@ GDN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("lengths,h,hv,dk,dv", GDN_CASES)
-@pytest.mark.parametrize("form", ["recurrent", "chunk16", "chunk64"])
+@pytest.mark.parametrize("form,lengths,h,hv,dk,dv", [  # fast tier: every form on the ragged GQA case
+    pytest.param(form, *case, marks=() if i == 2 else pytest.mark.slow, id=f"{form}-case{i}")
+    for form in ["recurrent", "chunk16", "chunk64"] for i, case in enumerate(GDN_CASES)])
 def test_gated_delta_rule_matches_float64(lengths, h, hv, dk, dv, form):
     rng = np.random.default_rng(len(lengths) * 7 + dk)
     num_slots = len(lengths) + 3
@@ -144,16 +145,17 @@ def attention_numpy(q, k_seq, v_seq, pos, scale, window=None, soft_cap=None):
     return out, lse
 
 
-@pytest.mark.parametrize(
-    "lengths,new,h,kvh,d,bs",
-    [
-        ([1], [1], 4, 4, 64, 16),  # a single token
-        ([16, 33], [16, 1], 8, 2, 128, 16),  # exactly one block; decode at a block boundary
-        ([300, 7, 129], [45, 7, 1], 16, 2, 256, 16),  # many blocks, ragged tail, GQA 8
-        ([40, 5], [40, 5], 6, 3, 64, 8),  # GQA 2
-    ],
-)
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap"])
+PAGED_CASES = [
+    ([1], [1], 4, 4, 64, 16),  # a single token
+    ([16, 33], [16, 1], 8, 2, 128, 16),  # exactly one block; decode at a block boundary
+    ([300, 7, 129], [45, 7, 1], 16, 2, 256, 16),  # many blocks, ragged tail, GQA 8
+    ([40, 5], [40, 5], 6, 3, 64, 8),  # GQA 2
+]
+
+
+@pytest.mark.parametrize("variant,lengths,new,h,kvh,d,bs", [  # fast tier: every variant on the GQA-8 case
+    pytest.param(variant, *case, marks=() if i == 2 else pytest.mark.slow, id=f"{variant}-case{i}")
+    for variant in ["plain", "window", "softcap"] for i, case in enumerate(PAGED_CASES)])
 def test_paged_attention_matches_float64(lengths, new, h, kvh, d, bs, variant):
     rng = np.random.default_rng(sum(lengths) + d)
     max_blocks = max(-(-n // bs) for n in lengths) + 1

@@ -107,7 +107,8 @@ def _gdn_decode_inputs(rng, batch, h, hv, dk, dv, num_slots, dtype):
 
 @pytest.mark.parametrize(
     "batch,h,hv,dk,dv,dtype",
-    [(1, 1, 1, 16, 16, jnp.float32), (5, 2, 4, 32, 64, jnp.float32), (4, 2, 2, 64, 32, jnp.bfloat16)],
+    [pytest.param(1, 1, 1, 16, 16, jnp.float32, marks=pytest.mark.slow), (5, 2, 4, 32, 64, jnp.float32),
+     pytest.param(4, 2, 2, 64, 32, jnp.bfloat16, marks=pytest.mark.slow)],
 )
 def test_fused_recurrent_pallas_matches_reference(batch, h, hv, dk, dv, dtype):
     rng = np.random.default_rng(batch * 10 + dk)
@@ -120,7 +121,7 @@ def test_fused_recurrent_pallas_matches_reference(batch, h, hv, dk, dv, dtype):
     free = np.setdiff1d(np.arange(1, num_slots), slots)
     state[free] = np.nan  # never read, never written
     args = (q, k, v, g, beta, jnp.asarray(state), jnp.asarray(slots))
-    want_o, want_state = fused_recurrent_gated_delta_rule_reference(*args)
+    want_o, want_state = jax.jit(fused_recurrent_gated_delta_rule_reference)(*args)
     got_o, got_state = fused_recurrent_gated_delta_rule(*args, impl="pallas", interpret=True, block_v=16)
     live = slots != 0
     rtol = 1e-5 if dtype == jnp.float32 else 1e-2
@@ -174,13 +175,14 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("lengths,h,kvh,d,bs", DECODE_CASES)
-@pytest.mark.parametrize("variant", ["plain", "window", "softcap", "window-per-page"])
+@pytest.mark.parametrize("variant,lengths,h,kvh,d,bs", [  # fast tier: every variant on the GQA-8 case
+    pytest.param(variant, *case, marks=() if i == 2 else pytest.mark.slow, id=f"{variant}-case{i}")
+    for variant in ["plain", "window", "softcap", "window-per-page"] for i, case in enumerate(DECODE_CASES)])
 def test_paged_decode_pallas_matches_reference(lengths, h, kvh, d, bs, variant):
     rng = np.random.default_rng(sum(lengths) + d)
     args = _paged_inputs(rng, lengths, [1] * len(lengths), h, kvh, d, bs, jnp.float32)
     kw = dict(sliding_window=37 if "window" in variant else None, soft_cap=2.0 if variant == "softcap" else None)
-    want_o, want_lse = paged_attention_reference(*args, return_lse=True, **kw)
+    want_o, want_lse = jax.jit(paged_attention_reference, static_argnames=("scale", "sliding_window", "soft_cap", "return_lse"))(*args, return_lse=True, **kw)
     cu = jnp.arange(len(lengths) + 1, dtype=jnp.int32)
     got_o, got_lse = paged_attention(
         *args, cu_seqlens=cu, decode=True, impl="pallas", interpret=True, return_lse=True,
@@ -239,8 +241,10 @@ CHUNK_VARIANTS = {  # the default (G and the scores from the WY stage, fused out
 }
 
 
-@pytest.mark.parametrize("variant", list(CHUNK_VARIANTS))
-@pytest.mark.parametrize("lengths,h,hv,dk,dv,c,dtype", CHUNK_CASES)
+@pytest.mark.parametrize("variant,lengths,h,hv,dk,dv,c,dtype", [  # fast tier: the default, many chunks and mixed step
+    pytest.param(variant, *case, marks=() if variant == "default" and i in (2, 4) else pytest.mark.slow,
+                 id=f"{variant}-case{i}")
+    for variant in CHUNK_VARIANTS for i, case in enumerate(CHUNK_CASES)])
 def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, variant):
     rng = np.random.default_rng(sum(lengths) + dk)
     num_slots = len(lengths) + 3
@@ -252,7 +256,7 @@ def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, varian
     free = np.setdiff1d(np.arange(1, num_slots), slots)
     state[free] = np.nan
     args = (q, k, v, g, beta, cu, jnp.asarray(state), jnp.asarray(slots))
-    want_o, want_state = chunk_gated_delta_rule_reference(*args, chunk_size=c)
+    want_o, want_state = jax.jit(chunk_gated_delta_rule_reference, static_argnames="chunk_size")(*args, chunk_size=c)
     got_o, got_state = chunk_gated_delta_rule(*args, impl="pallas", interpret=True, chunk_size=c, block_v=16,
                                             **CHUNK_VARIANTS[variant])
     rtol = 1e-5 if dtype == jnp.float32 else 1e-2

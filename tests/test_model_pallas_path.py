@@ -37,6 +37,7 @@ def run(cfg, params, ids, chunks, decode_steps, **kernels):
     return np.concatenate(logits)
 
 
+@pytest.mark.slow  # the kernels themselves are in the fast tier (test_kernels_pallas.py)
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_pallas_path_equals_reference_path(ckpt, dtype, tol):
     cfg, params = load_model(ckpt, dtype=dtype)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jhybrid import LLM, SamplingParams
-from tests.test_engine import GREEDY, assert_all_free, tiny  # noqa: F401 (fixture)
+from tests.conftest import GREEDY
+from tests.test_engine import assert_all_free
 
 
 def decode_heavy_prompts():
@@ -19,14 +20,16 @@ def decode_heavy_prompts():
 
 
 PARAMS = SamplingParams(max_tokens=24, **GREEDY)
-SIZES = dict(dtype=None, max_num_seqs=4, max_model_len=64, block_size=8, max_num_batched_tokens=16)
+# a pool of 8 blocks of 8 tokens: one sequence of up to 54 tokens fits, four do not
+SIZES = dict(dtype=None, max_num_seqs=4, max_model_len=64, block_size=8, num_kv_blocks=9, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny):
-    """The same prompts without memory pressure (no offloading, no preemption)."""
+    """Each prompt run alone (no memory pressure: no offloading, no preemption) on an engine of the same
+    shapes, whose programs the offloading engines share."""
     llm = LLM(tiny[1], **SIZES)
-    outs = llm.generate(decode_heavy_prompts(), PARAMS)
+    outs = [llm.generate([p], PARAMS)[0] for p in decode_heavy_prompts()]
     assert llm.engine.num_preemptions == 0
     return [o.token_ids for o in outs]
 
@@ -45,12 +48,13 @@ def run_with_abort(llm: LLM):
     return seqs, aborted
 
 
-@pytest.mark.parametrize("mode,overlap", [("cpu", False), ("cpu", True), ("copy", False)])
+@pytest.mark.parametrize("mode,overlap", [("cpu", False), pytest.param("cpu", True, marks=pytest.mark.slow),
+                                          pytest.param("copy", False, marks=pytest.mark.slow)])
 def test_forced_offloading_equals_no_pressure(tiny, reference, mode, overlap):
     """4 sequences of up to 54 tokens need up to 28 blocks of 8; 8 blocks and a host tier of a few blocks
     force offloading, and preemption (recompute) of sequences holding host blocks when the host is full.
     One sequence is aborted while it holds host blocks. The others' greedy tokens equal the reference."""
-    llm = LLM(tiny[1], **SIZES, num_kv_blocks=9, host_kv_memory_gb=1e-5, preemption_mode="recompute",
+    llm = LLM(tiny[1], **SIZES, host_kv_memory_gb=1e-5, preemption_mode="recompute",
               kv_offload=mode, offload_overlap=overlap, offload_threads=2, offload_policy="always")
     seqs, aborted = run_with_abort(llm)
     st = llm.engine.stats()
@@ -76,11 +80,12 @@ def test_forced_offloading_equals_no_pressure(tiny, reference, mode, overlap):
     assert st["host_resident_blocks"] == 0
 
 
+@pytest.mark.slow
 def test_cost_policy_declines_offloads_that_cost_more_than_recomputing(tiny, reference):
     """The engine's default policy with given rates: prefill at 1e9 tokens/s makes every recompute cheaper
     than copying blocks for the steps left, so nothing is offloaded, sequences are recomputed instead, and the
     greedy tokens equal the reference."""
-    llm = LLM(tiny[1], **SIZES, num_kv_blocks=9, host_kv_memory_gb=1e-5, preemption_mode="recompute",
+    llm = LLM(tiny[1], **SIZES, host_kv_memory_gb=1e-5, preemption_mode="recompute",
               kv_offload="copy", swap_bandwidth_gbps=1.0, prefill_tokens_per_s=1e9)
     outs = llm.generate(decode_heavy_prompts(), PARAMS)
     st = llm.engine.stats()

@@ -8,30 +8,25 @@ import numpy as np
 import pytest
 
 from jhybrid import LLM, SamplingParams
-from jhybrid.checkpoint import load_model
 from jhybrid.engine.compilation import CompileWatch
-from jhybrid.model_loader import LoadedModel
-from tests.hf_models import make_qwen3_5
+from tests.conftest import ENGINE, GREEDY
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
-# a small pool (preemption and re-prefill), a small token budget (chunked prefill), 4 rows
-ENGINE = dict(dtype=None, max_num_seqs=4, max_model_len=320, num_kv_blocks=30, max_num_batched_tokens=64)
+# `ENGINE` (tests/conftest.py, the engine tests' shapes): a small pool (preemption and re-prefill), a small
+# token budget (chunked prefill), 4 rows
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("q35")
-    make_qwen3_5(path, seed=5, max_position_embeddings=512)
-    cfg, params = load_model(path)
-    return LoadedModel(cfg=cfg, params=params)
+def model(tiny):
+    return tiny[1]
 
 
-def mixed_workload(seed: int, n: int = 10, vocab: int = 128):
-    """Random prompt and output lengths; greedy, sampled, filtered, log-probability and biased requests."""
+def mixed_workload(seed: int, n: int = 10, vocab: int = 128, lengths: tuple[int, int] = (1, 250)):
+    """Random prompt (in `lengths`) and output lengths; greedy, sampled, filtered, log-probability and biased
+    requests."""
     rng = np.random.default_rng(seed)
     work = []
     for i in range(n):
-        prompt = rng.integers(0, vocab, size=int(rng.integers(1, 250))).tolist()
+        prompt = rng.integers(0, vocab, size=int(rng.integers(*lengths))).tolist()
         kind = i % 5
         kw = dict(max_tokens=int(rng.integers(1, 12)), ignore_eos=True)
         if kind == 0:
@@ -73,10 +68,11 @@ def test_after_warmup_a_random_mixed_workload_compiles_nothing(model):
     compiled on demand. Checked to fail: with `warmup=False` the watch counts the workload's compiles."""
     warm = LLM(model, **ENGINE, warmup=True)
     stats = warm.engine.stats()
-    grid = warm.engine.runner.program_grid(4, 64)
-    assert grid == [(False, 64, 4), (True, 4, 4)]  # one decode bucket, one mixed bucket: sampling is not a program
+    grid = warm.engine.runner.program_grid(4, 128)
+    assert grid == [(False, 64, 4), (False, 128, 4), (True, 4, 4)]  # one decode bucket, two mixed: sampling is
+    # not a program
     assert stats["startup_programs_compiled"] >= len(grid)
-    work = mixed_workload(seed=1)
+    work = mixed_workload(seed=1, lengths=(120, 300))  # four of them need more than ENGINE's 44 blocks
     aborts = {2: 3, 7: 9}
     with CompileWatch() as watch:
         got = run(warm, work, aborts)
@@ -87,6 +83,7 @@ def test_after_warmup_a_random_mixed_workload_compiles_nothing(model):
     assert got == run(cold, work, aborts)
 
 
+@pytest.mark.slow
 def test_sealed_runner_runs_a_missing_bucket_in_a_larger_one(model):
     """With only the largest decode and mixed buckets compiled and the runner sealed, every step runs in those
     (padding rows and tokens) without compiling, and gives the tokens of exact buckets. Checked to fail:
@@ -113,7 +110,7 @@ def test_logit_bias_moves_the_choice_and_not_the_logprobs(model):
     too; the reported log-probabilities stay the model's (unbiased). The expectations come from the
     unbiased run's own top-2 log-probabilities, not from the biased code path. Checked to fail: with the
     bias not added in `sample`, the first assertion fails."""
-    llm = LLM(model, **dict(ENGINE, num_kv_blocks=None))
+    llm = LLM(model, **ENGINE)
     prompt = list(range(3, 40))
     (base,) = llm.generate([prompt], SamplingParams(max_tokens=1, logprobs=2, **GREEDY))
     (first, second), (lp1, lp2) = list(base.logprobs[0]), list(base.logprobs[0].values())

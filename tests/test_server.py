@@ -266,6 +266,7 @@ async def _stream_one(client: httpx.AsyncClient, url: str, i: int) -> tuple[int,
     return 1, ""
 
 
+@pytest.mark.slow
 def test_200_concurrent_streams(servers):
     engine, url = servers
     before = scrape(url["main"])

@@ -236,7 +236,8 @@ def _start_serve(model_dir: str, *args: str, code: str | None = None) -> tuple[s
     /health answers. Its stderr (the log) is read by `_log_of`."""
     argv = ["serve", "--model", model_dir, "--served-model-name", MODEL, "--dtype", "float32", "--port", "0",
             "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16",
-            "--log-level", "info", *args]
+            "--log-level", "info", "--compilation-cache-dir", os.path.join(os.path.dirname(model_dir), "jax-cache"),
+            *args]  # a cache beside the test's checkpoint: shared by this module's servers, not the user's
     cmd = [sys.executable, "-c", code, *argv] if code else [sys.executable, "-m", "jhybrid.cli", *argv]
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -300,6 +301,7 @@ def test_sequences_per_request_are_limited(served):
     wait_idle(engine, url)
 
 
+@pytest.mark.slow
 def test_full_queue_answers_503_with_retry_after_and_gauges_stay_true(served, monkeypatch):
     """Defect 2: no limit on waiting work, and /metrics showed 0 waiting while the engine was busy. Now a full
     queue (requests or prompt tokens) answers 503 with Retry-After, and the waiting gauge counts queued requests

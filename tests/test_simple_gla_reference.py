@@ -60,8 +60,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("lengths,h,hv,dk,dv,g_max", CASES)
-@pytest.mark.parametrize("form", ["recurrent", "chunk16", "chunk64"])
+@pytest.mark.parametrize("form,lengths,h,hv,dk,dv,g_max", [  # fast tier: every form on the grouped case
+    pytest.param(form, *case, marks=() if i == 2 else pytest.mark.slow, id=f"{form}-case{i}")
+    for form in ["recurrent", "chunk16", "chunk64"] for i, case in enumerate(CASES)])
 def test_simple_gla_matches_float64(lengths, h, hv, dk, dv, g_max, form):
     rng = np.random.default_rng(len(lengths) * 7 + dk)
     num_slots = len(lengths) + 3

@@ -53,9 +53,9 @@ def _parse(stdout: str, stderr: str) -> dict:
 def worker():
     """Two concurrent subprocesses with 4 host devices each (CI has two cores) run every family at TP 1, 2, 4
     and the other checks, split so that each takes about half the time; their results are merged."""
-    *first, last = FAMILIES
-    jobs = [["--checks", "tokens", "--families", ",".join(first)],
-            ["--checks", "tokens,bad_n,unpermuted,pallas,swap,checkpoints", "--families", last]]
+    second = ("llama", "granitemoehybrid")  # with the other checks: about as long as the six other families
+    jobs = [["--checks", "tokens", "--families", ",".join(f for f in FAMILIES if f not in second)],
+            ["--checks", "tokens,bad_n,unpermuted,pallas,swap,checkpoints", "--families", ",".join(second)]]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_worker", "--tp", "1,2,4", *job], cwd=ROOT,
                               env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for job in jobs]
     result: dict = {"tokens": {}, "fractions": {}, "timings": {}}
@@ -71,6 +71,7 @@ def worker():
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_equal_single_device(worker, family):
     tokens = worker["tokens"][family]
@@ -79,6 +80,7 @@ def test_greedy_tokens_equal_single_device(worker, family):
     assert all(len(t) == 5 for t in tokens["1"])
 
 
+@pytest.mark.slow
 def test_parameters_and_state_are_sharded(worker):
     for family in FAMILIES:
         for tp in TP_SIZES:
@@ -90,6 +92,7 @@ def test_parameters_and_state_are_sharded(worker):
                 assert share == pytest.approx(1 / tp), f"{family} TP={tp}: {name} holds {share} per device"
 
 
+@pytest.mark.slow
 def test_bad_tensor_parallel_size_names_the_counts(worker):
     msg = worker["bad_n"]
     assert msg is not None, "tensor_parallel_size=3 was accepted"
@@ -97,6 +100,7 @@ def test_bad_tensor_parallel_size_names_the_counts(worker):
     assert "linear_num_key_heads=4" in msg
 
 
+@pytest.mark.slow
 def test_layout_without_shard_major_permutation_is_caught(worker):
     """The negative control: the right PartitionSpecs on the unpermuted packed layout give wrong logits
     (XLA keeps the math of whatever layout it is given), so the permutation is what the equality tests
@@ -105,6 +109,7 @@ def test_layout_without_shard_major_permutation_is_caught(worker):
     assert worker["unpermuted"]["wrong"] > 1e-2
 
 
+@pytest.mark.slow
 def test_parameters_built_into_their_shards_equal_shard_params(worker):
     """`shard_params_from` (no whole model on one device) places the same values with the same shardings
     as sharding the whole packed pytree, asking for each leaf once."""
@@ -113,6 +118,7 @@ def test_parameters_built_into_their_shards_equal_shard_params(worker):
     assert built["made"] == built["leaves"] > 10, built
 
 
+@pytest.mark.slow
 def test_checkpoints_load_through_host_memory_under_tensor_parallelism(worker):
     """`LLM(path, tensor_parallel_size=2)` reads HF and converted checkpoints into host memory (JAX's CPU
     device), then shards them: the same greedy tokens as TP 1. (Here every device is a CPU; on GPUs this
@@ -124,6 +130,7 @@ def test_checkpoints_load_through_host_memory_under_tensor_parallelism(worker):
         assert all(len(t) == 6 for t in r["tokens"])
 
 
+@pytest.mark.slow
 def test_more_devices_than_kv_heads_copies_each_head(worker):
     """TP 4 over a model with 2 kv heads (as vLLM does: every device holds one copy of one kv head): the
     TP-1 greedy tokens, each device holding a quarter of the (copied) KV pages."""
@@ -132,7 +139,7 @@ def test_more_devices_than_kv_heads_copies_each_head(worker):
     assert r["num_kv_heads"] == 4 and r["kv_page_share"] == pytest.approx(0.25), r
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("qwen3_next", marks=pytest.mark.slow), "llama"])
 def test_copied_kv_heads_leave_attention_unchanged(family):
     """`replicate_kv_heads` on one device: the same prefill and decode logits (fp32), with and without the
     attention output gate."""
@@ -151,6 +158,7 @@ def test_copied_kv_heads_leave_attention_unchanged(family):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_pallas_kernels_per_shard_equal_one_device(worker):
     pallas = worker["pallas"]
     assert pallas["tp"] == 4
@@ -163,6 +171,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_swap_and_recompute_preemption_under_tensor_parallelism(worker):
     """A TP run whose KV pool is too small preempts (by swapping the sharded pages and state slot to the host
     and back, through pageable or pinned host memory, or by recomputing) and still produces the unpressured
@@ -177,6 +186,7 @@ def test_swap_and_recompute_preemption_under_tensor_parallelism(worker):
     assert r["recompute"] == r["want"]
 
 
+@pytest.mark.slow
 def test_two_processes_over_loopback_equal_single_device(worker):
     """Two processes with two host devices each form one 4-device mesh (gloo collectives over loopback)."""
     coordinator = f"127.0.0.1:{_free_port()}"
