@@ -23,6 +23,8 @@ class RequestOutput:
     text: str | None
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     logprobs: list[dict[int, float]] | None = None  # per generated position: top-k {token id: logprob}
+    # per prompt position (`SamplingParams.prompt_logprobs`): None at 0, then {prompt token and top-k: logprob}
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None
     num_preemptions: int = 0
 
@@ -35,6 +37,7 @@ def _output(seq) -> RequestOutput:
         text=seq.text if seq.detok is not None else None,
         finish_reason=seq.finish_reason,
         logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+        prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
         error=seq.error,
         num_preemptions=seq.num_preemptions,
     )

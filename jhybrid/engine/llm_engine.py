@@ -121,7 +121,8 @@ class LLMEngine:
 
     def warmup(self, progress: bool = True, threads: int | None = None) -> int:
         """Compiles every step program the scheduler can need (each decode row bucket and each mixed-step token
-        bucket; sampling settings are runtime arrays, so these are all) on `threads` threads at once, runs each
+        bucket, and each token bucket's variant for steps with prompt log-probabilities; sampling settings are
+        runtime arrays, so these are all) on `threads` threads at once, runs each
         once on dummy rows (the null slot and page only; no request is touched), and seals the runner: from
         then on a step whose bucket is missing runs in a larger compiled one instead of compiling. Steps with
         host-resident KV (`kv_offload`) and swaps still compile on first use. Returns how many step programs
@@ -135,6 +136,7 @@ class LLMEngine:
             raise RuntimeError("warmup() runs before requests are added: it would reorder the device's work")
         t0 = time.perf_counter()
         grid = self.runner.program_grid(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)
+        grid += self.runner.prompt_logprob_grid(self.scheduler.max_num_batched_tokens)
         with CompileWatch() as watch, tqdm(total=len(grid), desc="compiling step programs", unit="program",
                                            disable=not progress) as bar:
             compiled = self.runner.compile_all(grid, threads=threads, progress=lambda key: bar.update())
@@ -281,11 +283,26 @@ class LLMEngine:
     def _read(self, result: StepResult) -> list[Sequence]:
         t0 = time.perf_counter()
         tokens, token_logp, top_lp, top_ids = result.fetch()  # waits for that step only
+        plp = result.fetch_prompt_logprobs()
         t1 = time.perf_counter()
         self.timing["device_wait_seconds"] += t1 - t0
+        if plp is not None:  # before the tokens: a request's first token comes with all its prompt's
+            self._fill_prompt_logprobs(result.plp_rows, *plp)
         updated = self._postprocess(result, tokens, token_logp, top_lp, top_ids)
         self.timing["host_postprocess_seconds"] += time.perf_counter() - t1
         return updated
+
+    @staticmethod
+    def _fill_prompt_logprobs(plp_rows, lp, top_lp, top_ids) -> None:
+        """Writes each row's prompt positions: {prompt token: its logprob} and the top-k of the position."""
+        for seq, first, at, n in plp_rows:
+            k = seq.params.prompt_logprobs
+            for j in range(n):
+                entry = {seq.prompt_ids[first + j]: float(lp[at + j])}
+                if k:
+                    for t, v in zip(top_ids[at + j, :k].tolist(), top_lp[at + j, :k].tolist()):
+                        entry.setdefault(t, v)
+                seq.prompt_logprobs[first + j] = entry
 
     def _postprocess(self, result: StepResult, tokens, token_logp, top_lp, top_ids) -> list[Sequence]:
         updated = []

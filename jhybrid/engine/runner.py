@@ -14,7 +14,11 @@ rows and bucket their tokens (powers of two from 64); on the CPU mixed steps buc
 table of its own (`jax.jit(...).lower(...).compile()`), so `compile_all` can build every program of the
 grid at once, on several threads, before serving; once `seal()`ed, a step whose bucket was not compiled
 runs in the smallest compiled bucket that holds it instead of compiling on the request path (and a compile
-that cannot be avoided is counted in `num_compiled_after_seal`). A logit bias lives in a device table per
+that cannot be avoided is counted in `num_compiled_after_seal`). Steps with a row that wants prompt
+log-probabilities run a variant of the mixed program (all `max_rows` rows, one per token bucket:
+`prompt_logprob_grid`) that keeps every position's hidden state and turns it into the log-probability of the
+next prompt token and the top ones, a chunk of positions at a time; other steps run the plain programs, so a
+request without prompt logprobs costs what it did. A logit bias lives in a device table per
 state slot (`MAX_LOGIT_BIAS` entries), written when a biased sequence takes a slot.
 
 With a tensor-parallel `mesh` (`jhybrid.parallel`) the parameters and the state are sharded over its
@@ -37,10 +41,10 @@ import numpy as np
 
 from jhybrid.cache.state import CacheConfig, HybridState, init_state, zero_slots
 from jhybrid.config import ModelConfig
-from jhybrid.engine.sampling import MAX_LOGIT_BIAS, SamplingArrays, SamplingParams, sample
+from jhybrid.engine.sampling import MAX_LOGIT_BIAS, SamplingArrays, SamplingParams, prompt_logprobs, sample
 from jhybrid.engine.scheduler import SchedulerOutput
 from jhybrid.models.batch import Batch
-from jhybrid.models.hybrid import forward
+from jhybrid.models.hybrid import forward, lm_head
 from jhybrid import parallel
 
 log = logging.getLogger("jhybrid.engine")
@@ -86,13 +90,17 @@ def meta_size(layout: tuple[int, int, int]) -> int:
     donate_argnames=("state",),
 )
 def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array,
-                bias: tuple[jax.Array, jax.Array], host_meta: jax.Array | None = None, stage=None, *,
+                bias: tuple[jax.Array, jax.Array], host_meta: jax.Array | None = None, stage=None,
+                plp_meta: jax.Array | None = None, *,
                 layout: tuple[int, int, int], decode: bool, max_rows: int, mesh=None,
                 host_layout: tuple[int, int] | None = None, host_attn=None):
     """One step. `meta` is the packed int32 metadata of `layout = (T, B, M)`; `prev_out [2, R]` the previous
     step's output (row 0: its sampled tokens); `bias` the per-slot logit-bias tables (`[S, NB]` token ids and
     values). Returns (`[2, R]` int32: tokens and their bit-cast fp32 logprobs, `[B, L]` top logprobs, `[B, L]`
-    top ids, state).
+    top ids, state), and with `plp_meta` (`[T + 1]`: each packed token's next prompt token whose logprob is
+    wanted, -1 for none; then 1 when some row wants top prompt logprobs) a fifth item, the prompt
+    log-probabilities (`[T]` logprob of each target, `[T, L]` top logprobs, `[T, L]` top ids). Steps without
+    `plp_meta` are the programs of requests that want no prompt logprobs, unchanged.
 
     Offloaded attention (`host_attn`: the engine's `HostAttention`, static, by identity): `host_layout` is
     None for a step without host-KV rows, `(0,)` for "cpu" (`host_meta [1]`: the step's registered id) and
@@ -124,6 +132,10 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
 
         logits, state = forward_pipelined(cfg, params, state, batch, host,
                                           kernels=dict(impl="auto", interpret=False, mesh=None))
+    elif plp_meta is not None:  # every position's hidden state, then this step's sampling logits from it
+        hidden, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh, host_attention=host,
+                                return_hidden=True)
+        logits = lm_head(cfg, params, hidden[batch.logits_index])  # [B, V]
     else:
         logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh, host_attention=host)
     if mesh is not None:  # sample on the gathered logits; keep the state in its shards
@@ -134,7 +146,12 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
     packed = packed.at[1, : tokens.shape[0]].set(jax.lax.bitcast_convert_type(token_logp, jnp.int32))
     if mesh is not None:
         packed, top_lp, top_ids = (parallel.replicated(x, mesh) for x in (packed, top_lp, top_ids))
-    return packed, top_lp, top_ids, state
+    if plp_meta is None:
+        return packed, top_lp, top_ids, state
+    plp = prompt_logprobs(lambda h: lm_head(cfg, params, h), hidden, plp_meta[:num_tokens], plp_meta[num_tokens] > 0)
+    if mesh is not None:
+        plp = tuple(parallel.replicated(x, mesh) for x in plp)
+    return packed, top_lp, top_ids, state, plp
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -150,6 +167,20 @@ class StepResult:
     out: jax.Array  # [2, R] device: tokens, bit-cast logprobs
     top_logp: jax.Array | None  # [B, L]; None when no row asked for log-probabilities (not fetched)
     top_ids: jax.Array | None
+    # prompt log-probabilities (steps with rows that want them): the device arrays (`engine_step`'s fifth
+    # output) and, per such row, (sequence, first prompt position, packed index of its first token, positions)
+    plp: tuple[jax.Array, jax.Array, jax.Array] | None = None
+    plp_rows: tuple[tuple, ...] = ()
+
+    def fetch_prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(`[T]` logprob of each packed position's next prompt token, `[T, L]` top logprobs, `[T, L]` their
+        ids) on the host, or None for a step without prompt log-probabilities."""
+        if self.plp is None:
+            return None
+        lp, top_lp, top_ids = self.plp
+        if not any(seq.params.prompt_logprobs for seq, *_ in self.plp_rows):
+            return _local(lp), None, None  # no row wants the top ones: they are zeros
+        return _local(lp), _local(top_lp), _local(top_ids)
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         out = _local(self.out)  # one transfer; waits for this step only
@@ -261,11 +292,12 @@ class ModelRunner:
         return rows if self.mixed_row_buckets else self.max_rows, min(_pow2(num_tokens, MIN_MIXED_TOKENS),
                                                                       self.max_tokens_bucket)
 
-    def _fit(self, decode: bool, num_rows: int, num_tokens: int) -> tuple[int, int]:
+    def _fit(self, decode: bool, num_rows: int, num_tokens: int, plp: bool = False) -> tuple[int, int]:
         """Once sealed: the smallest compiled bucket that holds the step (the same bucket when compiled)."""
-        if not self.sealed or (decode, num_tokens, num_rows) in self._programs:
+        if not self.sealed or _key(decode, num_tokens, num_rows, plp) in self._programs:
             return num_rows, num_tokens
-        fits = [(t, r) for d, t, r in self._programs if d == decode and t >= num_tokens and r >= num_rows]
+        fits = [(t, r) for d, t, r, *p in self._programs
+                if d == decode and bool(p) == plp and t >= num_tokens and r >= num_rows]
         if not fits:
             return num_rows, num_tokens
         num_tokens, num_rows = min(fits)
@@ -274,8 +306,12 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, prev: StepResult | None) -> StepResult:
         rows = sched.rows
         num_real = len(rows)
-        decode = sched.is_decode
+        plp_wanted = _prompt_logprob_rows(rows)
+        plp = bool(plp_wanted)
+        decode = sched.is_decode and not plp  # a one-token prompt chunk that wants prompt logprobs: a mixed step
         num_rows, num_tokens = self.buckets(decode, num_real, sched.num_tokens)
+        if plp:  # prompt-logprob programs: one per token bucket (all rows)
+            num_rows = self.max_rows
         host_step = self.host_attn is not None and any(r.seq.host_blocks for r in rows)
         if host_step:
             # steps with host-KV rows compile per engine: mixed steps take one shape; decode steps keep
@@ -285,7 +321,7 @@ class ModelRunner:
             elif not decode:
                 num_rows, num_tokens = self.max_rows, self.max_tokens_bucket
         else:
-            num_rows, num_tokens = self._fit(decode, num_rows, num_tokens)
+            num_rows, num_tokens = self._fit(decode, num_rows, num_tokens, plp)
         bs, m = self.cache.block_size, self.max_blocks
         prev_row = {r.seq.seq_id: i for i, r in enumerate(prev.sched.rows)} if prev is not None else {}
 
@@ -351,34 +387,46 @@ class ModelRunner:
             stats.num_steps_plain += not host_rows
         prev_out = prev.out if prev is not None else self._no_prev
         layout = (num_tokens, num_rows, m)
+        plp_args, plp_rows = {}, ()
+        if plp:
+            plp_meta = np.full(num_tokens + 1, -1, np.int32)  # each packed token's next prompt token, or -1
+            plp_rows = tuple((rows[i].seq, lo + 1, int(cu[i]) + lo - rows[i].start, hi - lo) for i, lo, hi in plp_wanted)
+            for seq, first, at, n in plp_rows:
+                plp_meta[at : at + n] = seq.prompt_ids[first : first + n]
+            plp_meta[num_tokens] = any(seq.params.prompt_logprobs for seq, *_ in plp_rows)
+            plp_args = dict(plp_meta=plp_meta)
         if host_step:
             statics = dict(layout=layout, decode=decode, max_rows=self.max_rows, mesh=self.mesh)
             host_meta, stage, statics["host_layout"] = self._host_part(rows, host_rows, num_rows)
             self.compiled_shapes.add((layout, decode, statics["host_layout"]))
-            out, top_lp, top_ids, self.state = engine_step(self.cfg, self.params, self.state, meta, prev_out, self.bias,
-                                                           host_meta, stage, **statics, host_attn=self.host_attn)
+            out, top_lp, top_ids, self.state, *plp_out = engine_step(
+                self.cfg, self.params, self.state, meta, prev_out, self.bias, host_meta, stage, **plp_args, **statics,
+                host_attn=self.host_attn)
         else:
             self.compiled_shapes.add((layout, decode, None))
-            program = self._program(decode, num_tokens, num_rows)
-            out, top_lp, top_ids, self.state = program(self.params, self.state, meta, prev_out, self.bias)
+            program = self._program(decode, num_tokens, num_rows, plp)
+            out, top_lp, top_ids, self.state, *plp_out = program(self.params, self.state, meta, prev_out, self.bias,
+                                                                 **plp_args)
         if not want_logprobs.any():
             top_lp = top_ids = None
-        return StepResult(sched, out, top_lp, top_ids)
+        return StepResult(sched, out, top_lp, top_ids, plp_out[0] if plp_out else None, plp_rows)
 
     # ----------------------------------------------------------------- programs
-    def _lower(self, decode: bool, num_tokens: int, num_rows: int):
+    def _lower(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
         layout = (num_tokens, num_rows, self.max_blocks)
         meta = jax.ShapeDtypeStruct((meta_size(layout),), jnp.int32)
-        return engine_step.lower(self.cfg, self.params, self.state, meta, self._no_prev, self.bias,
+        extra = dict(plp_meta=jax.ShapeDtypeStruct((num_tokens + 1,), jnp.int32)) if plp else {}
+        return engine_step.lower(self.cfg, self.params, self.state, meta, self._no_prev, self.bias, **extra,
                                  layout=layout, decode=decode, max_rows=self.max_rows, mesh=self.mesh)
 
-    def _program(self, decode: bool, num_tokens: int, num_rows: int):
-        key = (decode, num_tokens, num_rows)
+    def _program(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
+        key = _key(decode, num_tokens, num_rows, plp)
         program = self._programs.get(key)
         if program is None:
             if self.sealed:
                 self.num_compiled_after_seal += 1
-                log.warning("compiling a step program on the request path: decode=%s tokens=%d rows=%d", *key)
+                log.warning("compiling a step program on the request path: decode=%s tokens=%d rows=%d prompt "
+                            "logprobs=%s", decode, num_tokens, num_rows, plp)
             t0 = time.perf_counter()
             program = self._programs[key] = self._lower(*key).compile()
             self.num_compiled += 1
@@ -397,6 +445,12 @@ class ModelRunner:
                 rows, tokens = self.buckets(False, n, t)
                 grid.add((False, tokens, rows))
         return sorted(grid)
+
+    def prompt_logprob_grid(self, max_num_batched_tokens: int) -> list[tuple[bool, int, int, bool]]:
+        """The programs of steps with rows that want prompt log-probabilities: mixed steps of all `max_rows`
+        rows, one per token bucket up to `max_num_batched_tokens`'s (keys `(False, num_tokens, max_rows, True)`)."""
+        most = self.buckets(False, self.max_rows, max_num_batched_tokens)[1]
+        return [(False, t, self.max_rows, True) for t in sorted({self.buckets(False, 1, n)[1] for n in range(2, most + 1)})]
 
     def compile_all(self, grid: list[tuple[bool, int, int]], *, threads: int | None = None, progress=None) -> int:
         """Compiles the programs of `grid` not compiled yet: traced here one by one, compiled by XLA on
@@ -453,14 +507,14 @@ class ModelRunner:
             first += len(t)
         return table.ravel(), stage, (mh,)
 
-    def warm(self, key: tuple[bool, int, int]) -> None:
+    def warm(self, key: tuple) -> None:
         """Runs the program of bucket `key` once on dummy rows that write only the null slot and the null
         page (which padding rows write anyway), so that its first real step pays no one-time start-up cost.
         Waits for it."""
         from jhybrid.engine.scheduler import ScheduledRow
         from jhybrid.engine.sequence import Sequence
 
-        decode, num_tokens, num_rows = key
+        decode, num_tokens, num_rows, *plp = key
         bs = self.cache.block_size
         if decode:
             sizes = [1] * num_rows
@@ -473,7 +527,8 @@ class ModelRunner:
         rows = []
         for i, k in enumerate(sizes):
             length = k + 1 if decode else k  # decode: one known token before the fed one
-            seq = Sequence(f"warmup-{i}", [0] * length, SamplingParams(temperature=0.0))
+            params = SamplingParams(temperature=0.0, prompt_logprobs=1 if plp else None)
+            seq = Sequence(f"warmup-{i}", [0] * length, params)
             seq.block_table = [0] * -(-length // bs)  # the null page; slot 0 is the null slot
             rows.append(ScheduledRow(seq, length - k, k, True))
         self.execute(SchedulerOutput(rows, [], []), None).fetch()
@@ -490,6 +545,27 @@ class ModelRunner:
         if seq.params.seed is not None:
             return seq.params.seed
         return (self.seed * 1_000_003 + seq.seq_id * 7919) % 2**32
+
+
+def _key(decode: bool, num_tokens: int, num_rows: int, plp: bool = False) -> tuple:
+    """A program's key: `(decode, num_tokens, num_rows)`, with a fourth item True for a prompt-logprob program."""
+    return (decode, num_tokens, num_rows, True) if plp else (decode, num_tokens, num_rows)
+
+
+def _prompt_logprob_rows(rows) -> list[tuple[int, int, int]]:
+    """(row index, lo, hi) of the rows that want prompt log-probabilities this step: the row's positions
+    `[lo, hi)` predict prompt tokens `lo + 1 .. hi` not read yet (a recomputed prompt's are read already)."""
+    out = []
+    for i, r in enumerate(rows):
+        got = r.seq.prompt_logprobs
+        if got is None:
+            continue
+        lo, hi = r.start, min(r.start + r.num_tokens, len(r.seq.prompt_ids) - 1)
+        while lo < hi and got[lo + 1] is not None:
+            lo += 1
+        if lo < hi:
+            out.append((i, lo, hi))
+    return out
 
 
 def _spread_host_rows(rows: list, half: int) -> None:

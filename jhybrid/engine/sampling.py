@@ -34,6 +34,9 @@ class SamplingParams:
       stop_token_ids: token ids that end generation (besides EOS).
       ignore_eos: keep going past EOS.
       logprobs: return the top-`logprobs` log-probabilities of each generated position (at most 20).
+      prompt_logprobs: return, for each prompt position, the log-probability of the prompt token there and
+        the top-`prompt_logprobs` ones (at most 20) as vLLM does: the first position has none (None), each later
+        one a dict {token id: logprob} holding the prompt token and the top-k. Computed in the prefill steps.
       skip_special_tokens: drop special tokens from the text.
       logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (greedy included), as
         OpenAI's `logit_bias`; at most `MAX_LOGIT_BIAS` entries. Log-probabilities stay those of the model.
@@ -48,6 +51,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: Mapping[int, float] | None = None
 
@@ -69,6 +73,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**32), got {self.seed!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs)
+                                                     and 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in self.stop_token_ids):
@@ -174,3 +181,40 @@ def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top
     pth = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
     threshold = jnp.maximum(kth, pth)
     return jnp.where(logits >= threshold, logits, -jnp.inf)
+
+
+PROMPT_LOGPROB_CHUNK = 256  # positions whose logits exist at once when computing prompt log-probabilities
+
+
+def prompt_logprobs(
+    head, hidden: Float[Array, "T D"], targets: Int[Array, "T"], want_top: Array
+) -> tuple[Float[Array, "T"], Float[Array, "T L"], Int[Array, "T L"]]:
+    """Log-probabilities of each packed position's next prompt token, from the hidden states the step has.
+
+    `head` maps hidden states `[C, D]` to fp32 logits `[C, V]`; `targets` holds the token whose logprob each
+    position predicts (-1: none wanted, its logprob is that of token 0). The logits are made `PROMPT_LOGPROB_CHUNK`
+    positions at a time (`lax.map`), so at most `[C, V]` of them exist at once. Returns (logprob of each target,
+    top-`MAX_LOGPROBS` logprobs and ids of each position); the top ones only when the scalar `want_top` (zeros
+    otherwise).
+    """
+    num_tokens, dim = hidden.shape
+    chunk = min(num_tokens, PROMPT_LOGPROB_CHUNK)
+    if num_tokens % chunk:
+        raise ValueError(f"{num_tokens=} must be a multiple of {chunk=} (token buckets are powers of two)")
+
+    def one(args):
+        x, t = args  # [C, D], [C]
+        logp = jax.nn.log_softmax(head(x).astype(jnp.float32), axis=-1)  # [C, V]
+        lp = jnp.take_along_axis(logp, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
+
+        def top(y):
+            top_lp, ids = jax.lax.top_k(y, MAX_LOGPROBS)
+            return top_lp, ids.astype(jnp.int32)
+
+        def no_top(y):
+            return jnp.zeros((chunk, MAX_LOGPROBS), jnp.float32), jnp.zeros((chunk, MAX_LOGPROBS), jnp.int32)
+
+        return (lp, *jax.lax.cond(want_top, top, no_top, logp))
+
+    lp, top_lp, top_ids = jax.lax.map(one, (hidden.reshape(-1, chunk, dim), targets.reshape(-1, chunk)))
+    return lp.reshape(num_tokens), top_lp.reshape(num_tokens, MAX_LOGPROBS), top_ids.reshape(num_tokens, MAX_LOGPROBS)

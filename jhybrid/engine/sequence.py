@@ -44,6 +44,10 @@ class Sequence:
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] = []
         self.token_logprobs: list[float] = []
+        # per prompt position when `params.prompt_logprobs` is set: None at 0, then {token id: logprob} (the
+        # prompt token and the top-k), filled as prefill steps are read (None where not read yet)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
         self.detok: Any = None  # IncrementalDetokenizer when a tokenizer exists
         self.text = ""
         self.sent_text_len = 0  # how much of `text` has been streamed

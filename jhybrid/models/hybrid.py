@@ -35,6 +35,7 @@ def forward(
     *,
     decode: bool = False,
     all_logits: bool = False,
+    return_hidden: bool = False,
     kernel_impl: str = "auto",
     interpret: bool = False,
     mesh=None,
@@ -49,6 +50,8 @@ def forward(
       batch: packed tokens and their metadata (`jhybrid.models.batch.Batch`).
       decode: every row has exactly one token (selects the decode forms of the kernels).
       all_logits: return logits for every packed token `[T, V]` instead of each row's last `[B, V]`.
+      return_hidden: return every packed token's final hidden state `[T, D]` (before the final norm; `lm_head`
+        turns it into logits) instead of logits, for a caller that needs logits at many positions.
       kernel_impl: the kernels' `impl` ("auto": Pallas on GPU where supported, the references on CPU;
         "reference"; "pallas"), with `interpret` to run Pallas in interpret mode (CPU tests).
       mesh: the tensor-parallel mesh (`jhybrid.parallel`) when the parameters are sharded over several
@@ -84,11 +87,12 @@ def forward(
             i_lin += 1
         else:
             x = mlp_block(cfg, mlp_kind, p, x, shards)
+    new_state = dataclasses.replace(state, k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
+    if return_hidden:
+        return x, new_state
     if not all_logits:
         x = x[batch.logits_index]  # [B, D]
-    logits = lm_head(cfg, params, x)
-    new_state = dataclasses.replace(state, k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
-    return logits, new_state
+    return lm_head(cfg, params, x), new_state
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 9, 10, 11, 12))
