@@ -573,6 +573,15 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     return threads
 
 
+def child_pids(pid: int) -> list[int]:
+    """The direct children of process `pid` (the engine process of `jhybrid serve`)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(x) for x in (task / "children").read_text().split()]
+    return out
+
+
 def thread_cpu_delta(pid: int, before: dict, after: dict, wall: float, top: int = 6) -> dict:
     """The server's busiest threads over a load: cores used by each (CPU seconds / wall), the main thread (the
     event loop under `jhybrid serve`) marked, and the whole process."""
@@ -594,9 +603,13 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     before_text = http_get(port, "/metrics", 10)[1]
     before, (x0, h0) = parse_metrics(before_text), st.child.counts()
     pid = st.child.proc.pid
+    engines = child_pids(pid)  # the engine process, when the engine runs in one
     cpu0, t0 = thread_cpu(pid), time.perf_counter()
+    ecpu0 = {e: thread_cpu(e) for e in engines}
     results, wall, cancelled, warm = asyncio.run(load_run(port, a, timeout))
-    cpu = thread_cpu_delta(pid, cpu0, thread_cpu(pid), time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    cpu = thread_cpu_delta(pid, cpu0, thread_cpu(pid), elapsed)
+    cpu["engine_processes"] = [thread_cpu_delta(e, ecpu0[e], thread_cpu(e), elapsed) for e in engines]
     after_text = http_get(port, "/metrics", 10)[1]
     after, (x1, h1) = parse_metrics(after_text), st.child.counts()
     with open(out / "metrics.txt", "a") as f:  # one file: the device run brings back at most 8
@@ -629,6 +642,9 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     s["server_cpu"] = cpu  # warm-up included
     log(f"[load] c={c}: server process {fmt(cpu['process_cores'])} cores; busiest threads " + ", ".join(
         f"{t['name']} {t['cores']:.2f}" for t in cpu["threads"][:4]))
+    for e in cpu["engine_processes"]:
+        log(f"[load] c={c}: engine process {fmt(e['process_cores'])} cores; busiest threads " + ", ".join(
+            f"{t['name']} {t['cores']:.2f}" for t in e["threads"][:4]))
     s["metric_deltas"] = {k: after[k] - before[k] for k in sorted(after)
                           if k in before and after[k] != before[k] and not k.endswith("_total_created")}
     return s

@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="a jinja chat template (file or text) instead of the checkpoint's")
     srv.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="largest request body (default 1 MiB)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                     help="run the engine in a process of its own, beside the HTTP server's (default: on; off runs "
+                     "it on a thread of the server process, where the two share one GIL: slower under load)")
     lim = srv.add_argument_group("limits and robustness")
     lim.add_argument("--max-seqs-per-request", type=int, default=128, metavar="N",
                      help="sequences one request may create, prompts x best_of (default 128, OpenAI's limit on n); "
@@ -287,7 +290,7 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level, compilation_cache_dir=cache_dir, max_seqs_per_request=args.max_seqs_per_request,
         max_waiting_requests=args.max_waiting_requests, max_queued_tokens=args.max_queued_tokens,
         shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        allowed_origins=origins, **_engine_config_options(args),
+        allowed_origins=origins, engine_process=args.engine_process, **_engine_config_options(args),
     )
     return status or 0  # 1 when the engine could not continue
 

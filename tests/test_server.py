@@ -341,7 +341,7 @@ def test_disconnects_abort_and_free(servers):
 def test_engine_thread_sleeps_when_idle(servers):
     engine, url = servers
     wait_idle(engine)
-    clock = time.pthread_getcpuclockid(engine._thread.ident)
+    clock = time.pthread_getcpuclockid(engine.backend.thread.ident)
     before = time.clock_gettime(clock)
     time.sleep(0.5)
     assert time.clock_gettime(clock) - before < 0.02, "the idle engine thread burns CPU (busy loop?)"
@@ -372,7 +372,8 @@ def test_serve_load_benchmark(servers, tmp_path, capsys):
     assert res["num_requests"] == 8 and res["num_errors"] == 0
     # the rates count every request and all of its 3 streamed tokens (ignore_eos) over the run's wall time
     assert res["requests_per_s"] == 8 / res["wall_s"] and res["output_tokens_per_s"] == 8 * 3 / res["wall_s"]
-    assert 0 < res["ttft_s"]["p50"] <= res["e2e_s"]["p50"] <= res["e2e_s"]["p99"] <= res["wall_s"]
+    # (TTFT's percentiles are over the requests that streamed text: a sampled 3-token answer can decode to none)
+    assert 0 < res["ttft_s"]["p50"] <= res["e2e_s"]["p99"] and 0 < res["e2e_s"]["p50"] <= res["e2e_s"]["p99"] <= res["wall_s"]
     assert 0 < res["itl_s"]["p50"] <= res["itl_s"]["p99"]
     with pytest.raises(SystemExit):
         serve_load(["--url", "http://192.0.2.1:8000"])  # not loopback: refused before any request

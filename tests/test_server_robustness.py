@@ -217,29 +217,28 @@ def test_tokenizer_failures_fail_only_their_request(served, monkeypatch):
         _ok(client, url)
 
 
-_FAILING_SERVER = f"""
-import sys
-from jhybrid.engine.runner import ModelRunner
-real = ModelRunner.execute
-def execute(self, sched, prev):
-    if any(r.seq.prompt_ids[-4:] == {POISON} for r in sched.rows):
-        raise RuntimeError("injected device fault")
-    return real(self, sched, prev)
-ModelRunner.execute = execute
-from jhybrid.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+def poison_steps(engine) -> None:
+    """`JHYBRID_ENGINE_SETUP` hook (it runs wherever the engine runs: the engine process or the server's): every
+    step holding a prompt that ends in POISON raises, as a broken device would."""
+    real = engine.runner.execute
+
+    def execute(sched, prev):
+        if any(r.seq.prompt_ids[-4:] == POISON for r in sched.rows):
+            raise RuntimeError("injected device fault")
+        return real(sched, prev)
+
+    engine.runner.execute = execute
 
 
-def _start_serve(model_dir: str, *args: str, code: str | None = None) -> tuple[subprocess.Popen, str]:
-    """`jhybrid serve` (or `code` wrapping the CLI) in a subprocess on a free port; returns it and its url once
-    /health answers. Its stderr (the log) is read by `_log_of`."""
+def _start_serve(model_dir: str, *args: str, setup: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`jhybrid serve` in a subprocess on a free port (`setup`: its JHYBRID_ENGINE_SETUP hook); returns it and its
+    url once /health answers. Its stderr (the log) is read by `_log_of`."""
     argv = ["serve", "--model", model_dir, "--served-model-name", MODEL, "--dtype", "float32", "--port", "0",
             "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16",
             "--log-level", "info", "--compilation-cache-dir", os.path.join(os.path.dirname(model_dir), "jax-cache"),
             *args]  # a cache beside the test's checkpoint: shared by this module's servers, not the user's
-    cmd = [sys.executable, "-c", code, *argv] if code else [sys.executable, "-m", "jhybrid.cli", *argv]
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "jhybrid.cli", *argv]
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **({"JHYBRID_ENGINE_SETUP": setup} if setup else {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     proc.log = lines  # type: ignore[attr-defined]
@@ -257,13 +256,14 @@ def _start_serve(model_dir: str, *args: str, code: str | None = None) -> tuple[s
 
 
 @pytest.mark.slow
-def test_an_engine_that_cannot_continue_exits_nonzero(dirs):
+@pytest.mark.parametrize("where", ["--engine-process", "--no-engine-process"])
+def test_an_engine_that_cannot_continue_exits_nonzero(dirs, where):
     """If the engine itself is broken (every step of these requests raises), requests fail with an error, /health
-    turns 503 and the process exits with status 1 so that a supervisor restarts it. Checked to fail with
-    on_fatal unset (the process stays up, as before the fix)."""
+    turns 503 and the process exits with status 1 so that a supervisor restarts it; with the engine in its own
+    process or on a thread. Checked to fail with on_fatal unset (the process stays up, as before the fix)."""
     from jhybrid.engine.llm_engine import LLMEngine
 
-    proc, url = _start_serve(dirs[1], code=_FAILING_SERVER)
+    proc, url = _start_serve(dirs[1], where, setup="tests.test_server_robustness:poison_steps")
     n = LLMEngine.MAX_FAILED_STEPS_IN_A_ROW  # each request fails alone (one failed step); the n-th is one too many
     try:
         statuses = []

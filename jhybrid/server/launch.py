@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import os
 import signal
 import socket
 import sys
@@ -31,19 +32,33 @@ log = logging.getLogger("jhybrid.server")
 
 
 def build_engine(model: str, config: EngineConfig | None = None, /, *, served_model_name: str | None = None,
-                 max_waiting_requests: int = 1024, max_queued_tokens: int = 1 << 20, **options: Any) -> AsyncEngine:
+                 max_waiting_requests: int = 1024, max_queued_tokens: int = 1 << 20, engine_process: bool = False,
+                 compilation_cache_dir: str | None = None, setup: str | None = None, log_level: str = "info",
+                 **options: Any) -> AsyncEngine:
     """Loads `model` and wraps an `LLMEngine` over it in a (not yet started) `AsyncEngine`. `config` holds the
     engine options and `options` replace its fields (`EngineConfig`: dtype, max_num_seqs, max_model_len, ...);
-    without a `config`, `dtype` defaults to None (the checkpoint's), as in `jhybrid serve`."""
-    from jhybrid.model_loader import load
-    from jhybrid.engine.llm_engine import LLMEngine
+    without a `config`, `dtype` defaults to None (the checkpoint's), as in `jhybrid serve`.
+
+    `engine_process`: run the engine in a process of its own (`engine_process.py`; what `jhybrid serve` does),
+    which is ready (programs compiled when `warmup`) when this returns; else on a thread of this process, where
+    `.engine` is the LLMEngine. `compilation_cache_dir`: JAX's persistent compilation cache (None: leave JAX's
+    setting). `setup`: "module:function" called with the LLMEngine where it runs, before it serves (tests inject
+    faults with it)."""
+    from jhybrid.server.engine_process import EngineProcess, EngineSpec, build_llm_engine, run_setup
 
     if config is None:
         options.setdefault("dtype", None)
     config = engine_config(config, **options)
-    engine = LLMEngine(load(model, config.dtype, host=config.tensor_parallel_size > 1), config)
-    return AsyncEngine(engine, model_name=served_model_name or model, max_waiting_requests=max_waiting_requests,
-                       max_queued_tokens=max_queued_tokens)
+    name = served_model_name or model
+    limits = dict(model_name=name, max_waiting_requests=max_waiting_requests, max_queued_tokens=max_queued_tokens)
+    if engine_process:
+        from jhybrid.tokenizer import load_tokenizer
+
+        spec = EngineSpec(model, config, compilation_cache_dir=compilation_cache_dir, log_level=log_level, setup=setup)
+        return AsyncEngine(backend=EngineProcess(spec, load_tokenizer(model)), **limits)
+    engine = build_llm_engine(model, config, compilation_cache_dir=compilation_cache_dir)
+    run_setup(setup, engine)
+    return AsyncEngine(engine, **limits)
 
 
 class GracefulServer(uvicorn.Server):
@@ -118,26 +133,33 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
           log_level: str = "info", max_seqs_per_request: int = 128, max_waiting_requests: int = 1024,
           max_queued_tokens: int = 1 << 20, shutdown_timeout: float = 30.0, header_timeout: float = 10.0,
           body_timeout: float = 30.0, allowed_origins: tuple[str, ...] = (), compilation_cache_dir: str | None = None,
-          engine_config: EngineConfig | None = None, **engine_options: Any) -> int:
+          engine_process: bool = True, engine_config: EngineConfig | None = None, **engine_options: Any) -> int:
     """Loads the model and serves it until SIGTERM / SIGINT (binds to loopback unless `host` says otherwise).
     `engine_config` and `engine_options` are the engine's options, as in `build_engine` (dtype, max_num_seqs,
     ...). `compilation_cache_dir`: JAX's persistent compilation cache (None: off); with `warmup=True` (the
     CLI's default) every step program is compiled, or loaded from that cache, before the server listens.
+    `engine_process`: the engine runs in a process of its own (default; `engine_process.py` says why), else on
+    a thread of the server process. The environment variable JHYBRID_ENGINE_SETUP ("module:function") names a
+    function called with the LLMEngine before it serves (the tests inject faults with it).
     Returns the exit status: 0 after a graceful shutdown, 1 when the engine could not continue."""
-    # the engine thread dispatches steps while the event loop writes streams: let it take the GIL back within
-    # 1 ms rather than Python's default 5 ms, or a busy event loop delays every step
+    # the thread that hands deltas to the event loop (the engine thread, or the engine process's receiver) should
+    # take the GIL back within 1 ms rather than Python's default 5 ms, or a busy event loop delays every step
     sys.setswitchinterval(0.001)
-    if compilation_cache_dir is not None:
-        from jhybrid.engine.compilation import enable_compilation_cache
+    if engine_process:
+        # this process only serves HTTP: should anything here touch JAX, it must not take an accelerator (JAX
+        # would reserve most of its memory) from the engine process
+        import jax
 
-        enable_compilation_cache(compilation_cache_dir)
+        jax.config.update("jax_platforms", "cpu")
     name = served_model_name or model
     template = load_chat_template(model, chat_template)
     config = ServerConfig(model_names=(name,), api_key=api_key, chat_template=template, max_body_bytes=max_body_bytes,
                           max_seqs_per_request=max_seqs_per_request, body_timeout=body_timeout,
                           allowed_origins=tuple(allowed_origins))
     engine = build_engine(model, engine_config, served_model_name=name, max_waiting_requests=max_waiting_requests,
-                          max_queued_tokens=max_queued_tokens, **engine_options)
+                          max_queued_tokens=max_queued_tokens, engine_process=engine_process,
+                          compilation_cache_dir=compilation_cache_dir, log_level=log_level,
+                          setup=os.environ.get("JHYBRID_ENGINE_SETUP"), **engine_options)
     if not is_loopback(host) and not api_key:
         log.warning("serving on %s without an API key: anyone who can reach this port can use the model", host)
     if template is None:
@@ -149,10 +171,10 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
         server.run()
     finally:
         engine.shutdown()
-    stats = engine.engine.stats()
+    stats = engine.stats()
     log.info("stopped (exit status %d): kv_blocks_used=%d state_slots_used=%d open_requests=%d engine_requests=%d",
-             server.exit_code, stats["kv_blocks_used"], stats["state_slots_used"], engine.num_open_requests,
-             len(engine.engine.requests))
+             server.exit_code, stats.get("kv_blocks_used", -1), stats.get("state_slots_used", -1),
+             engine.num_open_requests, stats.get("engine_requests", -1))
     return server.exit_code
 
 

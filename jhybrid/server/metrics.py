@@ -4,7 +4,7 @@ Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
 
 | metric | kind | what |
 |---|---|---|
-| `jhybrid:time_to_first_token_seconds` | histogram | request arrival -> its first token reaches the host |
+| `jhybrid:time_to_first_token_seconds` | histogram | request arrival -> its first token reaches the server |
 | `jhybrid:inter_token_latency_seconds` | histogram | gap between a request's successive tokens |
 | `jhybrid:e2e_request_latency_seconds` | histogram | arrival -> finish (stop / length) |
 | `jhybrid:num_requests_running` / `_waiting` | gauge | scheduler queues (waiting includes requests queued for the engine thread) |
@@ -29,8 +29,10 @@ Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
 | `jhybrid:programs_compiled_after_ready_total` | gauge | programs compiled after the server reported ready (each one stalled steps) |
 | `jhybrid:engine_steps_total`, `jhybrid:engine_host_{schedule,prepare,postprocess}_seconds_total`, `jhybrid:engine_device_wait_seconds_total` | gauge | engine steps, the engine thread's host time per phase, and its time blocked on the device |
 
-Engine-side metrics are written by the engine thread only; prometheus_client's metrics are thread-safe, so
-scrapes from the server thread read them directly.
+The request metrics (TTFT, ITL, end to end, tokens, finish reasons) are observed in the server process as each
+delta arrives from the engine; the gauges and engine counters are set from the numbers the engine reports with
+its outputs (`engine_core.engine_gauges`, every 50 ms while it steps). prometheus_client's metrics are
+thread-safe, so scrapes read them directly.
 """
 
 from __future__ import annotations
@@ -142,26 +144,31 @@ class EngineMetrics:
         }
 
     def observe_engine(self, engine, num_queued: int = 0) -> None:
-        """Sets the gauges from the engine's state (engine thread only); `num_queued` requests wait to be added."""
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting) + num_queued)
-        self.preempted.set(sum(1 for s in sched.waiting if s.num_preemptions))
-        blocks_total, slots_total = engine.blocks.capacity - 1, engine.slots.capacity - 1
-        self.blocks_used.set(engine.blocks.num_used)
+        """Sets the gauges from an engine in this process; `num_queued` requests wait to be added."""
+        from jhybrid.server.engine_core import engine_gauges
+
+        self.set_engine_gauges(engine_gauges(engine), num_queued)
+
+    def set_engine_gauges(self, values: dict[str, float], num_queued: int = 0) -> None:
+        """Sets the gauges and engine counters from `engine_core.engine_gauges`' numbers (from this process or the
+        engine process); `num_queued` requests wait to be added."""
+        self.running.set(values["running"])
+        self.waiting.set(values["waiting"] + num_queued)
+        self.preempted.set(values["preempted"])
+        blocks_total, slots_total = values["blocks_total"], values["slots_total"]
+        self.blocks_used.set(values["blocks_used"])
         self.blocks_total.set(blocks_total)
-        self.kv_usage.set(engine.blocks.num_used / blocks_total)
-        self.slots_used.set(engine.slots.num_used)
+        self.kv_usage.set(values["blocks_used"] / blocks_total)
+        self.slots_used.set(values["slots_used"])
         self.slots_total.set(slots_total)
-        self.slot_usage.set(engine.slots.num_used / slots_total)
-        if engine.num_preemptions > self._num_preemptions:
-            self.preemptions.inc(engine.num_preemptions - self._num_preemptions)
-            self._num_preemptions = engine.num_preemptions
-        stats = engine.stats() if hasattr(engine, "stats") else {}
+        self.slot_usage.set(values["slots_used"] / slots_total)
+        if values["num_preemptions"] > self._num_preemptions:
+            self.preemptions.inc(values["num_preemptions"] - self._num_preemptions)
+            self._num_preemptions = values["num_preemptions"]
         for key, g in (*self.host_gauges.items(), *self.stat_gauges.items()):
-            g.set(stats.get(key, 0))
+            g.set(values.get(key, 0))
         for key, c in self.engine_counters.items():
-            value = stats.get(key, 0)
+            value = values.get(key, 0)
             if value > self._last.get(key, 0):
                 c.inc(value - self._last.get(key, 0))
                 self._last[key] = value
