@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import os
 from typing import Any, Iterator
 
 import numpy as np
 
 from converters.dtypes import checkpoint_dtype, param_dtype, resolve_dtype
-from converters.name_maps import build_plan, is_ignored, normalize_name
+from converters.name_maps import build_plan, ignored_group, is_ignored, normalize_name
 from converters.plan import ConversionError, Plan, apply_rule, check_plan
 from converters.safetensors_io import SafetensorsCheckpoint
 from jhybrid.config import ModelConfig
 from jhybrid.models.params import Params, flatten_shapes, param_shapes, unflatten
+
+log = logging.getLogger("jhybrid.convert")
 
 
 def config_from_hf(hf_config: dict[str, Any], where: str) -> ModelConfig:
@@ -26,16 +30,27 @@ def config_from_hf(hf_config: dict[str, Any], where: str) -> ModelConfig:
 
 
 def _disk_names(ckpt: SafetensorsCheckpoint, cfg: ModelConfig) -> dict[str, str]:
-    """`{normalised name: on-disk name}` of the tensors that are not ignored."""
+    """`{normalised name: on-disk name}` of the tensors that are not ignored; the ignored ones are logged
+    (once per checkpoint and group: a vision tower, multi-token-prediction heads, ...)."""
     out: dict[str, str] = {}
+    ignored: dict[str, int] = {}
     for raw in ckpt.names():
         name = normalize_name(raw)
         if is_ignored(name, cfg):
+            group = ignored_group(name)
+            ignored[group] = ignored.get(group, 0) + 1
             continue
         if name in out:
             raise ConversionError(f"{ckpt.path}: tensors {out[name]!r} and {raw!r} both map to {name!r}")
         out[name] = raw
+    if ignored:
+        _log_ignored_tensors(ckpt.path, tuple(sorted(ignored.items())))
     return out
+
+
+@functools.lru_cache(maxsize=64)  # once per checkpoint: it is opened again by each loader
+def _log_ignored_tensors(path: str, groups: tuple[tuple[str, int], ...]) -> None:
+    log.info("%s: not loading %s", path, "; ".join(f"{n} tensor(s) {g}" for g, n in groups))
 
 
 @dataclasses.dataclass

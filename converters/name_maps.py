@@ -10,7 +10,8 @@ jhybrid names are those of `jhybrid.models.params.flatten_shapes(param_shapes(cf
   heads, then all k heads, then all v heads (value head g*r + j is head j of group g), and `in_proj_z
   [D, HV*V]`. `in_proj_ba [HK*2r, D]` is packed per group as `[b_g (r), a_g (r)]` -> `in_proj_b`,
   `in_proj_a [D, HV]` (see HF `Qwen3NextGatedDeltaNet.fix_query_key_value_ordering`).
-- Qwen3.5 stores flat `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` (transpose only).
+- Qwen3.5 and Qwen3.5-MoE store flat `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` (transpose only);
+  Qwen3.5-MoE's MLPs are Qwen3-Next's (router `mlp.gate`, experts, `shared_expert`, `shared_expert_gate`).
 - MoE experts, on disk one per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`) or fused
   (`mlp.experts.gate_up_proj [E, 2*Ie, D]`, gate rows first; `mlp.experts.down_proj [E, D, Ie]`), ->
   stacked `gate_proj`, `up_proj [E, D, Ie]`, `down_proj [E, Ie, D]`.
@@ -22,7 +23,8 @@ and `lm_head.weight` when the embeddings are tied.
 
 The lightning-attention and Mamba2 families (MiniMax, NemotronH, Bamba, Granite-4.0-H) have their maps in
 `family_maps.py`; the embeddings, attention and dense MLP maps that every family uses are in `layer_maps.py`.
-Multimodal Qwen3.5 checkpoints keep the text model under `model.language_model.`, read as `model.`.
+Multimodal Qwen3.5 (and Qwen3.5-MoE) checkpoints keep the text model under `model.language_model.`, read as
+`model.`. Ignored tensors are logged once per checkpoint (converters/load.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ from converters.layer_maps import attention, dense_mlp, embed_and_head
 from converters.plan import Plan, Rule, identity, linear
 from jhybrid.config import ModelConfig
 
-_IGNORED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_IGNORED_GROUPS = (
+    ("model.visual.", "vision tower: text model only"), ("visual.", "vision tower: text model only"),
+    ("mtp.", "multi-token prediction: not run"), ("model.mtp.", "multi-token prediction: not run"),
+)
+_IGNORED_PREFIXES = tuple(p for p, _ in _IGNORED_GROUPS)
 _IGNORED_SUFFIXES = (
     ".rotary_emb.inv_freq", ".self_attn.slope_rate", ".self_attn.query_decay", ".self_attn.key_decay",
     ".self_attn.diagonal_decay",
@@ -50,6 +56,17 @@ def normalize_name(name: str) -> str:
         if name.startswith(prefix):
             return "model." + name[len(prefix) :]
     return name
+
+
+def ignored_group(name: str) -> str:
+    """What an ignored tensor is, for the load log: "model.visual.* (vision tower)", "mtp.* (...)", ..."""
+    for prefix, what in _IGNORED_GROUPS:
+        if name.startswith(prefix):
+            return f"{prefix}* ({what})"
+    for suffix in _IGNORED_SUFFIXES:
+        if name.endswith(suffix):
+            return f"*{suffix} (derived buffer, recomputed)"
+    return f"{name} (tied to the embeddings)"
 
 
 def is_ignored(name: str, cfg: ModelConfig) -> bool:

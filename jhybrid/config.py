@@ -2,7 +2,9 @@
 
 `ModelConfig.from_hf(config_dict)` reads an HF `config.json`; the per-layer layout (which layers are full
 attention, which are linear, which MLPs are mixtures of experts) is data on the config, so one model
-definition serves every family.
+definition serves every family. The readers: config_text.py (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Qwen3, Llama),
+config_minimax.py (MiniMax, HF's and the published form), config_families.py (NemotronH, Bamba, Granite-4.0-H);
+config_fields.py refuses fields the Qwen/Llama and MiniMax readers do not read, naming them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ import dataclasses
 import json
 import os
 from typing import Any, Literal
+
+from jhybrid.config_fields import collect_ignored
+from jhybrid.config_text import TEXT_FIELDS, WRAPPERS, from_hf_text, text_config
 
 # A layer is a mixer followed by an MLP, each pre-normed with its own residual; either may be absent
 # ("none": NemotronH blocks are a mixer *or* an MLP). State-carrying ("linear") mixers: "linear_attention"
@@ -23,12 +28,11 @@ MLP_KINDS = ("dense", "moe", "none")
 MLP_ACTS = ("silu", "relu2")
 LIGHTNING_NORM_EPS = 1e-6  # HF MiniMaxLightningAttention's output RMSNorm uses the default eps, not rms_norm_eps
 
-# Families parsed in jhybrid/config_families.py (lightning attention, Mamba2 hybrids).
-_FAMILY_MODEL_TYPES = ("minimax", "nemotron_h", "bamba", "granitemoehybrid")
+# Families parsed in jhybrid/config_families.py (lightning attention, Mamba2 hybrids); MiniMax in its HF
+# (`minimax`) and its published (`minimax_m1`, `minimax_text_01`) form.
+_FAMILY_MODEL_TYPES = ("minimax", "minimax_m1", "minimax_text_01", "nemotron_h", "bamba", "granitemoehybrid")
 MOE_ROUTERS = ("softmax", "sigmoid_group")
-SUPPORTED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3", "llama") + _FAMILY_MODEL_TYPES
-# Families whose RMSNorm weights are stored zero-centred: the norm multiplies by (1 + w).
-_ZERO_CENTRED_NORM = ("qwen3_next", "qwen3_5", "qwen3_5_text")
+SUPPORTED_MODEL_TYPES = tuple(WRAPPERS) + tuple(TEXT_FIELDS) + _FAMILY_MODEL_TYPES
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -251,7 +255,12 @@ class ModelConfig:
     # ----- construction -----
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Builds a config from an HF `config.json` dict (multimodal Qwen3.5 configs use their text part)."""
+        """Builds a config from an HF `config.json` dict (multimodal Qwen3.5 configs use their text part).
+
+        Raises:
+          ValueError: an unsupported model_type, a field that changes the model and is not supported (named),
+            or inconsistent values. Fields ignored on purpose are logged once (jhybrid/config_fields.py).
+        """
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -259,15 +268,12 @@ class ModelConfig:
             )
         if model_type in _FAMILY_MODEL_TYPES:
             from jhybrid.config_families import FAMILY_PARSERS
+            from jhybrid.config_minimax import MINIMAX_PARSERS
 
-            return FAMILY_PARSERS[model_type](cls, hf)
-        if model_type == "qwen3_5" and "text_config" in hf:
-            text = dict(hf["text_config"])
-            text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
-            text["model_type"] = "qwen3_5_text"
-            cfg = cls.from_hf(text)
-            return dataclasses.replace(cfg, model_type="qwen3_5")
-        return _from_hf_text(model_type, hf)
+            return (FAMILY_PARSERS | MINIMAX_PARSERS)[model_type](cls, hf)
+        if model_type in WRAPPERS:
+            return dataclasses.replace(from_hf_text(cls, *text_config(model_type, hf)), model_type=model_type)
+        return from_hf_text(cls, model_type, hf)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -291,85 +297,9 @@ class ModelConfig:
         return cls(**d)
 
 
-def _layer_kinds(hf: dict[str, Any], num_layers: int, hybrid: bool) -> tuple[LayerKind, ...]:
-    if not hybrid:
-        return ("full_attention",) * num_layers
-    types = hf.get("layer_types")
-    if types is None:
-        interval = int(hf.get("full_attention_interval", 4))
-        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
-    if len(types) != num_layers:
-        raise ValueError(f"layer_types has {len(types)} entries but num_hidden_layers={num_layers}")
-    return tuple(types)
-
-
-def _rope(hf: dict[str, Any], head_dim: int, default_partial: float) -> dict[str, Any]:
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", default_partial))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    return dict(
-        rope_theta=float(theta),
-        rotary_dim=int(head_dim * partial) // 2 * 2,
-        rope_type=rope_type,
-        rope_factor=float(params.get("factor", 1.0)),
-        rope_low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        rope_high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        rope_original_max_position=int(params.get("original_max_position_embeddings", 8192)),
-    )
-
-
-def _from_hf_text(model_type: str, hf: dict[str, Any]) -> ModelConfig:
-    num_layers = int(hf["num_hidden_layers"])
-    hidden = int(hf["hidden_size"])
-    num_heads = int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or hidden // num_heads)
-    hybrid = model_type in ("qwen3_next", "qwen3_5_text")
-    qwen_hybrid = hybrid
-    mlp_kinds: list[MlpKind] = []
-    num_experts = int(hf.get("num_experts", 0) or 0) if model_type == "qwen3_next" else 0
-    sparse_step = int(hf.get("decoder_sparse_step", 1) or 1)
-    mlp_only = set(hf.get("mlp_only_layers") or [])
-    for i in range(num_layers):
-        moe = num_experts > 0 and i not in mlp_only and (i + 1) % sparse_step == 0
-        mlp_kinds.append("moe" if moe else "dense")
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-    return ModelConfig(
-        model_type=model_type,
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        layer_kinds=_layer_kinds(hf, num_layers, hybrid),
-        mlp_kinds=tuple(mlp_kinds),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        norm_zero_centred=model_type in _ZERO_CENTRED_NORM,
-        hidden_act=hf.get("hidden_act", "silu"),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        pad_token_id=hf.get("pad_token_id"),
-        num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=head_dim,
-        attn_output_gate=qwen_hybrid,
-        qk_norm=qwen_hybrid or model_type == "qwen3",
-        attention_bias=bool(hf.get("attention_bias", False)),
-        **_rope(hf, head_dim, 0.25 if qwen_hybrid else 1.0),
-        linear_num_key_heads=int(hf.get("linear_num_key_heads", 0) or 0) if hybrid else 0,
-        linear_num_value_heads=int(hf.get("linear_num_value_heads", 0) or 0) if hybrid else 0,
-        linear_key_head_dim=int(hf.get("linear_key_head_dim", 0) or 0) if hybrid else 0,
-        linear_value_head_dim=int(hf.get("linear_value_head_dim", 0) or 0) if hybrid else 0,
-        linear_conv_kernel=int(hf.get("linear_conv_kernel_dim", 4)) if hybrid else 4,
-        intermediate_size=int(hf.get("intermediate_size", 0) or 0),
-        mlp_bias=bool(hf.get("mlp_bias", False)),
-        num_experts=num_experts,
-        num_experts_per_tok=int(hf.get("num_experts_per_tok", 0) or 0) if num_experts else 0,
-        moe_intermediate_size=int(hf.get("moe_intermediate_size", 0) or 0) if num_experts else 0,
-        shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size", 0) or 0) if num_experts else 0,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-    )
+def ignored_fields(hf: dict[str, Any]) -> dict[str, str]:
+    """`{field: why}` of the fields of an HF config that jhybrid ignores on purpose (a vision tower, M-RoPE
+    sections, multi-token-prediction heads), for `jhybrid inspect`. Raises as `ModelConfig.from_hf` does."""
+    with collect_ignored() as found:
+        ModelConfig.from_hf(hf)
+    return found

@@ -1,5 +1,5 @@
-"""`ModelConfig.from_hf` for the lightning-attention and Mamba2 hybrid families (MiniMax, NemotronH, Bamba,
-Granite-4.0-H).
+"""`ModelConfig.from_hf` for the lightning-attention and Mamba2 hybrid families: NemotronH, Bamba,
+Granite-4.0-H here, MiniMax (both its forms) in config_minimax.py.
 
 Each parser reads an HF `config.json` dict into the one `ModelConfig`; the per-layer layout becomes the
 `layer_kinds` / `mlp_kinds` tuples. HF quirks are followed, not fixed (each is noted where it is read).
@@ -43,52 +43,6 @@ def _no_sliding_window(hf: dict[str, Any], model_type: str) -> None:
             f"{model_type}: sliding_window={hf['sliding_window']} is not supported (full attention layers attend "
             "to the whole context); set it to null"
         )
-
-
-def minimax(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
-    """MiniMax-Text-01 / M1: lightning attention ("linear_attention" in HF's `layer_types`) and softmax
-    attention layers, every MLP a block-sparse MoE (softmax top-k, renormalised), residuals
-    `alpha * norm(x) + beta * f(norm(x))`. RoPE rotates the whole head: HF's default MiniMax rotary ignores
-    `partial_rotary_factor`."""
-    common = _common(hf, "minimax")
-    num_layers = int(hf["num_hidden_layers"])
-    _no_sliding_window(hf, "minimax")
-    types = hf.get("layer_types") or [
-        "full_attention" if (i + 1) % 2 else "linear_attention" for i in range(num_layers)
-    ]  # HF's default layout
-    if len(types) != num_layers:
-        raise ValueError(f"minimax: layer_types has {len(types)} entries but num_hidden_layers={num_layers}")
-    rename = {"full_attention": "full_attention", "linear_attention": "lightning_attention"}
-    if unknown := set(types) - set(rename):
-        raise ValueError(f"minimax: unknown layer_types {sorted(unknown)}; expected {sorted(rename)}")
-    rope = dict(hf.get("rope_scaling") or {}) | dict(hf.get("rope_parameters") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"minimax: unsupported {rope_type=}; only 'default' RoPE is implemented")
-    num_experts = int(hf.get("num_local_experts", hf.get("num_experts", 8)))
-    inter = int(hf["intermediate_size"])
-    return cls(
-        **common,
-        num_layers=num_layers,
-        layer_kinds=tuple(rename[t] for t in types),
-        mlp_kinds=("moe",) * num_layers,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        hidden_act=hf.get("hidden_act", "silu"),
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 1e6))),
-        rotary_dim=common["head_dim"],
-        intermediate_size=inter,
-        num_experts=num_experts,
-        num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
-        moe_intermediate_size=inter,  # every MiniMax expert has intermediate_size
-        norm_topk_prob=True,  # MiniMaxTopKRouter always renormalises the top-k weights
-        residual_from_norm=True,
-        full_attn_alpha=float(hf.get("full_attn_alpha_factor", 1)),
-        full_attn_beta=float(hf.get("full_attn_beta_factor", 1)),
-        linear_attn_alpha=float(hf.get("linear_attn_alpha_factor", 1)),
-        linear_attn_beta=float(hf.get("linear_attn_beta_factor", 1)),
-        mlp_alpha=float(hf.get("mlp_alpha_factor", 1)),
-        mlp_beta=float(hf.get("mlp_beta_factor", 1)),
-    )
 
 
 # NemotronH block names (current and legacy, and the one-letter `hybrid_override_pattern`) -> (mixer, mlp)
@@ -294,7 +248,6 @@ def granitemoehybrid(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
 
 
 FAMILY_PARSERS: dict[str, Callable[[type[ModelConfig], dict[str, Any]], ModelConfig]] = {
-    "minimax": minimax,
     "nemotron_h": nemotron_h,
     "bamba": bamba,
     "granitemoehybrid": granitemoehybrid,
