@@ -4,7 +4,7 @@
 attention, which are linear, which MLPs are mixtures of experts) is data on the config, so one model
 definition serves every family. The readers: config_text.py (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, Qwen3, Llama),
 config_minimax.py (MiniMax, HF's and the published form), config_families.py (NemotronH, Bamba, Granite-4.0-H);
-config_fields.py refuses fields the Qwen/Llama and MiniMax readers do not read, naming them.
+config_fields.py refuses fields the Qwen/Llama, MiniMax and NemotronH readers do not read, naming them.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+from jhybrid.config_fields import MTP_REASON, check_fields
+
 if TYPE_CHECKING:  # each parser is handed the class (`cls`): config.py imports this module when it parses
     from jhybrid.config import ModelConfig
 
@@ -54,13 +56,42 @@ _NEMOTRON_BLOCKS = {
 }
 
 
+_NEMOTRON_READ = (
+    "model_type", "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "attention_head_dim", "tie_word_embeddings", "max_position_embeddings", "dtype", "torch_dtype", "bos_token_id",
+    "eos_token_id", "pad_token_id", "sliding_window", "attention_bias", "layers_block_type", "layer_types",
+    "hybrid_override_pattern", "num_hidden_layers", "moe_latent_size", "layer_norm_epsilon", "n_routed_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size", "n_shared_experts",
+    "norm_topk_prob", "n_group", "topk_group", "routed_scaling_factor", "mlp_hidden_act", "use_bias",
+    "mamba_hidden_act", "mamba_num_heads", "mamba_head_dim", "n_groups", "mamba_n_groups", "ssm_state_size",
+    "conv_kernel", "mamba_d_conv", "use_conv_bias", "mamba_conv_bias", "time_step_min", "mamba_dt_min",
+    "intermediate_size", "mlp_bias",
+    # read by HF's NemotronH at training or kernel level only, or not at all (it has no RoPE, takes the norm eps
+    # from layer_norm_epsilon, the Mamba2 width from heads x head dim, the projection bias from use_bias)
+    "chunk_size", "mamba_chunk_size", "expand", "mamba_expand", "time_step_max", "mamba_dt_max", "time_step_floor",
+    "mamba_dt_init_floor", "time_step_limit", "mamba_dt_limit", "time_step_rank", "rescale_prenorm_residual",
+    "residual_in_fp32", "use_mamba_kernels", "num_logits_to_keep", "mamba_ssm_cache_dtype",
+    "moe_shared_expert_overlap", "rms_norm_eps", "norm_eps", "rope_theta", "partial_rotary_factor", "rope_scaling",
+    "rope_parameters", "mamba_proj_bias",
+)
+_NEMOTRON_MTP = {k: MTP_REASON for k in (
+    "num_nextn_predict_layers", "mtp_layers_block_type", "mtp_hybrid_override_pattern")}
+
+
 def nemotron_h(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
     """NemotronH: each block is ONE of Mamba2, attention (no RoPE), a relu^2 MLP or a relu^2 MoE (sigmoid
     grouped routing + a shared expert), pre-normed with its own residual. Layout from `layers_block_type`
     (or the legacy `hybrid_override_pattern`, e.g. "M-M*-E"). HF clamps dt to `[time_step_min, inf)`
     in its chunked prefill only; jhybrid clamps in every step (see models/mamba2.py)."""
+    mtp = int(hf.get("num_nextn_predict_layers") or 0) > 0  # without MTP layers their fields are neutral
+    check_fields("nemotron_h", hf, _NEMOTRON_READ if mtp else _NEMOTRON_READ + tuple(_NEMOTRON_MTP),
+                 ignored=_NEMOTRON_MTP if mtp else None)
     common = _common(hf, "nemotron_h")
     _no_sliding_window(hf, "nemotron_h")
+    if hf.get("attention_head_dim", common["head_dim"]) != common["head_dim"]:
+        raise ValueError(f"nemotron_h: attention_head_dim={hf['attention_head_dim']} but head_dim={common['head_dim']}")
+    if int(hf.get("n_shared_experts", 1)) != 1:
+        raise ValueError(f"nemotron_h: n_shared_experts={hf['n_shared_experts']} is not supported (one shared expert)")
     blocks = hf.get("layers_block_type") or hf.get("layer_types") or list(hf.get("hybrid_override_pattern") or "")
     if not blocks:
         raise ValueError("nemotron_h: config has neither layers_block_type nor hybrid_override_pattern")
@@ -97,12 +128,12 @@ def nemotron_h(cls: type[ModelConfig], hf: dict[str, Any]) -> ModelConfig:
         attention_bias=False,  # HF NemotronHAttention builds its projections without bias
         mamba_num_heads=int(hf["mamba_num_heads"]),
         mamba_head_dim=int(hf["mamba_head_dim"]),
-        mamba_n_groups=int(hf.get("n_groups", hf.get("mamba_n_groups", 8))),
+        mamba_n_groups=int(hf.get("mamba_n_groups", hf.get("n_groups", 8))),
         ssm_state_size=int(hf["ssm_state_size"]),
-        mamba_conv_kernel=int(hf.get("conv_kernel", hf.get("mamba_d_conv", 4))),
-        mamba_conv_bias=bool(hf.get("use_conv_bias", True)),
+        mamba_conv_kernel=int(hf.get("mamba_d_conv", hf.get("conv_kernel", 4))),
+        mamba_conv_bias=bool(hf.get("mamba_conv_bias", hf.get("use_conv_bias", True))),  # the legacy names win, as in HF
         mamba_proj_bias=use_bias,
-        mamba_dt_min=float(hf.get("time_step_min", 0.001)),  # HF NemotronH: (time_step_min, inf)
+        mamba_dt_min=float(hf.get("mamba_dt_min", hf.get("time_step_min", 0.001))),  # HF NemotronH: (time_step_min, inf)
         mamba_norm_eps=eps,
         intermediate_size=int(hf.get("intermediate_size", 0)),
         mlp_act="relu2",

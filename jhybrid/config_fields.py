@@ -69,10 +69,11 @@ def check_fields(
     known = NEUTRAL | set(read) | set(ignored or ())
     unknown = sorted(k for k in hf if k not in known)
     if unknown:
-        notes = [why for fields, why in (hints or {}).items() if fields & set(unknown)]
+        notes = [why for fields, why in (hints or {}).items() if fields & set(unknown)] or [
+            "Check the model_type; a field at its neutral value can be removed."]
         raise ValueError(
             f"{where}: config field(s) {', '.join(unknown)} are not read by jhybrid and may change the model, so it "
-            f"will not build one without them. {' '.join(notes) or 'Fix the model_type or remove the field(s) if they are at their neutral value.'}"
+            f"will not build one without them. {' '.join(notes)}"
         )
     report_ignored(where, hf, {k: why for k, why in (ignored or {}).items() if k in hf})
 

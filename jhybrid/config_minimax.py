@@ -28,12 +28,13 @@ _MINIMAX_SHARED = (
     "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype", "sliding_window", "num_local_experts",
     "num_experts_per_tok", "rope_theta", "rope_scaling", "block_size",
 )
-_MINIMAX_SCALES = ("full_attn", "linear_attn", "mlp")  # jhybrid / HF prefix; published: layernorm_{full_attention,linear_attention,mlp}
-_PUBLISHED_SCALES = ("full_attention", "linear_attention", "mlp")
+_MINIMAX_SCALES = ("full_attn", "linear_attn", "mlp")  # jhybrid's and HF's prefixes
+_PUBLISHED_SCALES = ("full_attention", "linear_attention", "mlp")  # published: layernorm_{...}_alpha / _beta
 _MINIMAX_HF_ONLY = ("layer_types", "num_experts", "rope_parameters", "partial_rotary_factor") + tuple(
     f"{k}_{ab}_factor" for k in _MINIMAX_SCALES for ab in ("alpha", "beta"))
-_MINIMAX_PUBLISHED_ONLY = ("attn_type_list", "rotary_dim", "postnorm", "shared_intermediate_size", "shared_moe_mode") + tuple(
-    f"layernorm_{k}_{ab}" for k in _PUBLISHED_SCALES for ab in ("alpha", "beta"))
+_MINIMAX_PUBLISHED_ONLY = (
+    "attn_type_list", "rotary_dim", "postnorm", "shared_intermediate_size", "shared_moe_mode",
+) + tuple(f"layernorm_{k}_{ab}" for k in _PUBLISHED_SCALES for ab in ("alpha", "beta"))
 _MINIMAX_HINTS = {
     frozenset(_MINIMAX_PUBLISHED_ONLY): (
         "These are the names of MiniMax's published config (model_type 'minimax_m1' / 'minimax_text_01'): keep that "

@@ -131,8 +131,9 @@ def _mlp_kinds(model_type: str, hf: dict[str, Any], num_layers: int) -> tuple[tu
 
 
 def from_hf_text(cls: type[ModelConfig], model_type: str, hf: dict[str, Any]) -> ModelConfig:
-    check_fields(model_type, hf, TEXT_FIELDS[model_type],
-                 ignored=_MTP_IGNORED if model_type.startswith("qwen3_5") else None,
+    mtp = model_type.startswith("qwen3_5") and int(hf.get("mtp_num_hidden_layers") or 0) > 0
+    read = TEXT_FIELDS[model_type] + (tuple(_MTP_IGNORED) if model_type.startswith("qwen3_5") and not mtp else ())
+    check_fields(model_type, hf, read, ignored=_MTP_IGNORED if mtp else None,
                  hints=_QWEN3_5_MOE_HINT if model_type == "qwen3_5_text" else None)
     sliding = hf.get("use_sliding_window") if "use_sliding_window" in hf else hf.get("sliding_window") is not None
     if sliding:

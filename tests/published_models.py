@@ -94,8 +94,8 @@ def minimax_hf_config(pub: dict[str, Any]) -> dict[str, Any]:
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
             "tie_word_embeddings", "num_local_experts", "num_experts_per_tok", "bos_token_id", "eos_token_id")
-    scales = {f"{k}_{ab}_factor": pub[f"layernorm_{pk}_{ab}"] for k, pk in
-              (("full_attn", "full_attention"), ("linear_attn", "linear_attention"), ("mlp", "mlp")) for ab in ("alpha", "beta")}
+    names = (("full_attn", "full_attention"), ("linear_attn", "linear_attention"), ("mlp", "mlp"))
+    scales = {f"{k}_{ab}_factor": pub[f"layernorm_{pk}_{ab}"] for k, pk in names for ab in ("alpha", "beta")}
     return {
         **{k: pub[k] for k in keep},
         **scales,

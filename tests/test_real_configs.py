@@ -150,6 +150,11 @@ def test_unsupported_fields_and_values_are_named():
     _raises({**m, "shared_intermediate_size": 128}, "shared_intermediate_size")
     _raises({**m, "attn_type_list": [2] * 80}, "attn_type_list")
     _raises({**m, "quantization_config": {"quant_method": "fp8"}}, "quantization_config")
+    n = published("Nemotron-3-Nano-30B-A3B-BF16")
+    _raises({**n, "quantization_config": {"quant_method": "fp8"}}, "quantization_config")
+    _raises({**n, "n_shared_experts": 2}, "n_shared_experts")
+    _raises({**published("Nemotron-H-56B-Base-8K"), "attention_head_dim": 64}, "attention_head_dim")
+    assert "num_nextn_predict_layers" in ignored_fields({**n, "num_nextn_predict_layers": 1})
 
 
 # ------------------------------------------------------------------------------------------ parity
