@@ -10,7 +10,10 @@ implemented, 400) -> model name (404) -> chat template present (400) -> prompt t
 vocabulary, longer than the context, or prompt + max_tokens beyond it (400) -> sequences per request
 (prompts x best_of, 400) -> the engine's waiting queue (503 with Retry-After when full or shutting down).
 Each candidate (prompt x best_of, best_of defaulting to n) is one engine request; with best_of > n the n
-candidates of highest cumulative log-probability are returned. A client that disconnects aborts all of its
+candidates of highest cumulative log-probability are returned. Log-probabilities as OpenAI and vLLM return them
+(`jhybrid.server.logprobs`): completions `logprobs: k` (with `echo`, the prompt's too, computed by the engine as
+`prompt_logprobs`; `max_tokens: 0` with echo generates one token and shows none), chat `logprobs` + `top_logprobs`,
+streamed per chunk and not. A client that disconnects aborts all of its
 requests. An unexpected exception while handling a request answers 500 for that request alone.
 CORS is off unless `allowed_origins` names origins.
 """
@@ -35,6 +38,7 @@ from jhybrid.engine import sampling
 from jhybrid.engine.sampling import SamplingParams
 from jhybrid.server.async_engine import Delta, AsyncEngine, EngineDeadError, EngineDrainingError, EngineOverloadedError
 from jhybrid.server.chat_template import ChatTemplate, ChatTemplateError
+from jhybrid.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from jhybrid.server.http import (ClientDisconnected, EventStream, HTTPMetricsMiddleware, check_api_key, error_response,
                                  read_body, require_json, sse, unless_disconnected)
 from jhybrid.server.protocol import (
@@ -210,14 +214,45 @@ class _Choices:
 
 
 def _merge_deltas(items: list[tuple[int, Delta]]) -> list[tuple[int, Delta]]:
-    """Consecutive deltas of one choice as one (text and token ids joined, the rest from the later one), in
-    the order their choices first appear."""
+    """Consecutive deltas of one choice as one (text, token ids and their logprobs joined, the prompt's logprobs
+    from the first, the rest from the later one), in the order their choices first appear."""
     merged: dict[int, Delta] = {}
     for i, delta in items:
         before = merged.get(i)
         merged[i] = delta if before is None else dataclasses.replace(
-            delta, text=before.text + delta.text, token_ids=before.token_ids + delta.token_ids)
+            delta, text=before.text + delta.text, token_ids=before.token_ids + delta.token_ids,
+            token_logprobs=before.token_logprobs + delta.token_logprobs,
+            logprobs=None if delta.logprobs is None else (before.logprobs or ()) + delta.logprobs,
+            prompt_logprobs=before.prompt_logprobs if before.prompt_logprobs is not None else delta.prompt_logprobs)
     return list(merged.items())
+
+
+@dataclasses.dataclass
+class _Output:
+    """What one engine request returned, gathered from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    token_logprobs: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: tuple | None = None
+    final: Delta | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.token_logprobs += delta.token_logprobs
+        self.logprobs += delta.logprobs or ()
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finished:
+            self.final = delta
+
+
+def _entries(token_ids, token_logprobs, tops) -> list[dict[int, float]]:
+    """Generated tokens' {token id: logprob}: the token first, then its top ones."""
+    tops = tops or [{}] * len(token_ids)
+    return [{t: lp, **{a: v for a, v in top.items() if a != t}} for t, lp, top in zip(token_ids, token_logprobs, tops)]
 
 
 class _Serving:
@@ -274,10 +309,17 @@ class _Serving:
                            param="stop_token_ids", code="invalid_value")
         return bias, stop_ids
 
-    def _params(self, req, max_tokens: int, choice: int) -> SamplingParams:
+    def _params(self, req, max_tokens: int, choice: int, chat: bool) -> SamplingParams:
         bias, stop_ids = self._token_fields(req)
         top_k = req.top_k or 0
         extra = {"logit_bias": bias} if bias else {}
+        if chat and req.logprobs:
+            extra["logprobs"] = req.top_logprobs or 0
+        elif not chat and req.logprobs is not None:
+            extra["logprobs"] = req.logprobs
+            if req.echo:
+                extra["prompt_logprobs"] = req.logprobs
+        max_tokens = max(max_tokens, 1)  # 0 (echo alone): one token is generated and dropped, as vLLM does
         try:
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
@@ -371,42 +413,36 @@ class _Serving:
     async def _generate(self, request, req, model, prefix, ids_list, max_tokens, echo, *, chat: bool):
         n, best_of = req.n, self._count(req, ids_list)
         prompts = [ids for ids in ids_list for _ in range(best_of)]
-        params = [self._params(req, max_tokens[k // best_of], k % best_of) for k in range(len(prompts))]
+        params = [self._params(req, max_tokens[k // best_of], k % best_of, chat) for k in range(len(prompts))]
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         head = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model}
         num_prompt_tokens = sum(len(ids) for ids in ids_list)
+        view = _View(self, req, chat, prompts, echo=[echo[k // best_of] for k in range(len(prompts))],
+                     drop=[max_tokens[k // best_of] == 0 for k in range(len(prompts))])
         choices = _Choices(self.engine, response_id, prompts, params)
         if req.stream:  # best_of == n here
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(self._stream(choices, head, echo, n, num_prompt_tokens, include_usage, chat),
+            return EventStream(self._stream(choices, head, view, num_prompt_tokens, include_usage),
                                on_close=choices.close)
         try:
-            texts, finals = await unless_disconnected(request, self._collect(choices))
+            outputs = await unless_disconnected(request, self._collect(choices))
         except ClientDisconnected:
             return Response(status_code=499)
         finally:
             choices.close()
-        for final in finals:
-            if final.finish_reason == "error":
-                raise self._failed(final)
-        num_completion = sum(f.num_output_tokens for f in finals)  # every candidate was computed
+        for out in outputs:
+            if out.final.finish_reason == "error":
+                raise self._failed(out.final)
+        num_completion = sum(0 if view.drop[k] else out.final.num_output_tokens for k, out in enumerate(outputs))
         keep = []  # per prompt, the n candidates of highest cumulative logprob (all n when best_of == n)
         for p in range(len(ids_list)):
             group = list(range(p * best_of, (p + 1) * best_of))
             if best_of > n:
-                group = sorted(group, key=lambda k: -finals[k].cumulative_logprob)[:n]
+                group = sorted(group, key=lambda k: -outputs[k].final.cumulative_logprob)[:n]
             keep += group
-        out = []
-        for i, k in enumerate(keep):
-            text, final = texts[k], finals[k]
-            if chat:
-                out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                            "finish_reason": final.finish_reason})
-            else:
-                out.append({"index": i, "text": echo[k // best_of] + text, "logprobs": None,
-                            "finish_reason": final.finish_reason})
-        body = {**head, "object": "chat.completion" if chat else "text_completion", "choices": out,
+        body = {**head, "object": "chat.completion" if chat else "text_completion",
+                "choices": [view.choice(i, k, outputs[k]) for i, k in enumerate(keep)],
                 "usage": _usage(num_prompt_tokens, num_completion)}
         return JSONResponse(body)
 
@@ -417,47 +453,110 @@ class _Serving:
         return APIError(500, final.error or "the request failed", code="engine_error")
 
     @staticmethod
-    async def _collect(choices: _Choices) -> tuple[list[str], list[Any]]:
-        texts, finals = [""] * len(choices.ids), [None] * len(choices.ids)
+    async def _collect(choices: _Choices) -> list[_Output]:
+        outputs = [_Output() for _ in choices.ids]
         async for i, delta in choices:
-            texts[i] += delta.text
-            if delta.finished:
-                finals[i] = delta
-        return texts, finals
+            outputs[i].add(delta)
+        return outputs
 
-    async def _stream(self, choices: _Choices, head, echo, n, num_prompt_tokens, include_usage, chat):
+    async def _stream(self, choices: _Choices, head, view: _View, num_prompt_tokens, include_usage):
         usage_field = {"usage": None} if include_usage else {}
 
-        def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False):
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
+        def event(choice: dict):
             return sse({**head, "choices": [choice], **usage_field})
 
         num_completion = 0
+        started = [False] * len(choices.ids)
         try:
             for i in range(len(choices.ids)):
-                if chat:
-                    yield chunk(i, None, role=True)
-                elif echo[i // n]:
-                    yield chunk(i, echo[i // n])
+                if view.chat:
+                    yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})
+                elif view.echo[i] and not view.wants_logprobs:
+                    yield event(view.chunk(i, view.echo[i]))
             async for i, delta in choices:
                 if delta.finish_reason == "error":
                     yield sse(self._failed(delta).body())
                     break
-                if delta.text:
-                    yield chunk(i, delta.text)
+                if not started[i]:
+                    started[i] = True
+                    if not view.chat and view.echo[i] and view.wants_logprobs:  # the prompt's logprobs came now
+                        yield event(view.chunk(i, view.echo[i], view.prompt_logprobs(i, delta.prompt_logprobs)))
+                if not view.drop[i] and (delta.text or (view.wants_logprobs and delta.token_ids)):
+                    yield event(view.chunk(i, delta.text, view.delta_logprobs(i, delta)))
                 if delta.finished:
-                    num_completion += delta.num_output_tokens
-                    yield chunk(i, None, delta.finish_reason)
+                    num_completion += 0 if view.drop[i] else delta.num_output_tokens
+                    yield event(view.chunk(i, None, finish=delta.finish_reason))
             else:
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": _usage(num_prompt_tokens, num_completion)})
             yield "data: [DONE]\n\n"
         finally:
             choices.close()
+
+
+class _View:
+    """How one HTTP request's engine requests read as OpenAI choices: text, echo, and logprobs in the endpoint's
+    shape (`jhybrid.server.logprobs`). `drop[k]`: `max_tokens` 0 with echo (the generated token is not shown)."""
+
+    def __init__(self, serving: _Serving, req, chat: bool, prompts: list[list[int]], echo: list[str], drop: list[bool]):
+        self.req, self.chat, self.prompts, self.echo, self.drop = req, chat, prompts, echo, drop
+        self.texts = TokenTexts(serving.engine.tokenizer)
+        self.wants_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+        self.ids = [list(p) for p in prompts]  # streaming: prompt + tokens sent so far, per choice
+        self.offsets = [0] * len(prompts)  # streaming: text_offset of the next token, per choice
+
+    def choice(self, i: int, k: int, out: _Output) -> dict:
+        """Choice `i` of a whole response, from engine request `k`'s output."""
+        reason = out.final.finish_reason
+        ids, text = self.prompts[k], "" if self.drop[k] else out.text
+        generated = [] if self.drop[k] else out.token_ids
+        logprobs = None
+        if self.wants_logprobs and self.chat:
+            logprobs = {"content": chat_logprobs(self.texts, ids + generated, len(ids), out.token_logprobs,
+                                                 out.logprobs, self.req.top_logprobs or 0)}
+        elif self.wants_logprobs:
+            entries = _entries(generated, out.token_logprobs, out.logprobs)
+            start = len(ids)
+            if self.req.echo:
+                entries = list(self._prompt_entries(k, out.prompt_logprobs)) + entries
+                start = 0
+            logprobs = completion_logprobs(self.texts, ids + generated, start, entries)
+        if self.chat:
+            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": reason}
+        return {"index": i, "text": self.echo[k] + text, "logprobs": logprobs, "finish_reason": reason}
+
+    def _prompt_entries(self, k: int, prompt_logprobs) -> tuple:
+        return prompt_logprobs if prompt_logprobs is not None else (None,) * len(self.prompts[k])
+
+    def chunk(self, i: int, text: str | None, logprobs: dict | None = None, finish: str | None = None) -> dict:
+        """A stream chunk of choice `i` (streamed choices are the engine requests: best_of == n)."""
+        if self.chat:
+            delta = {"content": text} if text or logprobs is not None else {}
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+
+    def prompt_logprobs(self, i: int, prompt_logprobs) -> dict:
+        """Streamed echo: the prompt's tokens and logprobs (completions)."""
+        out = completion_logprobs(self.texts, self.prompts[i], 0, self._prompt_entries(i, prompt_logprobs))
+        self.offsets[i] = out["text_offset"][-1] + len(out["tokens"][-1]) if out["tokens"] else 0
+        return out
+
+    def delta_logprobs(self, i: int, delta: Delta) -> dict | None:
+        """A streamed delta's tokens in the endpoint's logprobs shape (None when the request did not ask)."""
+        start = len(self.ids[i])
+        self.ids[i] += delta.token_ids
+        if not self.wants_logprobs:
+            return None
+        if self.chat:
+            return {"content": chat_logprobs(self.texts, self.ids[i], start, delta.token_logprobs, delta.logprobs,
+                                             self.req.top_logprobs or 0)}
+        entries = _entries(delta.token_ids, delta.token_logprobs, delta.logprobs)
+        out = completion_logprobs(self.texts, self.ids[i], start, entries, self.offsets[i])
+        if out["tokens"]:
+            self.offsets[i] = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
 
 
 def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:

@@ -7,19 +7,22 @@ bounded, floats must be finite (NaN and Infinity are refused). Unknown fields ar
 clients send vendor fields freely, except those that would change the output (`UNSUPPORTED`, e.g.
 `repetition_penalty`, `guided_json`, `response_format` other than text): those answer 400 unless they hold
 their neutral value. Extensions beyond OpenAI's API, as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`,
-`skip_special_tokens`, `chat_template_kwargs`.
+`skip_special_tokens`, `chat_template_kwargs`. Log-probabilities: completions `logprobs` (0..20, with `echo` the
+prompt's too; `max_tokens: 0` only with `echo`), chat `logprobs` + `top_logprobs` (0..20; `top_logprobs` without
+`logprobs: true` is a 400, as OpenAI answers).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _ERROR_TYPES = {500: "server_error", 503: "server_error"}  # the rest: invalid_request_error
 
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # OpenAI's limit on `n`
+MAX_LOGPROBS = 20  # OpenAI's limit on `logprobs` (completions) and `top_logprobs` (chat); the engine's too
 
 # Fields other OpenAI-compatible servers accept that change the output, with their neutral values: present
 # with another value, they answer 400 instead of being ignored.
@@ -57,6 +60,9 @@ def validation_error(e: ValidationError) -> APIError:
         detail = first["msg"].removeprefix("Invalid JSON: ")
         return APIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
     loc = [str(p) for p in first["loc"]]
+    if not loc and first["type"] == "value_error":  # a check across fields: its message names the field first
+        msg = first["msg"].removeprefix("Value error, ")
+        return APIError(400, msg, param=msg.split(":", 1)[0], code="invalid_value")
     if not loc or first["type"] == "model_type":
         return APIError(400, "the request body must be a JSON object", code="invalid_request")
     # union members add type tags to the location (`prompt.str`); keep the path into the body only
@@ -152,10 +158,21 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
+    """`logprobs`: the log-probability of each returned token and the `logprobs` most likely ones (with `echo`,
+    of the prompt's tokens too, the first one's null). `max_tokens: 0` is allowed with `echo` (the prompt and its
+    log-probabilities alone), as vLLM allows it."""
+
+    max_tokens: int | None = Field(None, ge=0)
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _zero_tokens_need_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be at least 1 (0 only with echo: the prompt alone)")
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -170,13 +187,6 @@ class CompletionRequest(_GenerationRequest):
         if not ok:
             raise ValueError("must be a string, a non-empty list of strings, a list of token ids or a list of "
                              "non-empty token-id lists")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v is not None:
-            raise ValueError("logprobs are not supported by this server yet")
         return v
 
     @field_validator("suffix")
@@ -224,17 +234,16 @@ class ChatCompletionRequest(_GenerationRequest):
     echo: bool = False  # vLLM's chat extension; refused when true
     max_completion_tokens: int | None = Field(None, gt=0)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
 
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported by this server yet")
-        return v
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: logprobs must be set to true when top_logprobs is used")
+        return self
 
     @field_validator("tools")
     @classmethod
