@@ -15,8 +15,8 @@ table of its own (`jax.jit(...).lower(...).compile()`), so `compile_all` can bui
 grid at once, on several threads, before serving; once `seal()`ed, a step whose bucket was not compiled
 runs in the smallest compiled bucket that holds it instead of compiling on the request path (and a compile
 that cannot be avoided is counted in `num_compiled_after_seal`). Steps with a row that wants prompt
-log-probabilities run a variant of the mixed program (all `max_rows` rows, one per token bucket:
-`prompt_logprob_grid`) that keeps every position's hidden state and turns it into the log-probability of the
+log-probabilities run a variant of the mixed program (all `max_rows` rows, the smallest and largest token
+buckets: `prompt_logprob_grid`) that keeps every position's hidden state and turns it into the log-probability of the
 next prompt token and the top ones, a chunk of positions at a time; other steps run the plain programs, so a
 request without prompt logprobs costs what it did. A logit bias lives in a device table per
 state slot (`MAX_LOGIT_BIAS` entries), written when a biased sequence takes a slot.
@@ -448,9 +448,12 @@ class ModelRunner:
 
     def prompt_logprob_grid(self, max_num_batched_tokens: int) -> list[tuple[bool, int, int, bool]]:
         """The programs of steps with rows that want prompt log-probabilities: mixed steps of all `max_rows`
-        rows, one per token bucket up to `max_num_batched_tokens`'s (keys `(False, num_tokens, max_rows, True)`)."""
+        rows (keys `(False, num_tokens, max_rows, True)`) in the smallest and the largest token bucket only. Each
+        program costs about a second of cached start-up (a few cold) and only requests that ask for prompt
+        logprobs use them, so the buckets between are not built: a step between runs in the largest."""
         most = self.buckets(False, self.max_rows, max_num_batched_tokens)[1]
-        return [(False, t, self.max_rows, True) for t in sorted({self.buckets(False, 1, n)[1] for n in range(2, most + 1)})]
+        least = self.buckets(False, 1, 2)[1]
+        return [(False, t, self.max_rows, True) for t in sorted({least, most})]
 
     def compile_all(self, grid: list[tuple[bool, int, int]], *, threads: int | None = None, progress=None) -> int:
         """Compiles the programs of `grid` not compiled yet: traced here one by one, compiled by XLA on
