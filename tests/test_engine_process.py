@@ -61,7 +61,10 @@ def process_engine():
 def test_process_engine_answers_as_the_engine_on_a_thread(process_engine):
     """Greedy text, token ids, per-token logprobs and finish reasons from the engine process equal those of the
     same engine on a thread of this process (the reference: `AsyncEngine` over an in-process `LLMEngine`), and
-    the request metrics and gauges reach this process's registry."""
+    the request metrics and gauges reach this process's registry (the pool gauges from the engine's ready
+    message, before any request: checked to fail with them set only from step outputs)."""
+    before = process_engine.metrics.exposition().decode()
+    assert 'jhybrid:state_slots_total{model_name="kjv"} 4.0' in before
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
     got = asyncio.run(_collect(process_engine, PROMPTS, params))
     local = build_engine(default_model_path(), **OPTIONS).start()

@@ -147,8 +147,8 @@ class AsyncEngine:
         self._started = False
         self._closed = False
         self.failure: BaseException | None = None
-        if self.engine is not None:
-            self.metrics.set_engine_gauges(engine_gauges(self.engine))
+        # the gauges before the first step: start-up compilation, pool sizes
+        self.metrics.set_engine_gauges(engine_gauges(self.engine) if self.engine is not None else self.backend.stats())
 
     # ----------------------------------------------------------------- facts the server validates against
     @property

@@ -101,7 +101,7 @@ class EngineProcess:
             last = facts.strip().splitlines()[-1] if facts.strip() else "unknown error"
             raise EngineStartError(f"the engine process failed to start: {last}\n{facts}")
         self.max_model_len, self.vocab_size = facts["max_model_len"], facts["vocab_size"]
-        self._stats = facts["stats"]
+        self._stats = facts["stats"]  # engine_gauges(): what the metrics show before the first request
         log.info("engine process %d ready in %.1f s", self.process.pid, time.monotonic() - started)
 
     @property
@@ -228,7 +228,10 @@ def child_main() -> None:
     try:
         engine = build_llm_engine(spec.model, spec.config, compilation_cache_dir=spec.compilation_cache_dir)
         run_setup(spec.setup, engine)
-        facts = dict(max_model_len=engine.max_model_len, vocab_size=engine.model.cfg.vocab_size, stats=engine.stats())
+        from jhybrid.server.engine_core import engine_gauges
+
+        facts = dict(max_model_len=engine.max_model_len, vocab_size=engine.model.cfg.vocab_size,
+                     stats=engine_gauges(engine))
     except BaseException:  # noqa: BLE001 - reported to the server, which raises EngineStartError with it
         send(("failed", traceback.format_exc()))
         conn.close()
