@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, Int
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries of `logit_bias` per request (the step holds this many per state slot)
 INT32_MAX = 2**31 - 1
+MAX_N = 128  # completions (n) and candidates (best_of) per request, OpenAI's limit on `n`
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,6 +41,10 @@ class SamplingParams:
       skip_special_tokens: drop special tokens from the text.
       logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (greedy included), as
         OpenAI's `logit_bias`; at most `MAX_LOGIT_BIAS` entries. Log-probabilities stay those of the model.
+      n: completions to return for the prompt (vLLM's `n`); the engine runs each as its own sequence.
+      best_of: candidates to generate (None: n); the n of highest cumulative log-probability are returned.
+        Must be >= n. As in vLLM, the engine itself samples one sequence per request: the offline API and the
+        server fan a request out into `best_of` sequences.
     """
 
     max_tokens: int = 16
@@ -54,6 +59,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: Mapping[int, float] | None = None
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -63,6 +70,10 @@ class SamplingParams:
         # every integer below reaches an int32 array of the step; every float must be finite
         if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT32_MAX:
             raise ValueError(f"max_tokens must be an integer in [1, {INT32_MAX}], got {self.max_tokens!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_N):
+            raise ValueError(f"best_of must be an integer in [n, {MAX_N}] (n={self.n}), got {self.best_of!r}")
         if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
