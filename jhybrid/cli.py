@@ -59,10 +59,15 @@ def _parser() -> argparse.ArgumentParser:
         "inspect", help="validate a checkpoint without running it",
         description="Validate an HF or converted checkpoint from its metadata (no weights are loaded): per-layer "
         "kinds, parameter counts, dtypes, KV-cache bytes per token and linear-state bytes per sequence. "
-        "Exits non-zero on a missing, unexpected or mis-shaped tensor or an unsupported config.",
+        "Exits non-zero on a missing, unexpected or mis-shaped tensor or an unsupported config. With "
+        "--config-only, DIR may be a directory with a config.json or the file itself: parameters (total and "
+        "active per token), bf16 and FP8 weight bytes, KV and state bytes, the fields ignored on purpose, and "
+        "the smallest tensor-parallel size whose per-GPU weights fit one H200 with room for a KV pool.",
     )
     insp.add_argument("dir", metavar="DIR")
     insp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    insp.add_argument("--config-only", action="store_true",
+                      help="read config.json alone (no weights needed): sizes, memory and tensor-parallel plan")
     insp.set_defaults(func=_inspect)
 
     srv = sub.add_parser(
@@ -247,7 +252,10 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from jhybrid.checkpoint_summary import summarize
+    if args.config_only:
+        from jhybrid.config_summary import summarize_config as summarize
+    else:
+        from jhybrid.checkpoint_summary import summarize
 
     summary = summarize(args.dir)
     print(json.dumps(summary.to_json(), indent=2) if args.json else summary.format())

@@ -14,7 +14,7 @@ import json
 import os
 from typing import Any, Literal
 
-from jhybrid.config_fields import collect_ignored
+from jhybrid.config_fields import collect_ignored, read_quantization_config
 from jhybrid.config_text import TEXT_FIELDS, WRAPPERS, from_hf_text, text_config
 
 # A layer is a mixer followed by an MLP, each pre-normed with its own residual; either may be absent
@@ -257,10 +257,15 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Builds a config from an HF `config.json` dict (multimodal Qwen3.5 configs use their text part).
 
+        A `quantization_config` (block-wise FP8 only; `jhybrid.config_fields.read_quantization_config`) is
+        validated here and honoured by the loader, which dequantizes the weights (converters/fp8.py).
+
         Raises:
-          ValueError: an unsupported model_type, a field that changes the model and is not supported (named),
+          ValueError: an unsupported model_type or quantization_config, a field that changes the model and is not supported (named),
             or inconsistent values. Fields ignored on purpose are logged once (jhybrid/config_fields.py).
         """
+        if read_quantization_config(hf) is not None:  # block-wise FP8: dequantized at load (converters/fp8.py)
+            hf = {k: v for k, v in hf.items() if k != "quantization_config"}
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(

@@ -114,3 +114,60 @@ def collect_ignored() -> Iterator[dict[str, str]]:
         yield sink
     finally:
         _SINK.reset(token)
+
+
+# ----------------------------------------------------------------------------- quantization_config
+# Block-wise FP8 as transformers' `FineGrainedFP8Config` reads it (Qwen3-Next-80B-A3B-Instruct-FP8, DeepSeek-V3
+# style): e4m3 weights `W [out, in]` with fp32 `weight_scale_inv [ceil(out/b0), ceil(in/b1)]`, W ~ W_fp8 * scale
+# per block; jhybrid dequantizes them at load (converters/fp8.py). Fields whose values jhybrid cannot honour
+# raise, naming them.
+FP8_SUPPORTED = {
+    "quant_method": ("fp8",),
+    "fmt": ("e4m3",),  # DeepSeek's field; transformers assumes e4m3
+    "activation_scheme": ("dynamic",),  # "static" ships activation scales for FP8 matmuls that are not run here
+    "scale_fmt": ("float",),  # "ue8m0" (power-of-two scales in one byte) is not read
+    "expert_dtype": ("fp8",),  # "fp4": DeepSeek-V4's packed FP4 experts
+}
+FP8_FIELDS = frozenset(FP8_SUPPORTED) | {
+    "weight_block_size", "modules_to_not_convert", "ignored_layers", "modules_to_convert", "dequantize"}
+
+
+def read_quantization_config(hf: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The checkpoint's `quantization_config`, validated: `{"quant_method": "fp8", "weight_block_size": (b0, b1),
+    "modules_to_not_convert": (...)}`, or None when there is none.
+
+    Raises:
+      ValueError: another method, or a field or value jhybrid cannot honour (named), with what it supports.
+    """
+    q = hf.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, Mapping):
+        raise ValueError(f"quantization_config must be an object, got {q!r}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise ValueError(
+            f"quantization_config.quant_method={method!r} is not supported: jhybrid loads block-wise FP8 checkpoints "
+            "(quant_method 'fp8', e4m3 weights with weight_scale_inv per block) and unquantized ones; use the "
+            "checkpoint's bf16 release"
+        )
+    where = "quantization_config (fp8)"
+    if unknown := sorted(set(q) - FP8_FIELDS):
+        raise ValueError(f"{where}: field(s) {', '.join(unknown)} are not read by jhybrid; known: {sorted(FP8_FIELDS)}")
+    for field, allowed in FP8_SUPPORTED.items():
+        if field in q and q[field] not in allowed:
+            raise ValueError(f"{where}: {field}={q[field]!r} is not supported (supported: {', '.join(map(repr, allowed))})")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(
+            f"{where}: weight_block_size={block!r} is not supported: jhybrid reads block-wise scales, "
+            "weight_block_size [rows, cols] of two positive integers (per-tensor FP8 is not supported)"
+        )
+    if q.get("modules_to_convert"):
+        raise ValueError(f"{where}: modules_to_convert={q['modules_to_convert']!r} (FP8 embeddings) is not supported")
+    if "dequantize" in q and not isinstance(q["dequantize"], bool):
+        raise ValueError(f"{where}: dequantize={q['dequantize']!r} must be true or false")
+    skip = q.get("modules_to_not_convert", q.get("ignored_layers")) or ()
+    if not (isinstance(skip, (list, tuple)) and all(isinstance(s, str) for s in skip)):
+        raise ValueError(f"{where}: modules_to_not_convert={skip!r} must be a list of module names")
+    return {"quant_method": "fp8", "weight_block_size": tuple(block), "modules_to_not_convert": tuple(skip)}
