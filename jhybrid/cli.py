@@ -149,7 +149,8 @@ def _engine_options(parser: argparse.ArgumentParser, *, defaults: dict[str, Any]
             kwargs.update(action=argparse.BooleanOptionalAction)
         else:
             kwargs.update(type=kind, metavar=meta["metavar"], choices=meta["choices"])
-        group.add_argument("--" + field.name.replace("_", "-"), **kwargs)
+        flags = ["--" + name.replace("_", "-") for name in (field.name, *meta["aliases"])]  # older names too
+        group.add_argument(*flags, dest=field.name, **kwargs)
     return groups
 
 

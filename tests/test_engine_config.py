@@ -20,7 +20,8 @@ from jhybrid.model_loader import LoadedModel
 from tests.tp_worker import family_config
 
 # a value other than the default for every field (and a valid EngineConfig together)
-OTHER = dict(dtype="float32", max_num_seqs=3, max_model_len=96, block_size=8, num_kv_blocks=40, memory_fraction=0.5,
+OTHER = dict(dtype="float32", max_num_seqs=3, max_model_len=96, block_size=8, num_kv_blocks=40,
+             gpu_memory_utilization=0.5,
              max_num_batched_tokens=128, max_prefill_tokens_with_decodes=32, seed=7, host_kv_memory_gb=0.25,
              preemption_mode="swap", swap_transfer="pinned", swap_bandwidth_gbps=12.5, prefill_tokens_per_s=1000.0,
              kv_offload="copy", offload_policy="always", offload_overlap=False, offload_threads=2,
@@ -89,7 +90,7 @@ def test_serve_passes_every_option(monkeypatch):
     (dict(num_kv_blocks=2.5), "num_kv_blocks"), (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
     (dict(max_prefill_tokens_with_decodes=0), "max_prefill_tokens_with_decodes"),
     (dict(offload_threads=0), "offload_threads"), (dict(memory_fraction=0.0), "memory_fraction"),
-    (dict(memory_fraction=1.5), "memory_fraction"), (dict(host_kv_memory_gb=-1.0), "host_kv_memory_gb"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(host_kv_memory_gb=-1.0), "host_kv_memory_gb"),
     (dict(swap_bandwidth_gbps=0.0), "swap_bandwidth_gbps"), (dict(prefill_tokens_per_s=-5.0), "prefill_tokens_per_s"),
     (dict(preemption_mode="sometimes"), "preemption_mode='sometimes'"), (dict(swap_transfer="dma"), "swap_transfer='dma'"),
     (dict(kv_offload="gpu"), "kv_offload='gpu'"), (dict(offload_policy="never"), "offload_policy='never'"),

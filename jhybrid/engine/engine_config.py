@@ -9,11 +9,16 @@ counts) and the device (`swap_transfer="pinned"` needs pinned host memory) run w
     config = EngineConfig(max_num_seqs=64, max_model_len=4096)
     llm = jhybrid.LLM("path/to/checkpoint", config)                  # or jhybrid.LLM(path, max_num_seqs=64, ...)
     engine_config(config, warmup=True)                               # a copy with fields replaced, validated
+
+A field may have older names (`ALIASES`: `memory_fraction` is `gpu_memory_utilization`, vLLM's name for it):
+`EngineConfig(...)`, `engine_config(...)` and the CLI (`--memory-fraction`) take them too, and `config.memory_fraction`
+reads the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Any
 
@@ -22,11 +27,11 @@ from jhybrid.engine.swap import TRANSFERS
 
 
 def _option(default: Any, help: str, *, metavar: str | None = None, choices: tuple | None = None,
-            none: str | None = None, group: str = "engine") -> Any:
-    """A field with what the CLI needs: `help`, `metavar`, `choices`, `group` (its section in `--help`) and
-    `none` (what a None default means)."""
+            none: str | None = None, group: str = "engine", aliases: tuple[str, ...] = ()) -> Any:
+    """A field with what the CLI needs: `help`, `metavar`, `choices`, `group` (its section in `--help`), `none`
+    (what a None default means) and `aliases` (older names, also accepted as flags and keywords)."""
     return dataclasses.field(default=default, metadata=dict(help=help, metavar=metavar, choices=choices, none=none,
-                                                            group=group))
+                                                            group=group, aliases=aliases))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,9 +47,11 @@ class EngineConfig:
                                         none="min(model context, 4096)")
     block_size: int = _option(16, "tokens per KV block", metavar="N")
     num_kv_blocks: int | None = _option(None, "KV blocks in the device pool", metavar="N",
-                                        none="what --memory-fraction leaves after the state slots")
-    memory_fraction: float = _option(0.9, "share of free device memory for the KV pool and the state slots",
-                                     metavar="F")
+                                        none="what --gpu-memory-utilization leaves after the state slots")
+    gpu_memory_utilization: float = _option(
+        0.9, "share of the device memory free once the weights are loaded that the KV pool and the state slots may "
+        "take, a tenth of it kept for activations (vLLM's name; vLLM's share also counts the weights)", metavar="F",
+        aliases=("memory_fraction",))
     max_num_batched_tokens: int | None = _option(
         None, "token budget of one step (longer prompts are prefilled in chunks)", metavar="N",
         none="max(512, min(2048, max_model_len))")
@@ -105,8 +112,9 @@ class EngineConfig:
                               ("kv_offload", KV_OFFLOAD_MODES), ("offload_policy", OFFLOAD_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown {name}={getattr(self, name)!r}; choose one of {choices}")
-        if not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if not _is_real(self.gpu_memory_utilization) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization (memory_fraction) must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization!r}")
         if not self.host_kv_memory_gb >= 0:
             raise ValueError(f"host_kv_memory_gb={self.host_kv_memory_gb} must be >= 0 (0: no host tier)")
         for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
@@ -120,6 +128,15 @@ class EngineConfig:
             raise ValueError(f"kv_offload={self.kv_offload!r} is not supported with "
                              f"tensor_parallel_size={self.tensor_parallel_size}: use kv_offload='off'")
 
+    @property
+    def memory_fraction(self) -> float:
+        """The older name of `gpu_memory_utilization`."""
+        return self.gpu_memory_utilization
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
 
 def _check_count(name: str, value: Any, note: str = "") -> None:
     try:
@@ -131,11 +148,35 @@ def _check_count(name: str, value: Any, note: str = "") -> None:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(EngineConfig))
+ALIASES = {alias: f.name for f in dataclasses.fields(EngineConfig) for alias in f.metadata["aliases"]}  # old -> field
+
+
+def _renamed(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with older names (`ALIASES`) replaced by their fields' names."""
+    options = dict(options)
+    for alias, name in ALIASES.items():
+        if alias in options:
+            if name in options:
+                raise TypeError(f"{name} and {alias} (its older name) both given: give {name} alone")
+            options[name] = options.pop(alias)
+    return options
+
+
+_dataclass_init = EngineConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, /, **options: Any) -> None:
+    _dataclass_init(self, **_renamed(options))
+
+
+EngineConfig.__init__ = _init  # EngineConfig(memory_fraction=0.5) still works
 
 
 def engine_config(config: EngineConfig | None = None, /, **options: Any) -> EngineConfig:
     """`config` (default: `EngineConfig()`) with the named fields replaced, validated. An unknown name raises
-    TypeError listing the options."""
+    TypeError listing the options; an older name (`ALIASES`) sets its field."""
+    options = _renamed(options)
     unknown = sorted(set(options) - set(OPTION_NAMES))
     if unknown:
         raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; EngineConfig has: {', '.join(OPTION_NAMES)}")
