@@ -1,6 +1,7 @@
 """`load(model, dtype)`: a checkpoint directory (HF or converted) -> a `LoadedModel`, what the engine runs:
-the config, the parameters packed for the model, the tokenizer and every EOS id (config.json and
-generation_config.json).
+the config, the parameters packed for the model, the tokenizer, every EOS id (config.json and
+generation_config.json) and the checkpoint's sampling defaults (generation_config.json's temperature, top_k,
+top_p, min_p, repetition_penalty and max_new_tokens, as vLLM's `--generation-config auto` reads them).
 
 The checkpoint readers (`jhybrid.checkpoint`, over `converters`) are imported when a directory is loaded, not
 with this module: `converters` imports `jhybrid.config`, which runs `jhybrid/__init__.py` and so the engine,
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -19,15 +21,22 @@ import jax
 from jhybrid.config import ModelConfig
 from jhybrid.models.params import pack_params
 
+log = logging.getLogger("jhybrid.engine")
+# generation_config.json fields that become sampling defaults (vLLM's list), by their SamplingParams name
+GENERATION_DEFAULT_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A config with its parameters (packed for the model on construction), tokenizer and EOS ids."""
+    """A config with its parameters (packed for the model on construction), tokenizer, EOS ids and sampling
+    defaults (`SamplingParams` fields)."""
 
     cfg: ModelConfig
     params: Any
     tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()
+    generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         self.params = pack_params(self.params)
@@ -48,9 +57,40 @@ def load(model: str | os.PathLike | LoadedModel, dtype: str | None = None, *, ho
     cfg, params = load_model(model, dtype=dtype)
     tokenizer = load_tokenizer(model)
     eos = set(cfg.eos_token_ids)
-    gen_path = os.path.join(model, "generation_config.json")
-    if os.path.exists(gen_path):
-        with open(gen_path) as f:
-            gen_eos = json.load(f).get("eos_token_id")
-        eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
-    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)))
+    gen = read_generation_config(model)
+    gen_eos = gen.get("eos_token_id")
+    eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
+    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)),
+                       generation_defaults=generation_defaults(gen))
+
+
+def read_generation_config(model: str | os.PathLike) -> dict[str, Any]:
+    """generation_config.json of a checkpoint directory ({} when it has none)."""
+    path = os.path.join(model, "generation_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def generation_defaults(gen: dict[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """The sampling defaults of a generation config (or of the checkpoint directory holding one), as
+    `SamplingParams` fields: the values it sets of `GENERATION_DEFAULT_FIELDS` (transformers 5 writes only what
+    the model's authors set), `max_new_tokens` as `max_tokens`. A value SamplingParams refuses is left out,
+    with a warning."""
+    from jhybrid.engine.sampling import SamplingParams
+
+    if not isinstance(gen, dict):
+        gen = read_generation_config(gen)
+    out = {}
+    for name, field in GENERATION_DEFAULT_FIELDS.items():
+        value = gen.get(name)
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{field: value})
+        except (TypeError, ValueError) as e:
+            log.warning("generation_config.json: %s=%r is not used as a sampling default: %s", name, value, e)
+            continue
+        out[field] = value
+    return out

@@ -1,9 +1,11 @@
 """Compiled programs: every step program is built at start-up and nothing compiles afterwards, a sealed
 runner runs a missing bucket in a larger compiled one, and the sampling settings (greedy, sampled, top-k /
-top-p, log-probabilities, logit bias) are runtime arrays of those programs."""
+top-p, log-probabilities, logit bias, penalties, min_p, min_tokens, allowed tokens) are runtime arrays of those
+programs."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -21,13 +23,13 @@ def model(tiny):
 
 
 def mixed_workload(seed: int, n: int = 10, vocab: int = 128, lengths: tuple[int, int] = (1, 250)):
-    """Random prompt (in `lengths`) and output lengths; greedy, sampled, filtered, log-probability and biased
-    requests."""
+    """Random prompt (in `lengths`) and output lengths; greedy, sampled, filtered, log-probability, biased,
+    penalised, min_p + allowed-token and min_tokens requests."""
     rng = np.random.default_rng(seed)
     work = []
     for i in range(n):
         prompt = rng.integers(0, vocab, size=int(rng.integers(*lengths))).tolist()
-        kind = i % 5
+        kind = i % 8
         kw = dict(max_tokens=int(rng.integers(1, 12)), ignore_eos=True)
         if kind == 0:
             kw.update(temperature=0.0)
@@ -37,8 +39,15 @@ def mixed_workload(seed: int, n: int = 10, vocab: int = 128, lengths: tuple[int,
             kw.update(temperature=1.1, top_k=7, top_p=0.8, seed=i)
         elif kind == 3:
             kw.update(temperature=0.0, logprobs=3)
-        else:
+        elif kind == 4:
             kw.update(temperature=0.7, seed=i, logit_bias={int(t): 3.0 for t in rng.integers(0, vocab, 5)})
+        elif kind == 5:
+            kw.update(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)
+        elif kind == 6:
+            kw.update(temperature=0.9, seed=i, min_p=0.05, allowed_token_ids=rng.integers(0, vocab, 20).tolist())
+        else:
+            kw.update(temperature=0.8, seed=i, min_tokens=kw["max_tokens"], stop_token_ids=[int(rng.integers(vocab))],
+                      ignore_eos=False)
         work.append((prompt, SamplingParams(**kw)))
     return work
 
@@ -63,9 +72,10 @@ def run(llm: LLM, work, abort_at: dict[int, int]) -> dict[str, list[int]]:
 def test_after_warmup_a_random_mixed_workload_compiles_nothing(model):
     """`warmup=True` compiles every step program (and the slot programs) at start; then a random workload —
     prompt and output lengths, greedy and sampled requests, top-k / top-p, log-probabilities, logit bias,
-    aborts, preemptions — compiles nothing: JAX's own compile event never fires (this counts every XLA
+    penalties, min_p, allowed tokens, min_tokens, aborts, preemptions — compiles nothing: JAX's own compile event never fires (this counts every XLA
     compilation in the process, whatever function caused it). Its tokens equal those of an engine that
     compiled on demand. Checked to fail: with `warmup=False` the watch counts the workload's compiles."""
+    jax.clear_caches()  # an earlier test of this process may have compiled these shapes: warm-up must compile them
     warm = LLM(model, **ENGINE, warmup=True)
     stats = warm.engine.stats()
     grid = warm.engine.runner.program_grid(4, 128)

@@ -538,10 +538,10 @@ def test_fields_that_would_change_the_output_are_refused(served):
         for path, body, field in [
             ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}}, "response_format"),
             ("/v1/completions", {**comp, "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
-            ("/v1/completions", {**comp, "repetition_penalty": 1.3}, "repetition_penalty"),
+            ("/v1/completions", {**comp, "typical_p": 0.5}, "typical_p"),
             ("/v1/chat/completions", {**chat, "guided_json": {"type": "object"}}, "guided_json"),
             ("/v1/chat/completions", {**chat, "tool_choice": "required"}, "tool_choice"),
-            ("/v1/completions", {**comp, "min_tokens": 5}, "min_tokens"),
+            ("/v1/completions", {**comp, "use_beam_search": True}, "use_beam_search"),
             ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
         ]:
             r = _post(client, url, path, **body)

@@ -32,9 +32,10 @@ from jhybrid.cache.host_tier import HostTier, SwapCostModel, plan_host_tier
 from jhybrid.cache.planner import plan_cache
 from jhybrid.engine.engine_config import EngineConfig, engine_config
 from jhybrid.engine.runner import ModelRunner, StepResult
-from jhybrid.engine.sampling import SamplingParams
+from jhybrid.engine.sampling import SamplingParams, bad_words_token_ids
 from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
+from jhybrid.engine.slot_tables import ban_rows
 from jhybrid.engine.swap import Swapper, check_transfer, measure_prefill_rate, measure_transfer_bandwidth
 from jhybrid.engine.offload import HostAttention, Offloader, OffloadStats
 
@@ -71,6 +72,13 @@ class LLMEngine:
         self.model = model
         self.tokenizer = model.tokenizer
         self.eos_token_ids = frozenset(model.eos_token_ids)
+        # the checkpoint's generation_config.json sampling defaults (vLLM's `--generation-config auto`): the
+        # server applies them to the fields a request leaves out; `default_sampling_params` is them as params
+        self.generation_defaults = dict(getattr(model, "generation_defaults", None) or {})
+        self.default_sampling_params = SamplingParams(**self.generation_defaults)
+        if self.generation_defaults:
+            log.info("sampling defaults from the checkpoint's generation_config.json (for fields a request does not "
+                     "set): %s", ", ".join(f"{k}={v}" for k, v in self.generation_defaults.items()))
         max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
         if max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"{max_model_len=} exceeds the model's max_position_embeddings ({cfg.max_position_embeddings})")
@@ -183,6 +191,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         ids, error = self._encode(prompt)  # a tokenizer that raises leaves nothing registered
         seq = Sequence(request_id, ids, params, arrival=self._arrivals)
+        if not error and (params.bad_words or params.min_tokens):
+            error = self._set_bans(seq)
         if self.tokenizer is not None:
             from jhybrid.tokenizer import IncrementalDetokenizer
 
@@ -194,6 +204,18 @@ class LLMEngine:
         else:
             self.scheduler.add(seq)
         return seq
+
+    def _set_bans(self, seq: Sequence) -> str | None:
+        """Gives `seq` its banned token sequences (bad words; stop ids before min_tokens); the error, if any."""
+        params = seq.params
+        if params.bad_words and self.tokenizer is None:
+            return "bad_words: this checkpoint has no tokenizer to turn them into tokens"
+        try:
+            words = bad_words_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+            seq.set_bans(ban_rows(params, words, self.eos_token_ids, self.model.cfg.vocab_size))
+        except ValueError as e:
+            return str(e)
+        return None
 
     def _encode(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -319,24 +341,36 @@ class LLMEngine:
             if seq.params.logprobs is not None and top_lp is not None:
                 k = seq.params.logprobs
                 seq.logprobs.append({int(t): float(lp) for t, lp in zip(top_ids[i, :k], top_lp[i, :k])})
+            text_before = seq.text
             if seq.detok is not None:
                 seq.text += seq.detok.add(token)
-            self._check_stop(seq, token)
+            self._check_stop(seq, token, text_before)
             updated.append(seq)
         return updated
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _check_stop(self, seq: Sequence, token: int, text_before: str) -> None:
+        """Stops `seq` on EOS, a stop token id or a stop string (none of them before `min_tokens` tokens, as vLLM:
+        a stop string must end past the text of the first `min_tokens`), or at its length limit. The text of the
+        stop token and the stop string are dropped unless `include_stop_str_in_output`."""
         p = seq.params
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return self._finish(seq, "stop")
-        if token in p.stop_token_ids:
-            return self._finish(seq, "stop")
-        if p.stop and seq.detok is not None:
+        num_output = len(seq.token_ids) - len(seq.prompt_ids)
+        if num_output == p.min_tokens:
+            seq.stop_text_floor = len(seq.text)
+        if num_output >= p.min_tokens and ((not p.ignore_eos and token in self.eos_token_ids)
+                                           or token in p.stop_token_ids):
+            if p.include_stop_str_in_output:
+                return self._finish(seq, "stop")
+            seq.text = text_before  # the stop token's text (EOS's is usually empty: a special token)
+            return self._finish(seq, "stop", flush=False)
+        if p.stop and seq.detok is not None and num_output > p.min_tokens:
             window = max(len(s) for s in p.stop) + 16
             start = max(0, len(seq.text) - window)
-            hits = [i for s in p.stop if (i := seq.text.find(s, start)) >= 0]
+            # the first stop string that ends past the text of the first min_tokens tokens
+            floor = seq.stop_text_floor
+            hits = [(i, s) for s in p.stop if (i := seq.text.find(s, max(start, floor - len(s) + 1))) >= 0]
             if hits:
-                seq.text = seq.text[: min(hits)]
+                i, s = min(hits)
+                seq.text = seq.text[: i + len(s) if p.include_stop_str_in_output else i]
                 return self._finish(seq, "stop", flush=False)
         if len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return self._finish(seq, "length")
@@ -504,3 +538,4 @@ class LLMEngine:
 
 class EngineFailure(RuntimeError):
     """The engine cannot go on (its device state is gone, or its steps keep failing): restart the process."""
+

@@ -18,8 +18,10 @@ that cannot be avoided is counted in `num_compiled_after_seal`). Steps with a ro
 log-probabilities run a variant of the mixed program (all `max_rows` rows, the smallest and largest token
 buckets: `prompt_logprob_grid`) that keeps every position's hidden state and turns it into the log-probability of the
 next prompt token and the top ones, a chunk of positions at a time; other steps run the plain programs, so a
-request without prompt logprobs costs what it did. A logit bias lives in a device table per
-state slot (`MAX_LOGIT_BIAS` entries), written when a biased sequence takes a slot.
+request without prompt logprobs costs what it did. What a request asks for beyond a row of metadata (logit
+bias, banned token sequences, allowed tokens) lives in device tables per state slot, written when such a
+sequence takes a slot, and the token history that penalties read is per-slot state that each step updates with
+the tokens it feeds (`jhybrid.engine.slot_tables`): these are arguments of every program, never new programs.
 
 With a tensor-parallel `mesh` (`jhybrid.parallel`) the parameters and the state are sharded over its
 devices, the step is jitted with them (XLA SPMD inserts the collectives) and sampling runs on gathered
@@ -41,7 +43,9 @@ import numpy as np
 
 from jhybrid.cache.state import CacheConfig, HybridState, init_state, zero_slots
 from jhybrid.config import ModelConfig
-from jhybrid.engine.sampling import MAX_LOGIT_BIAS, SamplingArrays, SamplingParams, prompt_logprobs, sample
+from jhybrid.engine.sampling import (FLAG_PENALTIES, MAX_BAN_TOKENS, SamplingArrays, SamplingParams, SlotTables,
+                                     TokenHistory, prompt_logprobs, record_fed_tokens, sample)
+from jhybrid.engine.slot_tables import SlotTableKeeper, recent_window
 from jhybrid.engine.scheduler import SchedulerOutput
 from jhybrid.models.batch import Batch
 from jhybrid.models.hybrid import forward, lm_head
@@ -58,9 +62,12 @@ _FIELDS = (
     ("slot_ids", lambda t, b, m: b), ("logits_index", lambda t, b, m: b), ("token_src", lambda t, b, m: b),
     ("temperature", lambda t, b, m: b), ("top_k", lambda t, b, m: b), ("top_p", lambda t, b, m: b),
     ("seeds", lambda t, b, m: b), ("counters", lambda t, b, m: b), ("host_offsets", lambda t, b, m: b),
-    ("want_logprobs", lambda t, b, m: b),
+    ("want_logprobs", lambda t, b, m: b), ("flags", lambda t, b, m: b), ("prompt_len", lambda t, b, m: b),
+    ("min_p", lambda t, b, m: b), ("presence_penalty", lambda t, b, m: b), ("frequency_penalty", lambda t, b, m: b),
+    ("repetition_penalty", lambda t, b, m: b), ("recent", lambda t, b, m: b * (MAX_BAN_TOKENS - 1)),
 )
-_FLOAT_FIELDS = ("temperature", "top_p")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_ROW_MATRICES = {"block_tables": lambda m: m, "recent": lambda m: MAX_BAN_TOKENS - 1}  # [B, ...] fields
 
 
 def _pow2(n: int, minimum: int) -> int:
@@ -74,7 +81,7 @@ def _unpack(meta: jax.Array, t: int, b: int, m: int) -> dict[str, jax.Array]:
         x = meta[offset : offset + n]
         if name in _FLOAT_FIELDS:
             x = jax.lax.bitcast_convert_type(x, jnp.float32)
-        out[name] = x.reshape(b, m) if name == "block_tables" else x
+        out[name] = x.reshape(b, _ROW_MATRICES[name](m)) if name in _ROW_MATRICES else x
         offset += n
     return out
 
@@ -87,18 +94,19 @@ def meta_size(layout: tuple[int, int, int]) -> int:
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "layout", "decode", "max_rows", "mesh", "host_layout", "host_attn"),
-    donate_argnames=("state",),
+    donate_argnames=("state", "history"),
 )
 def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array,
-                bias: tuple[jax.Array, jax.Array], host_meta: jax.Array | None = None, stage=None,
+                tables: SlotTables, history: TokenHistory, host_meta: jax.Array | None = None, stage=None,
                 plp_meta: jax.Array | None = None, *,
                 layout: tuple[int, int, int], decode: bool, max_rows: int, mesh=None,
                 host_layout: tuple[int, int] | None = None, host_attn=None):
     """One step. `meta` is the packed int32 metadata of `layout = (T, B, M)`; `prev_out [2, R]` the previous
-    step's output (row 0: its sampled tokens); `bias` the per-slot logit-bias tables (`[S, NB]` token ids and
-    values). Returns (`[2, R]` int32: tokens and their bit-cast fp32 logprobs, `[B, L]` top logprobs, `[B, L]`
-    top ids, state), and with `plp_meta` (`[T + 1]`: each packed token's next prompt token whose logprob is
-    wanted, -1 for none; then 1 when some row wants top prompt logprobs) a fifth item, the prompt
+    step's output (row 0: its sampled tokens); `tables` the per-slot sampling tables and `history` (donated) the
+    per-slot token history, to which the step adds the tokens it feeds (rows with penalties). Returns (`[2, R]`
+    int32: tokens and their bit-cast fp32 logprobs, `[B, L]` top logprobs, `[B, L]` top ids, state, history), and
+    with `plp_meta` (`[T + 1]`: each packed token's next prompt token whose logprob is
+    wanted, -1 for none; then 1 when some row wants top prompt logprobs) a sixth item, the prompt
     log-probabilities (`[T]` logprob of each target, `[T, L]` top logprobs, `[T, L]` top ids). Steps without
     `plp_meta` are the programs of requests that want no prompt logprobs, unchanged.
 
@@ -113,10 +121,20 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
     batch = Batch(token_ids=token_ids, positions=f["positions"], token_seq=f["token_seq"],
                   slot_mapping=f["slot_mapping"], cu_seqlens=f["cu_seqlens"], block_tables=f["block_tables"],
                   slot_ids=f["slot_ids"], logits_index=f["logits_index"])
-    bias_ids, bias_values = bias
+    # the fed tokens of rows with penalties join their slot's history (before sampling: a decode row's fed token
+    # is its last output token); padding tokens (past cu_seqlens[-1]) are not recorded
+    prompt_len, flags, rows = f["prompt_len"], f["flags"], f["token_seq"]
+    real = jnp.arange(num_tokens) < f["cu_seqlens"][-1]
+    history = record_fed_tokens(history, f["slot_ids"][rows], token_ids, f["positions"] >= prompt_len[rows],
+                                real & ((flags[rows] & FLAG_PENALTIES) != 0))
+    last_fed = token_ids[f["logits_index"]]  # [B]
     sampling = SamplingArrays(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
                               seeds=f["seeds"], counters=f["counters"], want_logprobs=f["want_logprobs"],
-                              bias_ids=bias_ids[f["slot_ids"]], bias_values=bias_values[f["slot_ids"]])
+                              slot_ids=f["slot_ids"], flags=flags, min_p=f["min_p"],
+                              presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
+                              repetition_penalty=f["repetition_penalty"],
+                              num_output=f["positions"][f["logits_index"]] + 1 - prompt_len,
+                              recent=jnp.where(f["recent"] == -3, last_fed[:, None], f["recent"]))
     host = None
     if host_layout is not None:
         from jhybrid.engine.offload import HostPart
@@ -140,25 +158,18 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
         logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh, host_attention=host)
     if mesh is not None:  # sample on the gathered logits; keep the state in its shards
         logits, state = parallel.replicated(logits, mesh), parallel.constrain_state(state, cfg, mesh)
-    tokens, token_logp, top_lp, top_ids = sample(logits, sampling)
+    tokens, token_logp, top_lp, top_ids = sample(logits, sampling, tables, history)
     packed = jnp.zeros((2, max_rows), jnp.int32)
     packed = packed.at[0, : tokens.shape[0]].set(tokens)
     packed = packed.at[1, : tokens.shape[0]].set(jax.lax.bitcast_convert_type(token_logp, jnp.int32))
     if mesh is not None:
         packed, top_lp, top_ids = (parallel.replicated(x, mesh) for x in (packed, top_lp, top_ids))
     if plp_meta is None:
-        return packed, top_lp, top_ids, state
+        return packed, top_lp, top_ids, state, history
     plp = prompt_logprobs(lambda h: lm_head(cfg, params, h), hidden, plp_meta[:num_tokens], plp_meta[num_tokens] > 0)
     if mesh is not None:
         plp = tuple(parallel.replicated(x, mesh) for x in plp)
-    return packed, top_lp, top_ids, state, plp
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _set_bias(tables: tuple[jax.Array, jax.Array], slots: jax.Array, ids: jax.Array, values: jax.Array):
-    """Writes the logit-bias rows of `slots [K]` (`ids`, `values [K, NB]`); padding entries target slot 0."""
-    table_ids, table_values = tables
-    return table_ids.at[slots].set(ids), table_values.at[slots].set(values)
+    return packed, top_lp, top_ids, state, history, plp
 
 
 @dataclasses.dataclass
@@ -221,10 +232,8 @@ class ModelRunner:
         self._tables = np.zeros((cache.num_slots, self.max_blocks), np.int32)
         self._table_len = np.zeros(cache.num_slots, np.int64)
         self._table_owner: list[tuple[int, int] | None] = [None] * cache.num_slots
-        # logit bias per state slot (device tables) and the sequence whose bias each slot holds
-        self.bias = self._replicate(lambda: (jnp.zeros((cache.num_slots, MAX_LOGIT_BIAS), jnp.int32),
-                                             jnp.zeros((cache.num_slots, MAX_LOGIT_BIAS), jnp.float32)))
-        self._bias_owner: list[int | None] = [None] * cache.num_slots
+        # per-slot sampling tables and token history (device) and the sequence each slot's rows belong to
+        self.slot_tables = SlotTableKeeper(cache.num_slots, cfg.vocab_size, self.max_rows, self._replicate)
         # compiled step programs by (decode, num_tokens, num_rows); see the module docstring
         self._programs: dict[tuple[bool, int, int], jax.stages.Compiled] = {}
         self.sealed = False
@@ -250,26 +259,6 @@ class ModelRunner:
             padded = np.zeros(self.max_rows, np.int32)
             padded[: len(slots)] = slots
             self.state = zero_slots(self.state, padded)
-
-    def _sync_bias(self, rows) -> None:
-        """Writes the logit bias of rows whose slot holds another sequence's (or a stale) bias."""
-        updates = []
-        for r in rows:
-            seq = r.seq
-            want = seq.seq_id if seq.params.logit_bias else None
-            if self._bias_owner[seq.slot] != want:
-                updates.append((seq.slot, seq.params.logit_bias or {}))
-                self._bias_owner[seq.slot] = want
-        for start in range(0, len(updates), self.max_rows):
-            chunk = updates[start : start + self.max_rows]
-            slots = np.zeros(self.max_rows, np.int32)
-            ids = np.zeros((self.max_rows, MAX_LOGIT_BIAS), np.int32)
-            values = np.zeros((self.max_rows, MAX_LOGIT_BIAS), np.float32)
-            for i, (slot, bias) in enumerate(chunk):
-                slots[i] = slot
-                ids[i, : len(bias)] = list(bias)
-                values[i, : len(bias)] = list(bias.values())
-            self.bias = _set_bias(self.bias, slots, ids, values)
 
     def _sync_table(self, seq) -> None:
         slot, table = seq.slot, seq.block_table
@@ -332,6 +321,10 @@ class ModelRunner:
         temperature = np.zeros(num_rows, np.float32)
         top_k = np.zeros(num_rows, np.int32)
         top_p = np.ones(num_rows, np.float32)
+        # [B, 6]: flags, prompt length, min_p, presence, frequency, repetition penalty (floats bit-cast below)
+        extra = np.zeros((num_rows, 6), np.float32)
+        extra[:, 5] = 1.0
+        recent = np.full((num_rows, MAX_BAN_TOKENS - 1), -2, np.int32)
         seeds = np.zeros(num_rows, np.uint32)
         host_offsets = np.zeros(num_rows, np.int64)  # tokens of each row held in the host tier
         host_rows: list[int] = []
@@ -349,6 +342,11 @@ class ModelRunner:
                 pieces.append(seq.token_ids[r.start : end])
             lengths[i], starts[i], slots[i] = r.num_tokens, r.start, seq.slot
             temperature[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
+            if seq.flags or p.min_p:
+                extra[i] = (seq.flags, len(seq.prompt_ids), p.min_p, p.presence_penalty, p.frequency_penalty,
+                            p.repetition_penalty)
+                if seq.ban_window:
+                    recent[i] = recent_window(seq, end, known)
             seeds[i] = self._seed(seq)
             if seq.host_blocks:
                 if r.num_tokens != 1:
@@ -379,8 +377,13 @@ class ModelRunner:
         want_logprobs = np.zeros(num_rows, np.int32)
         want_logprobs[:num_real] = [r.seq.params.logprobs is not None for r in rows]
         fields["want_logprobs"] = want_logprobs
+        fields.update(flags=extra[:, 0].astype(np.int32), prompt_len=extra[:, 1].astype(np.int32),
+                      min_p=extra[:, 2].view(np.int32), presence_penalty=extra[:, 3].view(np.int32),
+                      frequency_penalty=extra[:, 4].view(np.int32), repetition_penalty=extra[:, 5].view(np.int32),
+                      recent=recent)
         meta = np.concatenate([np.asarray(fields[name], np.int32).ravel() for name, _ in _FIELDS])
-        self._sync_bias(rows)
+        keeper = self.slot_tables
+        keeper.sync(rows)
         if self.host_attn is not None:
             stats = self.host_attn.stats
             stats.num_steps_host += bool(host_rows)
@@ -399,14 +402,14 @@ class ModelRunner:
             statics = dict(layout=layout, decode=decode, max_rows=self.max_rows, mesh=self.mesh)
             host_meta, stage, statics["host_layout"] = self._host_part(rows, host_rows, num_rows)
             self.compiled_shapes.add((layout, decode, statics["host_layout"]))
-            out, top_lp, top_ids, self.state, *plp_out = engine_step(
-                self.cfg, self.params, self.state, meta, prev_out, self.bias, host_meta, stage, **plp_args, **statics,
-                host_attn=self.host_attn)
+            out, top_lp, top_ids, self.state, keeper.history, *plp_out = engine_step(
+                self.cfg, self.params, self.state, meta, prev_out, keeper.tables, keeper.history, host_meta, stage,
+                **plp_args, **statics, host_attn=self.host_attn)
         else:
             self.compiled_shapes.add((layout, decode, None))
             program = self._program(decode, num_tokens, num_rows, plp)
-            out, top_lp, top_ids, self.state, *plp_out = program(self.params, self.state, meta, prev_out, self.bias,
-                                                                 **plp_args)
+            out, top_lp, top_ids, self.state, keeper.history, *plp_out = program(
+                self.params, self.state, meta, prev_out, keeper.tables, keeper.history, **plp_args)
         if not want_logprobs.any():
             top_lp = top_ids = None
         return StepResult(sched, out, top_lp, top_ids, plp_out[0] if plp_out else None, plp_rows)
@@ -416,8 +419,9 @@ class ModelRunner:
         layout = (num_tokens, num_rows, self.max_blocks)
         meta = jax.ShapeDtypeStruct((meta_size(layout),), jnp.int32)
         extra = dict(plp_meta=jax.ShapeDtypeStruct((num_tokens + 1,), jnp.int32)) if plp else {}
-        return engine_step.lower(self.cfg, self.params, self.state, meta, self._no_prev, self.bias, **extra,
-                                 layout=layout, decode=decode, max_rows=self.max_rows, mesh=self.mesh)
+        return engine_step.lower(self.cfg, self.params, self.state, meta, self._no_prev, self.slot_tables.tables,
+                                 self.slot_tables.history, **extra, layout=layout, decode=decode,
+                                 max_rows=self.max_rows, mesh=self.mesh)
 
     def _program(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
         key = _key(decode, num_tokens, num_rows, plp)
@@ -538,11 +542,9 @@ class ModelRunner:
         self._tables[0], self._table_len[0], self._table_owner[0] = 0, 0, None  # the null slot's row stays zeros
 
     def warm_slot_programs(self) -> None:
-        """Compiles (and runs, on the null slot only) the slot-zeroing and logit-bias programs."""
+        """Compiles (and runs, on the null slot only) the slot-zeroing and sampling-table programs."""
         self.zero_slots([0])
-        self.bias = _set_bias(self.bias, np.zeros(self.max_rows, np.int32),
-                              np.zeros((self.max_rows, MAX_LOGIT_BIAS), np.int32),
-                              np.zeros((self.max_rows, MAX_LOGIT_BIAS), np.float32))
+        self.slot_tables.warm()
 
     def _seed(self, seq) -> int:
         if seq.params.seed is not None:

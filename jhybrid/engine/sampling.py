@@ -1,8 +1,14 @@
 """Sampling parameters (validated on the host) and the sampler that runs inside the jitted step.
 
 Every setting is a runtime array of the step, so one compiled program serves any mix of greedy, sampled,
-filtered (top-k / top-p), biased and log-probability requests; work that no row of a step needs (drawing,
-sorting for top-k / top-p, the top log-probabilities) is skipped by `lax.cond` on the device.
+filtered (top-k / top-p / min-p), biased, penalised, restricted and log-probability requests; work that no row
+of a step needs (drawing, sorting for top-k / top-p, the top log-probabilities, penalties, banned tokens, the
+allowed-token mask) is skipped by `lax.cond` on the device. The per-request tables (logit bias, banned token
+sequences, allowed tokens, token counts for penalties) live per state slot: `jhybrid.engine.slot_tables`.
+
+The order is vLLM's (v1 sampler): logit bias, allowed tokens and banned ones (bad words; EOS and stop token ids
+before `min_tokens`), then presence / frequency / repetition penalties; greedy rows take the argmax of that,
+sampled rows divide by the temperature, drop tokens below `min_p` of the most likely one, then top-k / top-p.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries of `logit_bias` per request (the step holds this many per state slot)
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # completions (n) and candidates (best_of) per request, OpenAI's limit on `n`
+MAX_BANS = 128  # banned token sequences per request: bad words (each with and without a leading space) + stop ids
+MAX_BAN_TOKENS = 8  # tokens of one bad word (its last token is banned after the others)
+FLAG_PENALTIES, FLAG_BANS, FLAG_ALLOWED = 1, 2, 4  # `SamplingArrays.flags`: what a row uses
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +54,19 @@ class SamplingParams:
       best_of: candidates to generate (None: n); the n of highest cumulative log-probability are returned.
         Must be >= n. As in vLLM, the engine itself samples one sequence per request: the offline API and the
         server fan a request out into `best_of` sequences.
+      presence_penalty: subtracted from the logit of each token the output holds already (OpenAI's, [-2, 2]).
+      frequency_penalty: subtracted once per occurrence of the token in the output (OpenAI's, [-2, 2]).
+      repetition_penalty: (vLLM / HF transformers) tokens of the prompt or the output have positive logits divided
+        by it and negative ones multiplied (> 0; 1: off).
+      min_p: drop tokens whose probability (after temperature) is below `min_p` times the most likely one's
+        ([0, 1]; 0: off). Sampled rows only, as vLLM.
+      min_tokens: EOS and `stop_token_ids` cannot be sampled, and stop strings are not looked for, before this
+        many tokens are generated (<= max_tokens).
+      bad_words: words that never appear in the output (vLLM's semantics: each is tokenised with and without a
+        leading space; the last token of such a token sequence is banned where the output ends with the others).
+        At most `MAX_BAN_TOKENS` tokens each; with min_tokens' stop ids at most `MAX_BANS` sequences.
+      allowed_token_ids: only these tokens can be sampled (non-empty when given).
+      include_stop_str_in_output: keep the stop string (or the text of the stop token) at the end of the text.
     """
 
     max_tokens: int = 16
@@ -61,6 +83,14 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = None
     n: int = 1
     best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    bad_words: Sequence[str] = ()
+    allowed_token_ids: Sequence[int] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -101,6 +131,28 @@ class SamplingParams:
                 if not _is_real(b) or not -100.0 <= b <= 100.0:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r} for token {t}")
             object.__setattr__(self, "logit_bias", {int(t): float(b) for t, b in bias.items()} or None)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_real(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100] (1: off), got {self.repetition_penalty!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens!r}")
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words!r}")
+        if self.allowed_token_ids is not None:
+            allowed = tuple(self.allowed_token_ids)
+            if not allowed or any(not _is_int(t) or not 0 <= t <= INT32_MAX for t in allowed):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {allowed!r}")
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +161,28 @@ class SamplingParams:
     @property
     def filtered(self) -> bool:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def stop_ids(self, eos_token_ids) -> tuple[int, ...]:
+        """The token ids that end this request: `stop_token_ids` and, unless `ignore_eos`, the model's EOS ids."""
+        return tuple(dict.fromkeys((*(() if self.ignore_eos else sorted(eos_token_ids)), *self.stop_token_ids)))
+
+
+def bad_words_token_ids(tokenizer, bad_words: Sequence[str]) -> list[list[int]]:
+    """The token sequences of `bad_words`, as vLLM makes them (`SamplingParams.update_from_tokenizer`): each word
+    (left-stripped) tokenised without special tokens, and again after a leading space when that gives a
+    different first token in as many tokens (the word inside text)."""
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        out.append(plain)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return [ids for ids in out if ids]
 
 
 def _is_int(x) -> bool:
@@ -122,7 +196,8 @@ def _is_real(x) -> bool:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingArrays:
-    """Per-row sampling parameters as arrays `[B]` (padding rows: greedy, no log-probabilities, no bias)."""
+    """Per-row sampling parameters as arrays `[B]` (padding rows: greedy, no log-probabilities, flags 0; their
+    slot is the null slot 0, whose table rows hold no bias)."""
 
     temperature: Float[Array, "B"]
     top_k: Int[Array, "B"]  # 0 = off
@@ -130,30 +205,96 @@ class SamplingArrays:
     seeds: Int[Array, "B"]  # uint32 seed of each request
     counters: Int[Array, "B"]  # which sample of the request this is (folds into the key)
     want_logprobs: Int[Array, "B"]  # 1: the row's top log-probabilities are read
-    bias_ids: Int[Array, "B NB"]  # logit bias of each row: token ids (padding: token 0 with value 0)
-    bias_values: Float[Array, "B NB"]
+    slot_ids: Int[Array, "B"]  # each row's state slot: its rows of the `SlotTables` and `TokenHistory`
+    flags: Int[Array, "B"]  # FLAG_PENALTIES | FLAG_BANS | FLAG_ALLOWED: which tables the row reads
+    min_p: Float[Array, "B"]  # 0 = off
+    presence_penalty: Float[Array, "B"]
+    frequency_penalty: Float[Array, "B"]
+    repetition_penalty: Float[Array, "B"]  # 1 = off
+    num_output: Int[Array, "B"]  # output tokens before this row's sample (bans hold while it is below `until`)
+    recent: Int[Array, "B W1"]  # the last MAX_BAN_TOKENS - 1 output tokens, right-aligned (-2: none)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlotTables:
+    """What a request asks for that does not fit in a row of metadata, one row per state slot (S), written when
+    a sequence takes a slot (`jhybrid.engine.slot_tables`); slot 0 (the null slot of padding rows) holds no bias.
+
+    `bans` rows: MAX_BANS entries of MAX_BAN_TOKENS + 1 ints: the banned token sequence right-aligned (-1
+    before it: any token), its last token the one banned, then `until`: the ban holds while the row's output is
+    shorter than that (INT32_MAX: bad words; min_tokens: the stop ids). An entry whose last token is -1 is empty.
+    """
+
+    bias_ids: Int[Array, "S NB"]  # logit bias: token ids (padding: token 0 with value 0)
+    bias_values: Float[Array, "S NB"]
+    bans: Int[Array, "S NW W"]  # W = MAX_BAN_TOKENS + 1
+    allowed: Array  # [S, V] bool: the tokens a FLAG_ALLOWED row may sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenHistory:
+    """Per state slot, the tokens fed so far (of rows with FLAG_PENALTIES; the step adds each token it feeds,
+    `record_fed_tokens`): how often each token occurs in the output and whether it occurs in the prompt."""
+
+    output_counts: Int[Array, "S V"]
+    prompt_mask: Array  # [S, V] bool
+
+
+def record_fed_tokens(history: TokenHistory, slots: Int[Array, "T"], token_ids: Int[Array, "T"],
+                      is_output: Array, keep: Array) -> TokenHistory:
+    """Adds the step's fed tokens (`[T]`: each token's slot, id, whether it is an output token, whether to
+    record it at all) to `history`: a scatter of T entries into the donated tables."""
+    num_slots = history.output_counts.shape[0]
+    out_slot = jnp.where(keep & is_output, slots, num_slots)  # out of range: dropped
+    prompt_slot = jnp.where(keep & ~is_output, slots, num_slots)
+    return TokenHistory(output_counts=history.output_counts.at[out_slot, token_ids].add(1, mode="drop"),
+                        prompt_mask=history.prompt_mask.at[prompt_slot, token_ids].set(True, mode="drop"))
 
 
 def sample(
-    logits: Float[Array, "B V"], s: SamplingArrays
+    logits: Float[Array, "B V"], s: SamplingArrays, tables: SlotTables, history: TokenHistory
 ) -> tuple[Int[Array, "B"], Float[Array, "B"], Float[Array, "B L"], Int[Array, "B L"]]:
     """Samples one token per row, every setting a runtime array.
 
     Returns (tokens, logprob of each token, top-`MAX_LOGPROBS` logprobs and their ids). Logprobs are of the
-    model's distribution (before bias, temperature and filtering), as vLLM reports them by default; the top
-    ones are computed only when some row wants them (zeros otherwise). Drawing and top-k / top-p filtering
-    run only when some row needs them (`lax.cond`), so an all-greedy step pays for an argmax alone.
+    model's distribution (before bias, penalties, masks, temperature and filtering), as vLLM reports them by
+    default; the top ones are computed only when some row wants them (zeros otherwise). Drawing, top-k / top-p
+    filtering, the allowed-token mask, bans and penalties run only when some row needs them (`lax.cond`), so an
+    all-greedy step pays for the bias and an argmax alone.
     """
     logits = logits.astype(jnp.float32)
     num_rows = logits.shape[0]
     logp = jax.nn.log_softmax(logits, axis=-1)
-    biased = logits.at[jnp.arange(num_rows)[:, None], s.bias_ids].add(s.bias_values)
-    greedy_tokens = jnp.argmax(biased, axis=-1).astype(jnp.int32)
+    rows = jnp.arange(num_rows)[:, None]
+    x = logits.at[rows, tables.bias_ids[s.slot_ids]].add(tables.bias_values[s.slot_ids])
+
+    def uses(flag):
+        return (s.flags & flag) != 0
+
+    def restrict(y):
+        return jnp.where(tables.allowed[s.slot_ids] | ~uses(FLAG_ALLOWED)[:, None], y, -jnp.inf)
+
+    def ban(y):
+        return _apply_bans(y, tables.bans[s.slot_ids], s.recent, jnp.where(uses(FLAG_BANS), s.num_output, INT32_MAX))
+
+    def penalise(y):
+        return apply_penalties(y, history.output_counts[s.slot_ids], history.prompt_mask[s.slot_ids],
+                               s.presence_penalty, s.frequency_penalty, s.repetition_penalty)
+
+    x = jax.lax.cond(jnp.any(uses(FLAG_ALLOWED)), restrict, lambda y: y, x)
+    x = jax.lax.cond(jnp.any(uses(FLAG_BANS)), ban, lambda y: y, x)
+    x = jax.lax.cond(jnp.any(uses(FLAG_PENALTIES)), penalise, lambda y: y, x)
+    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     sampled = s.temperature > 0
 
     def draw(x):
         temp = jnp.where(sampled, s.temperature, 1.0)[:, None]
         scaled = x / temp
+        # min_p: p < min_p * p_max  <=>  logit < max logit + log(min_p) (log 0 = -inf: nothing dropped)
+        floor = jnp.max(scaled, axis=-1) + jnp.log(s.min_p)
+        scaled = jnp.where(scaled < floor[:, None], -jnp.inf, scaled)
         filtered = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
         scaled = jax.lax.cond(jnp.any(filtered), lambda y: _filter_top_k_top_p(y, s.top_k, s.top_p),
                               lambda y: y, scaled)
@@ -163,7 +304,7 @@ def sample(
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(sampled, drawn, greedy_tokens)
 
-    tokens = jax.lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, biased)
+    tokens = jax.lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, x)
     token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
     def top(x):
@@ -175,6 +316,30 @@ def sample(
 
     top_lp, top_ids = jax.lax.cond(jnp.any(s.want_logprobs > 0), top, no_top, logp)
     return tokens, token_logp, top_lp, top_ids
+
+
+def apply_penalties(logits: Float[Array, "B V"], output_counts: Int[Array, "B V"], prompt_mask: Array,
+                    presence: Float[Array, "B"], frequency: Float[Array, "B"], repetition: Float[Array, "B"]) -> Array:
+    """vLLM's penalties (`apply_penalties`): tokens of the prompt or the output have positive logits divided by
+    the repetition penalty and the others multiplied; then the frequency penalty times each token's count in the
+    output and the presence penalty for each token in it are subtracted (OpenAI's definition)."""
+    in_output = output_counts > 0
+    rep = jnp.where(prompt_mask | in_output, repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    return logits - frequency[:, None] * output_counts - presence[:, None] * in_output
+
+
+def _apply_bans(logits: Float[Array, "B V"], bans: Int[Array, "B NW W"], recent: Int[Array, "B W1"],
+                num_output: Int[Array, "B"]) -> Array:
+    """Sets to -inf each row's banned tokens: the last token of every entry whose earlier tokens are the end of
+    the output (`recent`) and whose `until` the output has not reached (see `SlotTables`)."""
+    width = bans.shape[-1] - 1
+    prefix, last, until = bans[..., : width - 1], bans[..., width - 1], bans[..., width]  # [B, NW, W-1], [B, NW]
+    matches = jnp.all((prefix == -1) | (prefix == recent[:, None, :]), axis=-1)
+    banned = matches & (last >= 0) & (num_output[:, None] < until)  # [B, NW]
+    vocab = logits.shape[-1]
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, jnp.where(banned, last, vocab)].set(-jnp.inf, mode="drop")
 
 
 def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"]) -> Array:

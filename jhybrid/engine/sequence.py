@@ -6,7 +6,7 @@ import enum
 import itertools
 from typing import Any
 
-from jhybrid.engine.sampling import SamplingParams
+from jhybrid.engine.sampling import FLAG_ALLOWED, FLAG_BANS, FLAG_PENALTIES, SamplingParams
 
 _ids = itertools.count()
 
@@ -48,9 +48,20 @@ class Sequence:
         # prompt token and the top-k), filled as prefill steps are read (None where not read yet)
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
+        # which per-slot sampling tables the sequence reads (`jhybrid.engine.slot_tables`); FLAG_BANS with `set_bans`
+        self.flags = (FLAG_PENALTIES if params.penalised else 0) | (FLAG_ALLOWED if params.allowed_token_ids else 0)
+        self.bans: Any = None  # [n, MAX_BAN_TOKENS + 1] int32 entries (`slot_tables.ban_rows`) or None
+        self.ban_window = False  # some banned sequence has more than one token: steps send the output's end
         self.detok: Any = None  # IncrementalDetokenizer when a tokenizer exists
         self.text = ""
+        self.stop_text_floor = 0  # stop strings must end past this much text (that of the first min_tokens tokens)
         self.sent_text_len = 0  # how much of `text` has been streamed
+
+    def set_bans(self, rows) -> None:
+        """The banned token sequences (bad words; stop ids before min_tokens) as `slot_tables.ban_rows` makes them."""
+        if len(rows):
+            self.bans, self.flags = rows, self.flags | FLAG_BANS
+            self.ban_window = bool((rows[:, :-2] >= 0).any())
 
     @property
     def output_ids(self) -> list[int]:

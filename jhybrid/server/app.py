@@ -13,7 +13,10 @@ Each candidate (prompt x best_of, best_of defaulting to n) is one engine request
 candidates of highest cumulative log-probability are returned. Log-probabilities as OpenAI and vLLM return them
 (`jhybrid.server.logprobs`): completions `logprobs: k` (with `echo`, the prompt's too, computed by the engine as
 `prompt_logprobs`; `max_tokens: 0` with echo generates one token and shows none), chat `logprobs` + `top_logprobs`,
-streamed per chunk and not. A client that disconnects aborts all of its
+streamed per chunk and not. Sampling controls (penalties, min_p, min_tokens, bad_words, allowed_token_ids,
+include_stop_str_in_output, ...) go to the engine in each candidate's SamplingParams; fields a request leaves out
+take `ServerConfig.generation_defaults` (the checkpoint's generation_config.json, as vLLM's `--generation-config
+auto`). A client that disconnects aborts all of its
 requests. An unexpected exception while handling a request answers 500 for that request alone.
 CORS is off unless `allowed_origins` names origins.
 """
@@ -25,6 +28,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,7 +39,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jhybrid.engine import sampling
-from jhybrid.engine.sampling import SamplingParams
+from jhybrid.engine.sampling import SamplingParams, bad_words_token_ids
+from jhybrid.engine.slot_tables import ban_rows
 from jhybrid.server.async_engine import Delta, AsyncEngine, EngineDeadError, EngineDrainingError, EngineOverloadedError
 from jhybrid.server.chat_template import ChatTemplate, ChatTemplateError
 from jhybrid.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
@@ -68,6 +73,10 @@ class ServerConfig:
     max_seqs_per_request: int = 128  # engine requests one HTTP request may create (prompts x best_of); OpenAI's n <= 128
     body_timeout: float | None = 30.0  # seconds for the whole request body to arrive (408 after)
     allowed_origins: tuple[str, ...] = ()  # CORS: origins whose pages may call the API ("*": any); none by default
+    # SamplingParams defaults for fields a request leaves out (`jhybrid.model_loader.generation_defaults`: the
+    # checkpoint's generation_config.json, as vLLM's `--generation-config auto`); None: the engine's
+    # `generation_defaults` if it has them, else none
+    generation_defaults: Mapping[str, Any] | None = None
 
     def __post_init__(self):
         if not self.model_names:
@@ -259,6 +268,13 @@ class _Serving:
     def __init__(self, engine: AsyncEngine, config: ServerConfig):
         self.engine, self.config = engine, config
         self.started = time.time()
+        defaults = config.generation_defaults
+        if defaults is None:  # the engine's, where its front end has them
+            defaults = getattr(engine, "generation_defaults", None)
+        self.generation_defaults: dict[str, Any] = dict(defaults or {})
+        if self.generation_defaults:
+            log.info("sampling defaults for fields a request leaves out (the checkpoint's generation_config.json): %s",
+                     ", ".join(f"{k}={v}" for k, v in self.generation_defaults.items()))
 
     # ----------------------------------------------------------------- checks shared by both endpoints
     def _model_name(self, requested: str | None) -> str:
@@ -309,26 +325,66 @@ class _Serving:
                            param="stop_token_ids", code="invalid_value")
         return bias, stop_ids
 
-    def _params(self, req, max_tokens: int, choice: int, chat: bool) -> SamplingParams:
+    def _sampling_fields(self, req, chat: bool) -> dict[str, Any]:
+        """The request's SamplingParams fields but max_tokens and seed; a field the request leaves out takes the
+        checkpoint's generation_config.json default (`generation_defaults`), else the engine's."""
         bias, stop_ids = self._token_fields(req)
-        top_k = req.top_k or 0
-        extra = {"logit_bias": bias} if bias else {}
+        defaults = self.generation_defaults
+        fields: dict[str, Any] = {}
+        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(req, name)
+            if value is None:
+                value = defaults.get(name)
+            if value is not None:
+                fields[name] = value
+        top_k = fields.pop("top_k", 0) or 0
+        fields["top_k"] = 0 if top_k >= self.engine.vocab_size else top_k
+        if bias:
+            fields["logit_bias"] = bias
         if chat and req.logprobs:
-            extra["logprobs"] = req.top_logprobs or 0
+            fields["logprobs"] = req.top_logprobs or 0
         elif not chat and req.logprobs is not None:
-            extra["logprobs"] = req.logprobs
+            fields["logprobs"] = req.logprobs
             if req.echo:
-                extra["prompt_logprobs"] = req.logprobs
+                fields["prompt_logprobs"] = req.logprobs
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) is not None:
+                fields[name] = getattr(req, name)
+        if req.allowed_token_ids is not None:
+            vocab = self.engine.vocab_size
+            if bad := [t for t in req.allowed_token_ids if t >= vocab]:
+                raise APIError(400, f"allowed_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                               param="allowed_token_ids", code="invalid_value")
+            fields["allowed_token_ids"] = tuple(req.allowed_token_ids)
+        if req.bad_words:
+            fields["bad_words"] = tuple(req.bad_words)
+        fields.update(stop=req.stop_list, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+                      skip_special_tokens=req.skip_special_tokens, min_tokens=req.min_tokens,
+                      include_stop_str_in_output=req.include_stop_str_in_output)
+        return fields
+
+    def _check_bans(self, params: SamplingParams) -> None:
+        """400 for bad words that do not fit the engine's ban table (too many tokens, too many of them)."""
+        if not params.bad_words:
+            return
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "bad_words: this model has no tokenizer to turn them into tokens", param="bad_words",
+                           code="invalid_value")
+        try:
+            ban_rows(params, bad_words_token_ids(tokenizer, params.bad_words), (), self.engine.vocab_size)
+        except ValueError as e:
+            raise APIError(400, str(e), param="bad_words", code="invalid_value") from None
+
+    def _params(self, fields: dict[str, Any], req, max_tokens: int, choice: int) -> SamplingParams:
         max_tokens = max(max_tokens, 1)  # 0 (echo alone): one token is generated and dropped, as vLLM does
         try:
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                top_k=0 if top_k >= self.engine.vocab_size else top_k, top_p=1.0 if req.top_p is None else req.top_p,
-                seed=None if req.seed is None else (req.seed + choice) % 2**32, stop=req.stop_list,
-                stop_token_ids=stop_ids, ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens, **extra,
-            )
+            return SamplingParams(max_tokens=max_tokens, seed=None if req.seed is None else (req.seed + choice) % 2**32,
+                                  **fields)
         except (TypeError, ValueError) as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+            field = str(e).split(" ", 1)[0]
+            raise APIError(400, str(e), param=field if field in fields or field == "max_tokens" else None,
+                           code="invalid_value") from None
 
     def _encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if self.engine.tokenizer is None:
@@ -364,7 +420,10 @@ class _Serving:
         ids_list = [self._encode(x) if isinstance(x, str) else list(x) for x in prompts]
         for ids in ids_list:
             self._check_ids(ids, "prompt")
-        max_tokens = [self._max_tokens(req.max_tokens, len(ids), self.config.default_completion_tokens) for ids in ids_list]
+        default = self.config.default_completion_tokens
+        if (gen := self.generation_defaults.get("max_tokens")) is not None:
+            default = min(default, gen) if default else gen
+        max_tokens = [self._max_tokens(req.max_tokens, len(ids), default) for ids in ids_list]
         echo = [(x if isinstance(x, str) else self._decode(x)) if req.echo else "" for x in prompts]
         return await self._generate(request, req, model, "cmpl", ids_list, max_tokens, echo, chat=False)
 
@@ -382,7 +441,7 @@ class _Serving:
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
         ids = self._encode(text, add_special_tokens=False)
         self._check_ids(ids, "messages")
-        max_tokens = self._max_tokens(req.max_new_tokens, len(ids), None)
+        max_tokens = self._max_tokens(req.max_new_tokens, len(ids), self.generation_defaults.get("max_tokens"))
         return await self._generate(request, req, model, "chatcmpl", [ids], [max_tokens], [""], chat=True)
 
     def _decode(self, ids: list[int]) -> str:
@@ -413,7 +472,9 @@ class _Serving:
     async def _generate(self, request, req, model, prefix, ids_list, max_tokens, echo, *, chat: bool):
         n, best_of = req.n, self._count(req, ids_list)
         prompts = [ids for ids in ids_list for _ in range(best_of)]
-        params = [self._params(req, max_tokens[k // best_of], k % best_of, chat) for k in range(len(prompts))]
+        fields = self._sampling_fields(req, chat)
+        params = [self._params(fields, req, max_tokens[k // best_of], k % best_of) for k in range(len(prompts))]
+        self._check_bans(params[0])
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         head = {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model}

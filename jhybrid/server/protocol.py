@@ -5,9 +5,12 @@ with a message that starts with the offending field (`max_tokens: Input should b
 Every field is range-checked against what the engine can represent: integers that reach int32 arrays are
 bounded, floats must be finite (NaN and Infinity are refused). Unknown fields are ignored, as OpenAI
 clients send vendor fields freely, except those that would change the output (`UNSUPPORTED`, e.g.
-`repetition_penalty`, `guided_json`, `response_format` other than text): those answer 400 unless they hold
-their neutral value. Extensions beyond OpenAI's API, as in vLLM: `top_k`, `ignore_eos`, `stop_token_ids`,
-`skip_special_tokens`, `chat_template_kwargs`. Log-probabilities: completions `logprobs` (0..20, with `echo` the
+`typical_p`, `guided_json`, `response_format` other than text): those answer 400 unless they hold
+their neutral value. Sampling controls: OpenAI's `presence_penalty`, `frequency_penalty` ([-2, 2]), `logit_bias`,
+`n`, `best_of` and `seed`; vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `bad_words`,
+`allowed_token_ids`, `include_stop_str_in_output`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
+`chat_template_kwargs`. Fields a request leaves out take the checkpoint's generation_config.json defaults
+(`jhybrid.server.app`). Log-probabilities: completions `logprobs` (0..20, with `echo` the
 prompt's too; `max_tokens: 0` only with `echo`), chat `logprobs` + `top_logprobs` (0..20; `top_logprobs` without
 `logprobs: true` is a 400, as OpenAI answers).
 """
@@ -27,10 +30,10 @@ MAX_LOGPROBS = 20  # OpenAI's limit on `logprobs` (completions) and `top_logprob
 # Fields other OpenAI-compatible servers accept that change the output, with their neutral values: present
 # with another value, they answer 400 instead of being ignored.
 UNSUPPORTED: dict[str, tuple] = {
-    "repetition_penalty": (None, 1.0), "min_p": (None, 0.0), "min_tokens": (None, 0), "typical_p": (None, 1.0),
-    "length_penalty": (None, 1.0), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+    "typical_p": (None, 1.0),
+    "length_penalty": (None, 1.0), "use_beam_search": (None, False),
     "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "guided_grammar": (None,), "structured_outputs": (None,),
     "truncate_prompt_tokens": (None,), "logits_processors": (None, []), "functions": (None, []),
     "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
@@ -100,8 +103,14 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=2**32)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -145,11 +154,18 @@ class _GenerationRequest(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("bad_words")
     @classmethod
-    def _no_penalties(cls, v):
-        if v:
-            raise ValueError("penalties are not supported; leave it 0 or unset")
+    def _words(cls, v):
+        if v and any(not w.strip() for w in v):
+            raise ValueError("bad words must be non-blank strings")
+        return v
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed(cls, v):
+        if v is not None and (not v or any(not 0 <= t <= INT32_MAX for t in v)):
+            raise ValueError("must be a non-empty list of token ids")
         return v
 
     @property

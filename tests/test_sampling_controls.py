@@ -1,0 +1,251 @@
+"""vLLM's sampling controls, computed on the device inside the one sampling program: presence / frequency /
+repetition penalties, min_p, min_tokens, allowed_token_ids, bad words (the ban table), each against an
+independent reference: a NumPy re-implementation of the processed distribution on the same logits, and greedy
+decoding of the HF model with transformers' own repetition-penalty processor and NumPy presence / frequency
+penalties. The engine tests run `ENGINE`'s shapes (tests/conftest.py) on the tiny Qwen3.5, so they share the
+compiled step programs of test_programs.py / test_engine.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jhybrid import LLM, SamplingParams
+from jhybrid.engine.sampling import (
+    FLAG_ALLOWED,
+    FLAG_BANS,
+    FLAG_PENALTIES,
+    INT32_MAX,
+    MAX_BAN_TOKENS,
+    MAX_LOGIT_BIAS,
+    SamplingArrays,
+    SlotTables,
+    TokenHistory,
+    sample,
+)
+from tests.conftest import ENGINE, GREEDY
+
+
+# ------------------------------------------------------------------------------------------ the sampler alone
+def _reference_logits(logits, bias, allowed, bans, recent, num_output, counts, prompt_mask, presence, frequency,
+                      repetition):
+    """vLLM's processed logits of one row, in NumPy: bias, allowed tokens, bans, then penalties."""
+    x = logits.astype(np.float64).copy()
+    for t, b in bias.items():
+        x[t] += b
+    if allowed is not None:
+        keep = np.zeros(len(x), bool)
+        keep[list(allowed)] = True
+        x[~keep] = -np.inf
+    for word, until in bans:
+        prefix = list(word[:-1])
+        tail = [t for t in recent if t >= 0]
+        if num_output < until and (not prefix or tail[len(tail) - len(prefix):] == prefix):
+            x[word[-1]] = -np.inf
+    seen = prompt_mask | (counts > 0)
+    x = np.where(seen & (x > 0), x / repetition, np.where(seen, x * repetition, x))
+    return x - frequency * counts - presence * (counts > 0)
+
+
+def _case(vocab=64, seed=0):
+    """Rows of different settings over random logits, with their tables and the NumPy expectation of each."""
+    rng = np.random.default_rng(seed)
+    num_slots = 7
+    bias_ids = np.zeros((num_slots, MAX_LOGIT_BIAS), np.int32)
+    bias_values = np.zeros((num_slots, MAX_LOGIT_BIAS), np.float32)
+    bans = np.full((num_slots, 128, MAX_BAN_TOKENS + 1), -1, np.int32)
+    allowed = np.ones((num_slots, vocab), bool)
+    counts = (rng.integers(0, 4, (num_slots, vocab)) * (rng.random((num_slots, vocab)) < 0.3)).astype(np.int32)
+    prompt_mask = rng.random((num_slots, vocab)) < 0.3
+    logits = (rng.standard_normal((6, vocab)) * 2.5).astype(np.float32)
+    top = np.argsort(-logits, axis=-1)  # each row's tokens, most likely first
+    rows = []  # (slot, flags, bias, allowed, bans [(word, until)], recent, num_output, presence, frequency, repetition)
+    rows.append((1, FLAG_PENALTIES, {}, None, [], [], 0, 0.7, 0.4, 1.6))
+    rows.append((2, FLAG_ALLOWED, {int(top[1, 5]): 0.3}, sorted({int(t) for t in top[1, 3:9]}), [], [], 0, 0.0, 0.0, 1.0))
+    r = 2  # bans: a single token; a two-token word whose prefix ends the output; one whose prefix does not;
+    # a stop id until 4 (output 2: banned) and one until 2 (not banned)
+    recent = [-2] * (MAX_BAN_TOKENS - 3) + [int(top[r, 9]), int(top[r, 8])]
+    rows.append((3, FLAG_BANS, {}, None, [([int(top[r, 0])], INT32_MAX), ([int(top[r, 8]), int(top[r, 1])], INT32_MAX),
+                                          ([int(top[r, 7]), int(top[r, 2])], INT32_MAX), ([int(top[r, 3])], 4),
+                                          ([int(top[r, 4])], 2)], recent, 2, 0.0, 0.0, 1.0))
+    r = 3  # everything at once
+    rows.append((4, FLAG_PENALTIES | FLAG_ALLOWED | FLAG_BANS, {int(top[r, 2]): 1.5, int(top[r, 0]): -0.5},
+                 sorted({int(t) for t in top[r, :12]}), [([int(top[r, 1])], INT32_MAX)], [-2] * (MAX_BAN_TOKENS - 1),
+                 5, -0.5, 0.9, 0.7))
+    rows.append((5, 0, {}, None, [], [], 0, 0.0, 0.0, 1.0))  # garbage in its slot's tables: flags 0 ignore it
+    rows.append((6, FLAG_PENALTIES, {}, None, [], [], 0, 1.9, -1.3, 3.0))
+    allowed[5] = False
+    bans[5, 0, MAX_BAN_TOKENS - 1 :] = (int(top[4, 0]), INT32_MAX)
+    meta = dict(slot_ids=[], flags=[], presence_penalty=[], frequency_penalty=[], repetition_penalty=[],
+                num_output=[], recent=[])
+    expected = []
+    for i, (slot, flags, bias, allow, row_bans, rec, num_out, pres, freq, rep) in enumerate(rows):
+        bias_ids[slot, : len(bias)], bias_values[slot, : len(bias)] = list(bias), list(bias.values())
+        if allow is not None:
+            allowed[slot] = False
+            allowed[slot, allow] = True
+        for k, (word, until) in enumerate(row_bans):
+            bans[slot, k, MAX_BAN_TOKENS - len(word) : MAX_BAN_TOKENS] = word
+            bans[slot, k, MAX_BAN_TOKENS] = until
+        rec = rec or [-2] * (MAX_BAN_TOKENS - 1)
+        for name, value in zip(meta, (slot, flags, pres, freq, rep, num_out, rec)):
+            meta[name].append(value)
+        penalised = flags & FLAG_PENALTIES
+        expected.append(_reference_logits(logits[i], bias, allow, row_bans, rec, num_out,
+                                          counts[slot] if penalised else np.zeros(vocab), prompt_mask[slot] & bool(penalised),
+                                          pres, freq, rep))
+    tables = SlotTables(bias_ids=jnp.asarray(bias_ids), bias_values=jnp.asarray(bias_values), bans=jnp.asarray(bans),
+                        allowed=jnp.asarray(allowed))
+    history = TokenHistory(output_counts=jnp.asarray(counts), prompt_mask=jnp.asarray(prompt_mask))
+    return logits, meta, tables, history, np.stack(expected)
+
+
+def _arrays(meta, repeat: int, temperature: float, min_p: float, seed0: int = 0) -> SamplingArrays:
+    n = len(meta["slot_ids"]) * repeat
+    rep = {k: np.repeat(np.asarray(v), repeat, axis=0) for k, v in meta.items()}
+    return SamplingArrays(
+        temperature=jnp.full(n, temperature, jnp.float32), top_k=jnp.zeros(n, jnp.int32), top_p=jnp.ones(n, jnp.float32),
+        seeds=jnp.arange(seed0, seed0 + n, dtype=jnp.int32), counters=jnp.zeros(n, jnp.int32),
+        want_logprobs=jnp.zeros(n, jnp.int32), slot_ids=jnp.asarray(rep["slot_ids"], jnp.int32),
+        flags=jnp.asarray(rep["flags"], jnp.int32), min_p=jnp.full(n, min_p, jnp.float32),
+        presence_penalty=jnp.asarray(rep["presence_penalty"], jnp.float32),
+        frequency_penalty=jnp.asarray(rep["frequency_penalty"], jnp.float32),
+        repetition_penalty=jnp.asarray(rep["repetition_penalty"], jnp.float32),
+        num_output=jnp.asarray(rep["num_output"], jnp.int32), recent=jnp.asarray(rep["recent"], jnp.int32))
+
+
+def test_sampler_equals_numpy_reference():
+    """Greedy rows take the argmax of the NumPy-processed logits (bias, allowed tokens, single- and multi-token
+    bans with their `until`, presence / frequency / repetition penalties; a row with flags 0 ignores the garbage
+    in its slot's tables); sampled rows (temperature 0.8, min_p 0.1) draw from the NumPy distribution: every draw
+    inside its support, the empirical distribution within 0.1 total variation of it; log-probabilities stay the
+    model's. Checked to fail with each of the penalties, the allowed mask, the bans and min_p removed in turn from
+    `sample`."""
+    logits, meta, tables, history, expected = _case()
+    num_rows = len(logits)
+    greedy = jax.jit(sample)(jnp.asarray(logits), _arrays(meta, 1, 0.0, 0.0), tables, history)
+    np.testing.assert_array_equal(np.asarray(greedy[0]), expected.argmax(-1))
+    logp = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
+    np.testing.assert_allclose(np.asarray(greedy[1]), np.take_along_axis(np.asarray(logp), expected.argmax(-1)[:, None], 1)[:, 0],
+                               rtol=1e-6)
+
+    repeat, temp, min_p = 600, 0.8, 0.1
+    drawn = np.asarray(jax.jit(sample)(jnp.repeat(jnp.asarray(logits), repeat, axis=0),
+                                       _arrays(meta, repeat, temp, min_p, seed0=7), tables, history)[0])
+    for i in range(num_rows):
+        scaled = expected[i] / temp
+        p = np.exp(scaled - scaled.max())
+        p /= p.sum()
+        p[p < min_p * p.max()] = 0.0
+        p /= p.sum()
+        got = drawn[i * repeat : (i + 1) * repeat]
+        assert set(got) <= set(np.flatnonzero(p)), f"row {i}: drew {sorted(set(got) - set(np.flatnonzero(p)))} outside the support"
+        freq = np.bincount(got, minlength=len(p)) / repeat
+        tv = 0.5 * np.abs(freq - p).sum()
+        assert tv < 0.1, f"row {i}: total variation {tv:.3f} from the reference distribution"
+
+
+# ------------------------------------------------------------------------------------------ through the engine
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(tiny[1], **ENGINE)
+
+
+def _reference_greedy(hf_model, prompt, num_tokens, presence=0.0, frequency=0.0, repetition=1.0):
+    """Greedy decoding of the HF model: transformers' RepetitionPenaltyLogitsProcessor (prompt + output), then
+    OpenAI's presence / frequency penalties over the output in NumPy."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    ids = list(prompt)
+    rep = RepetitionPenaltyLogitsProcessor(repetition) if repetition != 1.0 else None
+    for _ in range(num_tokens):
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            logits = hf_model(x, position_ids=torch.arange(len(ids))[None]).logits[:, -1].float()
+        if rep is not None:
+            logits = rep(x, logits)
+        scores = logits[0].numpy().astype(np.float64)
+        counts = np.bincount(ids[len(prompt):], minlength=len(scores))
+        scores = scores - frequency * counts - presence * (counts > 0)
+        ids.append(int(scores.argmax()))
+    return ids[len(prompt):]
+
+
+def test_penalties_greedy_equal_hf(tiny, llm):
+    """Greedy output under repetition_penalty (over prompt and output) equals HF transformers'
+    `generate(repetition_penalty=...)`, and under presence + frequency (+ repetition) penalties the HF model's
+    greedy decoding with transformers' repetition processor and NumPy presence / frequency penalties; the prompts
+    are longer than a step's 128 tokens (chunked prefill: the prompt part of the history is built over two steps).
+    Checked to fail with the history not recorded in the step, with prompt tokens recorded as output tokens, and
+    with the penalties not applied."""
+    hf, _ = tiny
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 12, size=n).tolist() for n in (150, 140)]  # few distinct tokens: repeats
+    settings = [dict(repetition_penalty=1.8), dict(presence_penalty=1.2, frequency_penalty=0.9, repetition_penalty=0.7)]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=10, **GREEDY, **kw) for kw in settings])
+    plain = llm.generate(prompts, SamplingParams(max_tokens=10, **GREEDY))
+    assert all(p.token_ids != o.token_ids for p, o in zip(plain, outs)), "the penalties were meant to change the output"
+    with torch.no_grad():
+        full = hf.generate(torch.tensor([prompts[0]]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                           repetition_penalty=1.8)
+    assert outs[0].token_ids == full[0, len(prompts[0]) :].tolist()
+    assert outs[1].token_ids == _reference_greedy(hf, prompts[1], 10, 1.2, 0.9, 0.7)
+
+
+def test_penalised_outputs_survive_preemption_and_swapping(tiny, llm):
+    """Four long penalised requests at once on `ENGINE`'s small pool: recomputed sequences re-feed their tokens
+    (their slot's history is reset when they take a slot again, so each token counts once) and swapped-out ones
+    resume without re-feeding (their history is rebuilt from the host's tokens); the outputs equal each request's
+    run alone. Checked to fail with the history not reset on a new holding, and with the swap-in rebuild writing
+    only the reset (no tokens)."""
+    _, model = tiny
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 12, size=n).tolist() for n in (240, 250, 260, 270)]
+    params = SamplingParams(max_tokens=10, frequency_penalty=1.1, presence_penalty=0.3, repetition_penalty=1.4,
+                            **GREEDY)
+    want = [llm.generate([p], params)[0].token_ids for p in prompts]
+    recomputed = llm.generate(prompts, params)
+    assert llm.engine.stats()["num_recompute_preemptions"] > 0
+    assert [o.token_ids for o in recomputed] == want
+    swapping = LLM(model, **ENGINE, host_kv_memory_gb=0.01, preemption_mode="swap")
+    swapped = swapping.generate(prompts, params)
+    assert swapping.engine.stats()["num_swap_preemptions"] > 0
+    assert [o.token_ids for o in swapped] == want
+
+
+def test_min_tokens_allowed_tokens_and_min_p_through_the_engine(llm):
+    """A logit bias of +100 forces a stop token id; min_tokens 5 holds it off for exactly 5 tokens (the sixth is
+    it); allowed_token_ids keeps every sampled token in the set (and more than one of it is drawn); min_p 1.0
+    leaves only the most likely token, so a hot sampled request decodes as greedy does. Checked to fail with the
+    min_tokens bans, the allowed mask and min_p removed in turn."""
+    prompt = list(range(3, 40))
+    stop = 11
+    forced = dict(max_tokens=20, stop_token_ids=[stop], logit_bias={stop: 100.0}, temperature=0.0)
+    (early,) = llm.generate([prompt], SamplingParams(**forced))
+    assert early.token_ids == [stop] and early.finish_reason == "stop"
+    (held,) = llm.generate([prompt], SamplingParams(**forced, min_tokens=5))
+    assert held.token_ids[5:] == [stop] and stop not in held.token_ids[:5] and held.finish_reason == "stop", held.token_ids
+    allowed = [5, 9, 17, 60]
+    outs = llm.generate([prompt] * 3, [SamplingParams(max_tokens=12, temperature=1.5, seed=s, ignore_eos=True,
+                                                      allowed_token_ids=allowed) for s in range(3)])
+    drawn = [t for o in outs for t in o.token_ids]
+    assert set(drawn) <= set(allowed) and len(set(drawn)) > 1, drawn
+    (greedy,) = llm.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))
+    (hot,) = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=5.0, seed=1, min_p=1.0, ignore_eos=True))
+    assert hot.token_ids == greedy.token_ids
+
+
+def test_validation():
+    """Out-of-range settings are refused with the field named."""
+    for kw, field in [(dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+                      (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+                      (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+                      (dict(bad_words=[" "]), "bad_words"), (dict(n=0), "n"), (dict(n=3, best_of=2), "best_of"),
+                      (dict(include_stop_str_in_output=1), "include_stop_str_in_output")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)
+    assert SamplingParams(n=2, best_of=4, bad_words="x").bad_words == ("x",)

@@ -1,0 +1,200 @@
+"""Sampling controls through the OpenAI-compatible server and the offline engine on the example's tiny checkpoint
+(it has a tokenizer, EOS id 0): bad words never appear, include_stop_str_in_output and min_tokens with stop
+strings, the checkpoint's generation_config.json defaults for fields a request leaves out, each control honoured
+through the `openai` client, the refusals, and nothing compiled after warm-up with every control on.
+
+The engine has tests/test_server.py's shapes (8 rows, 16-token steps: prompts are chunked), so the modules share
+their compiled step programs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import httpx
+import pytest
+
+from jhybrid import LLM, SamplingParams
+from jhybrid.engine.compilation import CompileWatch
+from jhybrid.engine.sampling import bad_words_token_ids
+from jhybrid.model_loader import generation_defaults
+from jhybrid.server import BackgroundServer, ServerConfig, build_engine, create_app, load_chat_template
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "tiny"
+SHAPES = dict(dtype="float32", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=16)  # test_server.py's
+PROMPT = "The quick brown fox jumps over the lazy dog and the capital of France is Paris"
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"  # test_logprobs_server's
+DEFAULTS = {"temperature": 0.0, "repetition_penalty": 1.7, "max_new_tokens": 7, "top_k": 20, "do_sample": True}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location("tiny_random", os.path.join(ROOT, "examples", "tiny_random.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = module.write_tiny_checkpoint(str(tmp_path_factory.mktemp("sc") / "plain"), seed=5)
+    with open(os.path.join(path, "tokenizer_config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({**cfg, "chat_template": TEMPLATE}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(ckpt):
+    """(engine, url of an app without defaults, url of an app with `DEFAULTS` as generation_config.json's)."""
+    engine = build_engine(ckpt, served_model_name=MODEL, warmup=True, **SHAPES)
+    defaults = generation_defaults({**DEFAULTS, "eos_token_id": 0})
+    template = load_chat_template(ckpt)
+    plain = BackgroundServer(create_app(engine, ServerConfig(model_names=(MODEL,), chat_template=template,
+                                                             generation_defaults={}))).start()
+    with_defaults = BackgroundServer(create_app(engine, ServerConfig(model_names=(MODEL,), chat_template=template,
+                                                                     generation_defaults=defaults))).start()
+    yield engine, plain.url, with_defaults.url
+    plain.stop()
+    with_defaults.stop()
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    return LLM(ckpt, **SHAPES)
+
+
+def post(url: str, path: str = "/v1/completions", **body) -> httpx.Response:
+    return httpx.post(url + path, json={"model": MODEL, **body}, timeout=60)
+
+
+def contains(ids: list[int], word: list[int]) -> bool:
+    return any(ids[i : i + len(word)] == word for i in range(len(ids) - len(word) + 1))
+
+
+def occurring_word(tok, ids: list[int], length: int) -> str:
+    """A string whose bad-word token sequences (one of `length` tokens) occur in `ids`."""
+    for i in range(len(ids) - length + 1):
+        word = tok.decode(ids[i : i + length])
+        if word.strip() and any(len(s) == length and contains(ids, s) for s in bad_words_token_ids(tok, [word])):
+            return word
+    raise AssertionError(f"no {length}-token word occurs in {ids}")
+
+
+def test_bad_words_never_appear(offline):
+    """Words of the greedy output banned as bad_words (vLLM's tokenisation: with and without a leading space;
+    one of them several tokens long) no longer appear as those token sequences, and the output is unchanged up to
+    where the first one stood. Checked to fail with the bans not applied in `sample`, and with multi-token words
+    banned without their prefix (the output then departs earlier)."""
+    params = dict(max_tokens=24, **GREEDY)
+    (base,) = offline.generate([PROMPT], SamplingParams(**params))
+    tok = offline.engine.tokenizer
+    banned_words = [occurring_word(tok, base.token_ids, 2), occurring_word(tok, base.token_ids, 1)]
+    seqs = bad_words_token_ids(tok, banned_words)
+    assert max(len(s) for s in seqs) >= 2
+    (out,) = offline.generate([PROMPT], SamplingParams(**params, bad_words=banned_words))
+    assert not any(contains(out.token_ids, s) for s in seqs), (out.token_ids, seqs)
+    first = min(i for i in range(len(base.token_ids)) for s in seqs if base.token_ids[i : i + len(s)] == s)
+    assert out.token_ids[:first] == base.token_ids[:first]
+
+
+def test_stop_strings_include_and_min_tokens(offline):
+    """include_stop_str_in_output keeps the stop string; without it the text ends before it; min_tokens past the
+    stop string's first occurrence skips it (stop strings are looked for only after min_tokens, as vLLM), and
+    EOS forced by a logit bias comes only after min_tokens. Checked to fail with the include flag ignored and with
+    stop strings looked for before min_tokens."""
+    (base,) = offline.generate([PROMPT], SamplingParams(max_tokens=24, **GREEDY))
+    text = base.text
+    stop = text[len(text) // 3 : len(text) // 3 + 3]
+    at = text.find(stop)
+    (cut,) = offline.generate([PROMPT], SamplingParams(max_tokens=24, stop=[stop], **GREEDY))
+    (kept,) = offline.generate([PROMPT], SamplingParams(max_tokens=24, stop=[stop], include_stop_str_in_output=True,
+                                                        **GREEDY))
+    assert cut.text == text[:at] and kept.text == text[: at + len(stop)] and kept.finish_reason == "stop"
+    # the token count at which the stop string is complete; min_tokens beyond it: not stopped there
+    done = next(n for n in range(1, 25) if stop in offline.engine.tokenizer.decode(base.token_ids[:n]))
+    later = text.find(stop, at + 1)
+    (late,) = offline.generate([PROMPT], SamplingParams(max_tokens=24, stop=[stop], min_tokens=done + 1, **GREEDY))
+    assert late.text == (text[:later] if later >= 0 else text), (late.text, text, stop)
+    eos = dict(max_tokens=24, temperature=0.0, logit_bias={0: 100.0})
+    (now,) = offline.generate([PROMPT], SamplingParams(**eos))
+    (held,) = offline.generate([PROMPT], SamplingParams(**eos, min_tokens=4))
+    assert now.token_ids == [0] and held.token_ids[4:] == [0] and 0 not in held.token_ids[:4]
+
+
+def test_openai_client_honours_each_control(served, offline, ckpt):
+    """Through the `openai` client (OpenAI's names as arguments, vLLM's in extra_body), completions and chat give
+    the offline engine's output for the same SamplingParams, for each control on its own and all at once.
+    Checked to fail with any one field not passed on by the server."""
+    import openai
+
+    engine, url, _ = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    tok = offline.engine.tokenizer
+    vocab = [t for t in range(2, 500) if tok.decode([t]).strip()]
+    messages = [{"role": "user", "content": PROMPT}]
+    chat_ids = tok.encode(load_chat_template(ckpt).render(messages), add_special_tokens=False)
+    cases = [dict(presence_penalty=1.5), dict(frequency_penalty=1.2), dict(repetition_penalty=1.9),
+             dict(min_tokens=5, logit_bias={0: 100}), dict(allowed_token_ids=vocab[:40]), dict(bad_words=["the", "fox"]),
+             dict(min_p=0.2, temperature=1.3, seed=3),
+             dict(presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3, min_p=0.1, temperature=0.9,
+                  seed=5, min_tokens=3, allowed_token_ids=vocab[:60], bad_words=["dog"], stop=["zz"],
+                  include_stop_str_in_output=True)]
+    openai_names = {"presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "temperature"}
+    for kw in cases:
+        kw = {"temperature": 0.0, **kw}
+        args = {k: v for k, v in kw.items() if k in openai_names}
+        extra = {k: v for k, v in kw.items() if k not in openai_names}
+        if "logit_bias" in args:
+            args["logit_bias"] = {str(k): v for k, v in args["logit_bias"].items()}
+        comp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, extra_body=extra, **args)
+        (want,) = offline.generate([PROMPT], SamplingParams(max_tokens=10, **kw))
+        assert comp.choices[0].text == want.text, kw
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, extra_body=extra, **args)
+        (want,) = offline.generate([chat_ids], SamplingParams(max_tokens=10, **kw))
+        assert chat.choices[0].message.content == want.text, kw
+
+
+def test_generation_config_defaults(served, offline, ckpt, tmp_path):
+    """The checkpoint's generation_config.json sampling fields (vLLM's list; max_new_tokens as max_tokens) are the
+    engine's defaults and the server applies them to fields a request leaves out: a request with no temperature
+    decodes greedily with the repetition penalty, 7 tokens; fields the request sets win. Checked to fail with the
+    defaults not applied in `_sampling_fields`."""
+    engine, plain_url, url = served
+    assert generation_defaults({**DEFAULTS, "eos_token_id": 0}) == {"temperature": 0.0, "repetition_penalty": 1.7,
+                                                                      "max_tokens": 7, "top_k": 20}
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({**DEFAULTS, "top_p": 1.5}))  # an invalid value is left out
+    assert generation_defaults(tmp_path) == {"temperature": 0.0, "repetition_penalty": 1.7, "max_tokens": 7, "top_k": 20}
+    (want,) = offline.generate([PROMPT], SamplingParams(max_tokens=7, temperature=0.0, repetition_penalty=1.7))
+    r = post(url, prompt=PROMPT)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want.text and r.json()["usage"]["completion_tokens"] == len(want.token_ids)
+    (explicit,) = offline.generate([PROMPT], SamplingParams(max_tokens=9, temperature=0.0, repetition_penalty=1.0))
+    r = post(url, prompt=PROMPT, max_tokens=9, repetition_penalty=1.0)
+    assert r.json()["choices"][0]["text"] == explicit.text
+    r = post(plain_url, prompt=PROMPT, max_tokens=9, temperature=0.0)  # no defaults: no penalty either
+    assert r.json()["choices"][0]["text"] == explicit.text
+
+
+def test_refusals_and_nothing_compiles_after_warmup(served):
+    """Bad values answer 400 naming the field; output-changing fields still unsupported too; then, after all the
+    requests above with every control on, the warmed-up engine has compiled nothing since it was ready."""
+    engine, url, _ = served
+    for body, field in [(dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=-2.5), "frequency_penalty"),
+                        (dict(repetition_penalty=0), "repetition_penalty"), (dict(min_p=2), "min_p"),
+                        (dict(min_tokens=-1), "min_tokens"), (dict(max_tokens=3, min_tokens=5), "min_tokens"),
+                        (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[100000]), "allowed_token_ids"),
+                        (dict(bad_words=["x" * 200]), "bad_words"), (dict(bad_words=["  "]), "bad_words"),
+                        (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
+                        (dict(typical_p=0.5), "typical_p"), (dict(use_beam_search=True), "use_beam_search")]:
+        r = post(url, prompt=PROMPT, **{"max_tokens": 4, **body})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
+    assert engine.engine.stats()["programs_compiled_after_ready"] == 0
+    with CompileWatch() as watch:
+        r = post(url, prompt=PROMPT, max_tokens=6, presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.2,
+                 min_p=0.05, temperature=0.8, seed=1, min_tokens=2, allowed_token_ids=list(range(2, 300)),
+                 bad_words=["the lazy"], include_stop_str_in_output=True, logit_bias={"7": 2}, logprobs=2, n=2)
+        assert r.status_code == 200, r.text
+    assert watch.count == 0 and engine.engine.stats()["programs_compiled_after_ready"] == 0
