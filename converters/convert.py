@@ -4,7 +4,8 @@ Layout of a converted checkpoint:
 
     OUT_DIR/
       jhybrid.json     {"format": "jhybrid", "version": 1, "dtype": "bfloat16", "model_type": ..., "num_params": N}
-      config.json      the HF config.json, copied unchanged (source of the ModelConfig)
+      config.json      the HF config.json, copied unchanged (source of the ModelConfig); from an FP8 checkpoint
+                       without its quantization_config (the params are dequantized)
       params/          orbax checkpoint of the flat {dotted jhybrid name: array} dict
       tokenizer.json, tokenizer_config.json, tokenizer.model, generation_config.json, ...  (those present)
 
@@ -93,7 +94,11 @@ def convert(
             save_flat(os.path.join(tmp, PARAMS_DIR), flat)
             num_params = sum(int(a.size) for a in flat.values())
             del flat
-            shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(tmp, "config.json"))
+            if src.fp8 is None:
+                shutil.copyfile(os.path.join(hf_dir, "config.json"), os.path.join(tmp, "config.json"))
+            else:  # dequantized: the converted params are not FP8
+                with open(os.path.join(tmp, "config.json"), "w") as f:
+                    json.dump({k: v for k, v in src.ckpt.config.items() if k != "quantization_config"}, f, indent=2)
             for name in AUX_FILES:
                 if os.path.isfile(os.path.join(hf_dir, name)):
                     shutil.copyfile(os.path.join(hf_dir, name), os.path.join(tmp, name))

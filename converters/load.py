@@ -11,10 +11,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from converters.dtypes import checkpoint_dtype, param_dtype, resolve_dtype
+from converters.fp8 import FP8Weights, pair_scales
 from converters.name_maps import build_plan, ignored_group, is_ignored, normalize_name
 from converters.plan import ConversionError, Plan, apply_rule, check_plan
 from converters.safetensors_io import SafetensorsCheckpoint
 from jhybrid.config import ModelConfig
+from jhybrid.config_fields import read_quantization_config
 from jhybrid.models.params import Params, flatten_shapes, param_shapes, unflatten
 
 log = logging.getLogger("jhybrid.convert")
@@ -29,12 +31,15 @@ def config_from_hf(hf_config: dict[str, Any], where: str) -> ModelConfig:
         raise ConversionError(f"{where}/config.json: {msg}") from None
 
 
-def _disk_names(ckpt: SafetensorsCheckpoint, cfg: ModelConfig) -> dict[str, str]:
+def _disk_names(ckpt: SafetensorsCheckpoint, cfg: ModelConfig, consumed: set[str] = frozenset()) -> dict[str, str]:
     """`{normalised name: on-disk name}` of the tensors that are not ignored; the ignored ones are logged
-    (once per checkpoint and group: a vision tower, multi-token-prediction heads, ...)."""
+    (once per checkpoint and group: a vision tower, multi-token-prediction heads, ...). `consumed`: on-disk
+    tensors read with another one (FP8 scales), left out."""
     out: dict[str, str] = {}
     ignored: dict[str, int] = {}
     for raw in ckpt.names():
+        if raw in consumed:
+            continue
         name = normalize_name(raw)
         if is_ignored(name, cfg):
             group = ignored_group(name)
@@ -61,13 +66,14 @@ class HFSource:
     cfg: ModelConfig
     plan: Plan
     raw_names: dict[str, str]  # normalised -> on-disk name
+    fp8: FP8Weights | None = None  # block-wise FP8 weights and their scales (converters/fp8.py), dequantized on read
 
     def source_dtypes(self, jname: str) -> set[np.dtype]:
         return {self.ckpt.dtype(self.raw_names[s]) for s in self.plan[jname].sources}
 
     def iter_params(self, dtype: np.dtype | None) -> Iterator[tuple[str, np.ndarray]]:
         """Yields `(flat jhybrid name, numpy array)`, cast per `converters.dtypes.param_dtype` (or kept
-        in the on-disk dtype when `dtype` is None)."""
+        in the on-disk dtype when `dtype` is None; float32 for FP8 weights, dequantized)."""
         for jname, out, target in self._converted(dtype):
             yield jname, np.array(out, dtype=target, copy=True, order="C")  # owns its memory (not the mmap)
 
@@ -87,7 +93,10 @@ class HFSource:
         """`(name, converted view of the mapped file, target dtype)` per parameter."""
         expected = flatten_shapes(param_shapes(self.cfg))
         for jname, rule in self.plan.items():
-            arrays = [self.ckpt.read(self.raw_names[s]) for s in rule.sources]
+            if self.fp8 is None:
+                arrays = [self.ckpt.read(self.raw_names[s]) for s in rule.sources]
+            else:
+                arrays = [self.fp8.read(self.ckpt, self.raw_names[s]) for s in rule.sources]
             out = apply_rule(jname, rule, arrays, expected[jname])
             yield jname, out, (out.dtype if dtype is None else param_dtype(jname, dtype))
 
@@ -104,20 +113,30 @@ class HFSource:
 def open_hf(hf_dir: str | os.PathLike, cfg: ModelConfig | None = None) -> HFSource:
     """Opens an HF directory and validates its tensors against the config, reading headers only.
 
+    A block-wise FP8 checkpoint (`quantization_config.quant_method: fp8`) is validated too (converters/fp8.py):
+    its weights are dequantized as they are read, and its scales are consumed by them.
+
     Raises:
       FileNotFoundError: no config.json, or no safetensors files.
-      ConversionError: unsupported config, or missing / unexpected / mis-shaped tensors.
+      ConversionError: unsupported config or quantization_config, missing / unexpected / mis-shaped tensors,
+        or FP8 tensors that do not match the quantization_config.
     """
     ckpt = SafetensorsCheckpoint(hf_dir)
     try:
         cfg = cfg or config_from_hf(ckpt.config, ckpt.path)
-        raw_names = _disk_names(ckpt, cfg)
+        try:
+            fp8 = pair_scales(ckpt, read_quantization_config(ckpt.config))
+        except ConversionError:
+            raise
+        except ValueError as e:
+            raise ConversionError(f"{ckpt.path}/config.json: {e}") from None
+        raw_names = _disk_names(ckpt, cfg, consumed=set(fp8.scales.values()) if fp8 else set())
         plan = build_plan(cfg, raw_names)
         check_plan(plan, {n: ckpt.shape(raw) for n, raw in raw_names.items()}, ckpt.path)
     except BaseException:
         ckpt.close()
         raise
-    return HFSource(ckpt, cfg, plan, raw_names)
+    return HFSource(ckpt, cfg, plan, raw_names, fp8)
 
 
 def load_hf_params(
