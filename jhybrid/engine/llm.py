@@ -1,5 +1,11 @@
-"""The offline API: `jhybrid.LLM(model).generate(prompts, SamplingParams(...))` and `.stream(...)`, and
-`jhybrid.generate(model, prompts)`, a one-call wrapper over `LLM`."""
+"""The offline API, shaped as vLLM's: `jhybrid.LLM(model).generate(prompts, SamplingParams(...))`, `.chat(...)`
+and `.stream(...)`, and `jhybrid.generate(model, prompts)`, a one-call wrapper over `LLM`.
+
+    llm = jhybrid.LLM("dir", gpu_memory_utilization=0.8, max_model_len=4096)
+    outs = llm.generate([{"prompt": "Hello"}, {"prompt_token_ids": [1, 2, 3]}], [SamplingParams(n=2), sp])
+    outs[0].outputs[1].text, outs[0].outputs[1].cumulative_logprob, outs[1].outputs[0].stop_reason
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
+"""
 
 from __future__ import annotations
 
@@ -11,88 +17,202 @@ from typing import Any
 
 from jhybrid.engine.engine_config import EngineConfig, engine_config
 from jhybrid.engine.llm_engine import LLMEngine
+from jhybrid.engine.outputs import CompletionOutput, Logprob, RequestOutput, _Decoder, completion_output, prompt_logprobs
+from jhybrid.engine.prompts import continue_final, conversations, parse_prompts, template_message
 from jhybrid.engine.sampling import SamplingParams
+from jhybrid.engine.vllm_options import translate
 from jhybrid.model_loader import LoadedModel, load
 
-
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: Any
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
-    logprobs: list[dict[int, float]] | None = None  # per generated position: top-k {token id: logprob}
-    # per prompt position (`SamplingParams.prompt_logprobs`): None at 0, then {prompt token and top-k: logprob}
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    error: str | None = None
-    num_preemptions: int = 0
-
-
-def _output(seq) -> RequestOutput:
-    return RequestOutput(
-        request_id=seq.request_id,
-        prompt_token_ids=list(seq.prompt_ids),
-        token_ids=list(seq.output_ids),
-        text=seq.text if seq.detok is not None else None,
-        finish_reason=seq.finish_reason,
-        logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-        prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
-        error=seq.error,
-        num_preemptions=seq.num_preemptions,
-    )
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "generate"]
 
 
 class LLM:
     """A model loaded for offline batched generation.
 
     Args:
-      model: an HF or converted checkpoint directory (or a `LoadedModel`).
+      model: an HF or converted checkpoint directory (or a `LoadedModel`); also as `model=`.
       config: the engine options, an `EngineConfig` (default: its defaults).
       **options: `EngineConfig` fields that replace `config`'s, e.g.
-        `LLM(path, dtype="float32", max_num_seqs=64, max_model_len=4096)`. Each field's `help` metadata says
-        what it does (`jhybrid serve --help` prints them all).
+        `LLM(path, dtype="float32", max_num_seqs=64, max_model_len=4096, gpu_memory_utilization=0.8)`. Each field's
+        `help` metadata says what it does (`jhybrid serve --help` prints them all). vLLM's other constructor
+        options are taken as `jhybrid.engine.vllm_options` says: translated (`dtype="auto"`,
+        `num_gpu_blocks_override`), logged where they change nothing here (`enforce_eager`, `swap_space`, ...), or
+        refused naming the option where they would change the output (`quantization`, `tokenizer`, ...).
     """
 
-    def __init__(self, model: str | os.PathLike | LoadedModel, config: EngineConfig | None = None, /, **options: Any):
-        config = engine_config(config, **options)
+    def __init__(self, model: str | os.PathLike | LoadedModel | None = None, config: EngineConfig | None = None, /,
+                 **options: Any):
+        if model is None:
+            if "model" not in options:
+                raise TypeError("LLM() needs a model: a checkpoint directory or a LoadedModel")
+            model = options.pop("model")
+        config = engine_config(config, **translate(model, options))
+        self.model_dir = None if isinstance(model, LoadedModel) else os.fspath(model)
         self.model = load(model, config.dtype, host=config.tensor_parallel_size > 1)
         self.engine = LLMEngine(self.model, config)
         self._ids = itertools.count()
+        self._chat_template: Any = None  # the checkpoint's, loaded on the first chat()
 
     @property
     def tokenizer(self):
         return self.model.tokenizer
 
+    def get_tokenizer(self):
+        return self.model.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no `SamplingParams`: the checkpoint's generation_config.json
+        sampling defaults (as vLLM's), else `SamplingParams()`'s."""
+        return self.engine.default_sampling_params
+
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Any = True,
+        lora_request: Any = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt together (continuous batching); outputs come in prompt order."""
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        """Generates for every prompt together (continuous batching); returns one `RequestOutput` per prompt, in
+        prompt order.
+
+        Args:
+          prompts: a string, a list of token ids, a vLLM prompt dict (`{"prompt": str}`,
+            `{"prompt_token_ids": [...]}`), or a list of these.
+          sampling_params: one `SamplingParams` for every prompt, or a list of one per prompt (None: the defaults).
+            With `n` / `best_of`, each of a prompt's `best_of` candidates is an engine request of its own (seeded
+            `seed + i` when the params have a seed); `outputs` holds `n` of them: all of them in order when
+            `best_of == n`, else the n of highest cumulative log-probability, highest first.
+          use_tqdm: show a progress bar over the prompts (or a tqdm-like class to make it with).
+          lora_request, priority: vLLM's; only None (or priority 0) is supported.
+        """
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported by jhybrid (no LoRA adapters)")
+        if priority is not None and any(priority):
+            raise ValueError("priority is not supported by jhybrid (first come, first served)")
+        return self._run(parse_prompts(prompts), sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Any = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generates a reply to one conversation (a list of `{"role", "content"}` messages) or to each of a list
+        of them: each is rendered with the chat template (the checkpoint's: `chat_template.jinja` or
+        tokenizer_config.json's; or `chat_template`, a jinja template or a file), tokenized without added special
+        tokens (the template has them), and generated as `generate` does. `RequestOutput.prompt` is the rendered
+        text. `tools` and `chat_template_kwargs` are passed to the template. Raises ValueError when there is no
+        chat template or the template rejects a conversation."""
+        from jhybrid.server.chat_template import ChatTemplateError
+
+        if lora_request is not None or mm_processor_kwargs is not None:
+            raise ValueError(f"{'lora_request' if lora_request is not None else 'mm_processor_kwargs'} is not "
+                             "supported by jhybrid")
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                             f"{chat_template_content_format!r}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible: set "
+                             "add_generation_prompt=False to continue the final message")
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this checkpoint has none")
+        template = self._template(chat_template)
+        kwargs = dict(chat_template_kwargs or {}, **({"tools": tools} if tools is not None else {}))
+        prompts = []
+        for i, conversation in enumerate(conversations(messages)):
+            msgs = [template_message(m, chat_template_content_format) for m in conversation]
+            try:
+                text = template.render(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
+            except ChatTemplateError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
+            if continue_final_message:
+                text = continue_final(text, msgs)
+            prompts.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _template(self, override: str | None):
+        from jhybrid.server.chat_template import ChatTemplate, load_chat_template
+
+        if override is not None:
+            if self.model_dir is not None:  # with the checkpoint's special tokens (bos_token, ...)
+                return load_chat_template(self.model_dir, override)
+            if os.path.isfile(override):
+                with open(override) as f:
+                    return ChatTemplate(f.read())
+            return ChatTemplate(override)
+        if self._chat_template is None and self.model_dir is not None:
+            self._chat_template = load_chat_template(self.model_dir)
+        if self._chat_template is None:
+            where = f"the checkpoint {self.model_dir}" if self.model_dir else "a model given as a LoadedModel"
+            raise ValueError(f"{where} has no chat template (neither chat_template.jinja nor tokenizer_config.json's "
+                             "chat_template): pass chat_template= (a jinja template or a file), or use generate()")
+        return self._chat_template
+
+    def _run(self, prompts: list[tuple[str | None, str | list[int]]], sampling_params, use_tqdm) -> list[RequestOutput]:
+        """Runs every prompt's candidates to the end; the outputs in prompt order."""
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        seqs = [self.engine.add_request(f"gen-{next(self._ids)}", p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts: give one, or one per prompt")
+        groups = []  # per prompt: (request id, its params, its candidates' sequences)
         try:
-            while self.engine.has_unfinished():
-                self.engine.step()
+            for (_, prompt), sp in zip(prompts, params):
+                sp = sp or self.get_default_sampling_params()
+                request_id = str(next(self._ids))
+                best_of, seqs = sp.best_of or sp.n, []
+                groups.append((request_id, sp, seqs))
+                for k in range(best_of):
+                    seqs.append(self.engine.add_request(request_id if best_of == 1 else f"{request_id}.{k}", prompt,
+                                                        _candidate(sp, k, best_of)))
+            with _Progress(use_tqdm, [seqs for _, _, seqs in groups]) as bar:
+                while self.engine.has_unfinished():
+                    self.engine.step()
+                    bar.advance()
         except BaseException:
-            for seq in seqs:
-                self.engine.abort(seq.request_id)
+            for _, _, seqs in groups:
+                for seq in seqs:
+                    self.engine.abort(seq.request_id)
             self._drain()
+            self._release(groups)
             raise
-        outputs = [_output(seq) for seq in seqs]
-        for seq in seqs:
-            self.engine.release(seq.request_id)
+        decode = _Decoder(self.tokenizer)
+        outputs = [self._output(request_id, text, sp, seqs, decode)
+                   for (text, _), (request_id, sp, seqs) in zip(prompts, groups)]
+        self._release(groups)
         return outputs
+
+    def _output(self, request_id: str, text: str | None, sp: SamplingParams, seqs, decode) -> RequestOutput:
+        eos = self.engine.eos_token_ids
+        candidates = [completion_output(seq, k, eos, decode) for k, seq in enumerate(seqs)]
+        if len(candidates) > sp.n:  # best_of > n: the n most likely (failed ones last), ties in index order
+            candidates = sorted(candidates, key=lambda c: (c.finish_reason == "error", -c.cumulative_logprob))[: sp.n]
+        first = seqs[0]
+        return RequestOutput(
+            request_id=request_id, prompt=text, prompt_token_ids=list(first.prompt_ids),
+            prompt_logprobs=prompt_logprobs(first.prompt_logprobs, first.prompt_ids, sp.prompt_logprobs or 0, decode),
+            outputs=candidates, finished=all(seq.is_finished for seq in seqs))
+
+    def _release(self, groups) -> None:
+        for _, _, seqs in groups:
+            for seq in seqs:
+                self.engine.release(seq.request_id)
 
     def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas as they are decoded. Text that might start a stop string is held back until it
-        is clear that it does not; the stop string itself is never yielded."""
-        params = sampling_params or SamplingParams()
+        is clear that it does not; the stop string itself is never yielded. One completion (`n` is not used)."""
+        parsed = parse_prompts(prompt)
+        if len(parsed) != 1:
+            raise ValueError(f"stream() takes one prompt, got {len(parsed)}: use generate() for several")
+        prompt = parsed[0][1]
+        params = sampling_params or self.get_default_sampling_params()
         seq = self.engine.add_request(f"stream-{next(self._ids)}", prompt, params)
         if seq.detok is None and not seq.is_finished:
             self.engine.abort(seq.request_id)
@@ -120,6 +240,50 @@ class LLM:
         """Runs the engine until nothing is in flight (after aborts)."""
         while self.engine.has_unfinished() and not self.engine.scheduler.has_work():
             self.engine.step()
+
+
+def _candidate(sp: SamplingParams, k: int, best_of: int) -> SamplingParams:
+    """The params of candidate `k` of `best_of`: one sequence, seeded `seed + k` (as vLLM and the server seed
+    them) so that candidates differ and a seeded request is reproducible; the first alone computes the prompt's
+    log-probabilities (they are the same for all)."""
+    if best_of == 1:
+        return sp
+    seed = None if sp.seed is None else (sp.seed + k) % 2**32
+    return dataclasses.replace(sp, n=1, best_of=None, seed=seed, prompt_logprobs=sp.prompt_logprobs if k == 0 else None)
+
+
+class _Progress:
+    """A progress bar over the prompts (vLLM's "Processed prompts"), with input and output tokens/s."""
+
+    def __init__(self, use_tqdm: bool | Any, groups: list[list]):
+        self.bar, self.pending, self.num_in, self.num_out = None, list(groups), 0, 0
+        if use_tqdm:
+            from tqdm import tqdm
+
+            make = use_tqdm if callable(use_tqdm) else tqdm
+            self.bar = make(total=len(groups), desc="Processed prompts", dynamic_ncols=True,
+                            postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+    def advance(self) -> None:
+        """Counts the prompts whose candidates have all finished since the last call."""
+        if self.bar is None:
+            return
+        done = [seqs for seqs in self.pending if all(s.is_finished for s in seqs)]
+        if done:
+            self.pending = [seqs for seqs in self.pending if not all(s.is_finished for s in seqs)]
+            self.num_in += sum(len(seqs[0].prompt_ids) for seqs in done)
+            self.num_out += sum(len(s.output_ids) for seqs in done for s in seqs)
+            elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
+            self.bar.postfix = (f"est. speed input: {self.num_in / elapsed:.2f} toks/s, "
+                                f"output: {self.num_out / elapsed:.2f} toks/s")
+            self.bar.update(len(done))
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
