@@ -27,10 +27,8 @@ and `shared_mlp.output_linear.weight [D, Is]`, which is the whole MLP when the c
 
 from __future__ import annotations
 
-import numpy as np
-
 from converters.layer_maps import attention, dense_mlp, embed_and_head
-from converters.plan import Plan, Rule, identity, linear
+from converters.plan import Plan, Rule, array_module, identity, linear
 from jhybrid.config import ModelConfig
 
 
@@ -50,7 +48,7 @@ def _lightning(cfg: ModelConfig, p: str) -> dict[str, Rule]:
 
 def _stacked(names: list[str], shape: tuple[int, int]) -> Rule:
     """Per-expert torch Linear weights `[out, in]` -> stacked `[E, in, out]`."""
-    return Rule(tuple(names), (shape,) * len(names), lambda *ws: np.stack([w.T for w in ws]))
+    return Rule(tuple(names), (shape,) * len(names), lambda *ws: array_module(ws[0]).stack([w.T for w in ws]))
 
 
 def _minimax_moe(cfg: ModelConfig, hf: str, disk: set[str]) -> dict[str, Rule]:

@@ -21,10 +21,13 @@ cast to the load dtype with the other parameters; the scales are consumed, never
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -65,6 +68,14 @@ class FP8Weights:
         scale = self.scales.get(name)
         return w if scale is None else dequantize(w, ckpt.read(scale), self.block)
 
+    def read_device(self, ckpt: Any, name: str):
+        """As `read`, as a JAX array on the default device: an FP8 weight goes there as stored (1 byte per
+        element) and is dequantized there, the same float32 products (numpy takes ~0.3 s per 16 M elements on
+        one core: ~25 min for an 80 B model)."""
+        w = ckpt.read(name)
+        scale = self.scales.get(name)
+        return jnp.asarray(w) if scale is None else _dequantize_device(jnp.asarray(w), jnp.asarray(ckpt.read(scale)), self.block)
+
 
 def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
     """`w [..., R, C]` (FP8) times its per-block scales `[..., ceil(R/b0), ceil(C/b1)]`, in float32."""
@@ -78,6 +89,14 @@ def dequantize(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> 
         return x
     x *= np.repeat(np.repeat(s, b0, axis=-2)[..., :rows, :], b1, axis=-1)[..., :cols]  # partial last blocks
     return x
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _dequantize_device(w, scale_inv, block: tuple[int, int]):
+    """`dequantize` on the device (compiled once per shape: a checkpoint has a handful)."""
+    rows, cols = w.shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), block[0], axis=-2)[..., :rows, :], block[1], axis=-1)
+    return w.astype(jnp.float32) * s[..., :cols]
 
 
 def pair_scales(ckpt: Any, quant: dict[str, Any] | None) -> FP8Weights | None:

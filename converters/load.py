@@ -80,23 +80,30 @@ class HFSource:
     def iter_device_params(self, dtype: np.dtype | None) -> Iterator[tuple[str, Any]]:
         """As `iter_params`, as JAX arrays on the default device. A weight that is a transpose of the bytes on
         disk (HF's [out, in] linear weights) goes to the device as stored and is transposed there: transposing
-        on the host is a strided copy, and it was most of the loading time (~8 s of ~9 for a 3.2 GB model)."""
+        on the host is a strided copy, and it was most of the loading time (~8 s of ~9 for a 3.2 GB model).
+        FP8 weights go as stored too, and are dequantized and converted there."""
         import jax.numpy as jnp
 
-        for jname, out, target in self._converted(dtype):
-            if out.ndim >= 2 and not out.flags.c_contiguous and out.T.flags.c_contiguous:
+        for jname, out, target in self._converted(dtype, device=True):
+            if not isinstance(out, np.ndarray):  # built on the device from FP8 weights dequantized there
+                yield jname, out.astype(target)
+            elif out.ndim >= 2 and not out.flags.c_contiguous and out.T.flags.c_contiguous:
                 yield jname, jnp.asarray(np.asarray(out.T, dtype=target)).T
             else:
                 yield jname, jnp.asarray(np.array(out, dtype=target, copy=True, order="C"))
 
-    def _converted(self, dtype: np.dtype | None) -> Iterator[tuple[str, np.ndarray, np.dtype]]:
-        """`(name, converted view of the mapped file, target dtype)` per parameter."""
+    def _converted(self, dtype: np.dtype | None, device: bool = False) -> Iterator[tuple[str, Any, np.dtype]]:
+        """`(name, converted view of the mapped file, target dtype)` per parameter. A parameter built from FP8
+        weights is dequantized on the host, or with `device` on the default device (then a JAX array)."""
         expected = flatten_shapes(param_shapes(self.cfg))
         for jname, rule in self.plan.items():
-            if self.fp8 is None:
-                arrays = [self.ckpt.read(self.raw_names[s]) for s in rule.sources]
+            raw = [self.raw_names[s] for s in rule.sources]
+            if self.fp8 is None or not any(r in self.fp8.scales for r in raw):
+                arrays = [self.ckpt.read(r) for r in raw]
+            elif device:
+                arrays = [self.fp8.read_device(self.ckpt, r) for r in raw]
             else:
-                arrays = [self.fp8.read(self.ckpt, self.raw_names[s]) for s in rule.sources]
+                arrays = [self.fp8.read(self.ckpt, r) for r in raw]
             out = apply_rule(jname, rule, arrays, expected[jname])
             yield jname, out, (out.dtype if dtype is None else param_dtype(jname, dtype))
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from converters.family_maps import FAMILY_PLANS
 from converters.layer_maps import attention, dense_mlp, embed_and_head
-from converters.plan import Plan, Rule, identity, linear
+from converters.plan import Plan, Rule, array_module, identity, linear
 from jhybrid.config import ModelConfig
 
 _IGNORED_GROUPS = (
@@ -143,7 +143,7 @@ def _gdn_packed(cfg: ModelConfig, p: str) -> dict[str, Rule]:
 
     def qkv(w: np.ndarray) -> np.ndarray:
         q, kk, val, _ = qkvz_parts(w)
-        return np.concatenate([q, kk, val], axis=0).T  # [D, 2*HK*K + HV*V]
+        return array_module(w).concatenate([q, kk, val], axis=0).T  # [D, 2*HK*K + HV*V]
 
     def z(w: np.ndarray) -> np.ndarray:
         return qkvz_parts(w)[3].T  # [D, HV*V]
@@ -174,7 +174,7 @@ def _moe(cfg: ModelConfig, p: str, fused: bool) -> dict[str, Rule]:
     else:
         def stacked(proj: str, shape: tuple[int, int]) -> Rule:
             names = tuple(f"{p}experts.{j}.{proj}.weight" for j in range(e))
-            return Rule(names, (shape,) * e, lambda *ws: np.stack([w.T for w in ws]))
+            return Rule(names, (shape,) * e, lambda *ws: array_module(ws[0]).stack([w.T for w in ws]))
 
         rules |= {
             "gate_proj": stacked("gate_proj", (ie, d)),

@@ -92,9 +92,21 @@ def check_plan(plan: Plan, disk_shapes: Mapping[str, tuple[int, ...]], where: st
         raise ConversionError(format_problems(f"{where}: checkpoint does not match its config.json", problems), problems)
 
 
-def apply_rule(jname: str, rule: Rule, arrays: list[np.ndarray], expected: tuple[int, ...]) -> np.ndarray:
-    """Runs `rule.build`, checking the result has the jhybrid shape."""
-    out = np.asarray(rule.build(*arrays))
+def array_module(x):
+    """numpy for a host array, `jax.numpy` for a device one: rules run on host arrays, and on device arrays
+    where the loader dequantizes FP8 weights on the device (converters/fp8.py)."""
+    if isinstance(x, np.ndarray):
+        return np
+    import jax.numpy as jnp
+
+    return jnp
+
+
+def apply_rule(jname: str, rule: Rule, arrays: list, expected: tuple[int, ...]):
+    """Runs `rule.build`, checking the result has the jhybrid shape. Host arrays in, a numpy array out; device
+    (JAX) arrays in, a device array out."""
+    out = rule.build(*arrays)
+    out = out if array_module(out) is not np else np.asarray(out)
     if out.shape != tuple(expected):  # only reachable through a bug in a name map
         raise ConversionError(f"{jname}: conversion produced shape {out.shape}, expected {tuple(expected)}")
     return out

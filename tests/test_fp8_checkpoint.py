@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from converters import ConversionError
-from converters.fp8 import dequantize
+from converters.fp8 import _dequantize_device, dequantize
 from jhybrid.checkpoint import inspect_checkpoint, load_model
 from jhybrid.config import ModelConfig
 from jhybrid.models.params import flatten_params
@@ -204,8 +205,8 @@ def test_fused_fp8_experts(ckpts, tmp_path):
 
 
 def test_dequantize_partial_blocks():
-    """`converters.fp8.dequantize` against an element-by-element loop, for whole and partial blocks in both
-    dims and a leading expert dim. Fails (was seen to) with the partial-block path indexing scales by
+    """`converters.fp8.dequantize` (host: convert) and its device twin (load) against an element-by-element
+    loop, for whole and partial blocks in both dims and a leading expert dim. Fails (was seen to) with the partial-block path indexing scales by
     `i // b1` for rows."""
     rng = np.random.default_rng(0)
     for shape, block in (((2, 16, 32), (8, 16)), ((3, 21, 37), (8, 16)), ((20, 7), (16, 4))):
@@ -216,6 +217,8 @@ def test_dequantize_partial_blocks():
             *lead, i, j = idx
             want[idx] = np.float32(w[idx]) * s[(*lead, i // block[0], j // block[1])]
         assert np.array_equal(dequantize(w, s, block), want), (shape, block)
+        on_device = _dequantize_device(jnp.asarray(w), jnp.asarray(s), block)  # what load_model runs
+        assert np.array_equal(np.asarray(on_device), want), (shape, block)
 
 
 # ------------------------------------------------------------------------------------------- refusals
