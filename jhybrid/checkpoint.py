@@ -35,6 +35,8 @@ class CheckpointInfo:
       cfg: the model config (`cfg.dtype` is the checkpoint's dtype).
       shapes: `{flat jhybrid name: shape}`, in parameter order.
       dtypes: `{flat jhybrid name: stored dtype name}` (HF: the dtype of its on-disk source).
+      quantization: an FP8 HF checkpoint's `{"weight_block_size": (b0, b1), "num_fp8_tensors": n}` (its
+        weights are dequantized at load); None otherwise.
     """
 
     path: str
@@ -42,6 +44,7 @@ class CheckpointInfo:
     cfg: ModelConfig
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
+    quantization: dict[str, Any] | None = None
 
 
 def is_converted(path: str | os.PathLike) -> bool:
@@ -126,7 +129,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         shapes = flatten_shapes(param_shapes(src.cfg))
         dtypes = {n: "/".join(sorted(d.name for d in src.source_dtypes(n))) for n in shapes}
         cfg = dataclasses.replace(src.cfg, dtype=checkpoint_dtype(src.cfg.dtype).name)
-        return CheckpointInfo(path, "hf", cfg, shapes, dtypes)
+        quant = src.fp8 and {"weight_block_size": src.fp8.block, "num_fp8_tensors": len(src.fp8.scales)}
+        return CheckpointInfo(path, "hf", cfg, shapes, dtypes, quant)
 
 
 def load_model(path: str | os.PathLike, dtype: Any = None, progress: bool = False) -> tuple[ModelConfig, Params]:

@@ -50,6 +50,7 @@ class Summary:
             "tensor_dtypes": self.dtype_counts,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "state_bytes_per_sequence": self.state_bytes_per_sequence,
+            "quantization": self.info.quantization,
         }
 
     def format(self) -> str:
@@ -81,6 +82,10 @@ class Summary:
             f"{', '.join(f'{n} {k}' for k, n in collections.Counter(cfg.linear_layer_kinds).items()) or 'none'}; "
             "conv + recurrent state in float32)",
         ]
+        if q := self.info.quantization:
+            b0, b1 = q["weight_block_size"]
+            lines.append(f"FP8 weights: {q['num_fp8_tensors']} tensors in float8_e4m3fn with a scale per {b0}x{b1} "
+                         f"block (quantization_config); dequantized at load to the compute dtype")
         if scalings := _scalings(cfg):
             lines.append(f"scalings: {scalings}")
         lines.append("checkpoint OK")

@@ -25,7 +25,7 @@ from typing import Any
 from jhybrid.config import ModelConfig, ignored_fields
 
 H200_BYTES = 141 * 10**9  # nominal (NVIDIA's 141 GB); the device reports ~150.7e9, of which ~139 GiB is usable
-MEMORY_FRACTION, ACTIVATION_RESERVE = 0.9, 0.1  # the engine's defaults (EngineConfig.memory_fraction, plan_cache)
+MEMORY_FRACTION, ACTIVATION_RESERVE = 0.9, 0.1  # the engine's defaults (EngineConfig.gpu_memory_utilization, plan_cache)
 POOL_SEQS, POOL_TOKENS = 64, 8192  # a useful pool: `jhybrid serve`'s default 64 sequences, 8,192 tokens each
 MARGIN_NOTE = (
     f"fits: the KV pool the engine would plan from what the weights leave ((141 GB - weights) x "

@@ -98,10 +98,10 @@ def ckpts(tmp_path_factory):
     return original, hf_deq, root / "fp8", root / "deq", names
 
 
-def test_fp8_weights_load_dequantized_exactly(ckpts):
+def test_fp8_weights_load_dequantized_exactly(ckpts, capsys):
     """Every parameter loaded from the FP8 checkpoint equals (bitwise, fp32 and bf16) the one loaded from the
     dequantized copy; the quantized ones differ from the original fp32 weights (FP8 rounding happened);
-    `inspect` validates it from headers, reporting the e4m3 storage. Fails (was seen to) with the scale
+    `inspect` validates it from headers, reporting the e4m3 storage and the FP8 tensors. Fails (was seen to) with the scale
     tensors not consumed (refused as unexpected tensors) and with the scales applied per transposed block."""
     _, _, fp8_dir, deq_dir, names = ckpts
     assert len(names) >= 20
@@ -117,6 +117,11 @@ def test_fp8_weights_load_dequantized_exactly(ckpts):
     assert np.array_equal(np.asarray(got["lm_head"]), np.asarray(orig["lm_head"]))  # not converted
     info = inspect_checkpoint(fp8_dir)
     assert info.dtypes["layers.3.attn.o_proj"] == "float8_e4m3fn" and info.dtypes["embed"] == "float32"
+    assert info.quantization == {"weight_block_size": BLOCK, "num_fp8_tensors": len(names)}
+    from jhybrid.cli import main
+
+    assert main(["inspect", str(fp8_dir)]) == 0
+    assert f"FP8 weights: {len(names)} tensors in float8_e4m3fn with a scale per 8x16 block" in capsys.readouterr().out
 
 
 def test_convert_fp8_checkpoint(ckpts, tmp_path):
