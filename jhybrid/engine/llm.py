@@ -18,6 +18,7 @@ from typing import Any
 from jhybrid.engine.engine_config import EngineConfig, engine_config
 from jhybrid.engine.llm_engine import LLMEngine
 from jhybrid.engine.outputs import CompletionOutput, Logprob, RequestOutput, _Decoder, completion_output, prompt_logprobs
+from jhybrid.engine.progress import Progress
 from jhybrid.engine.prompts import continue_final, conversations, parse_prompts, template_message
 from jhybrid.engine.sampling import SamplingParams
 from jhybrid.engine.vllm_options import translate
@@ -172,7 +173,7 @@ class LLM:
                 for k in range(best_of):
                     seqs.append(self.engine.add_request(request_id if best_of == 1 else f"{request_id}.{k}", prompt,
                                                         _candidate(sp, k, best_of)))
-            with _Progress(use_tqdm, [seqs for _, _, seqs in groups]) as bar:
+            with Progress(use_tqdm, [seqs for _, _, seqs in groups]) as bar:
                 while self.engine.has_unfinished():
                     self.engine.step()
                     bar.advance()
@@ -250,40 +251,6 @@ def _candidate(sp: SamplingParams, k: int, best_of: int) -> SamplingParams:
         return sp
     seed = None if sp.seed is None else (sp.seed + k) % 2**32
     return dataclasses.replace(sp, n=1, best_of=None, seed=seed, prompt_logprobs=sp.prompt_logprobs if k == 0 else None)
-
-
-class _Progress:
-    """A progress bar over the prompts (vLLM's "Processed prompts"), with input and output tokens/s."""
-
-    def __init__(self, use_tqdm: bool | Any, groups: list[list]):
-        self.bar, self.pending, self.num_in, self.num_out = None, list(groups), 0, 0
-        if use_tqdm:
-            from tqdm import tqdm
-
-            make = use_tqdm if callable(use_tqdm) else tqdm
-            self.bar = make(total=len(groups), desc="Processed prompts", dynamic_ncols=True,
-                            postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()
-
-    def advance(self) -> None:
-        """Counts the prompts whose candidates have all finished since the last call."""
-        if self.bar is None:
-            return
-        done = [seqs for seqs in self.pending if all(s.is_finished for s in seqs)]
-        if done:
-            self.pending = [seqs for seqs in self.pending if not all(s.is_finished for s in seqs)]
-            self.num_in += sum(len(seqs[0].prompt_ids) for seqs in done)
-            self.num_out += sum(len(s.output_ids) for seqs in done for s in seqs)
-            elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
-            self.bar.postfix = (f"est. speed input: {self.num_in / elapsed:.2f} toks/s, "
-                                f"output: {self.num_out / elapsed:.2f} toks/s")
-            self.bar.update(len(done))
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
