@@ -17,6 +17,7 @@ import pytest
 import jhybrid
 from jhybrid import LLM, Logprob, SamplingParams
 from jhybrid.engine.outputs import _Decoder, prompt_logprobs
+from jhybrid.engine.prompts import continue_final, parse_prompts, template_message
 from jhybrid.engine.vllm_options import translate
 
 MODEL = jhybrid.default_model_path()
@@ -210,8 +211,8 @@ def test_use_tqdm_counts_prompts(llm, capsys):
 
 def test_bad_prompts_and_params_name_the_problem(llm):
     """Unsupported prompt dict keys and a wrong number of SamplingParams raise ValueError naming them; stream
-    still yields the text that generate returns. Checked to fail: with unknown dict keys accepted, and with the
-    count of SamplingParams not checked (zip drops the third prompt)."""
+    still yields the text that generate returns, and refuses n > 1. Checked to fail: with unknown dict keys
+    accepted, and with the count of SamplingParams not checked (zip drops the third prompt)."""
     with pytest.raises(ValueError, match="multi_modal_data"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": 1}}, use_tqdm=False)
     with pytest.raises(ValueError, match="unknown key"):
@@ -220,3 +221,24 @@ def test_bad_prompts_and_params_name_the_problem(llm):
         llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()], use_tqdm=False)
     sp = SamplingParams(max_tokens=3, **GREEDY)
     assert "".join(llm.stream({"prompt": "And God said"}, sp)) == llm.generate("And God said", sp, use_tqdm=False)[0].text
+    with pytest.raises(ValueError, match="n=2"):
+        next(llm.stream("And God said", SamplingParams(n=2)))
+
+
+def test_prompt_forms_and_chat_messages():
+    """The prompt forms `generate` takes (a string, token ids as a list or an array, prompt dicts, lists of any
+    of them), text parts of a chat message joined as vLLM joins them, and `continue_final_message` cutting the
+    rendered chat after the final message. Checked to fail: with a bare list of token ids taken as a list of
+    prompts (each id is then refused as a prompt), and with the rendered text left uncut."""
+    assert parse_prompts("a b") == [("a b", "a b")]
+    assert parse_prompts([3, 4]) == [(None, [3, 4])] and parse_prompts(np.array([3, 4])) == [(None, [3, 4])]
+    assert parse_prompts([{"prompt": "a"}, {"prompt_token_ids": [5], "prompt": "x"}, [6, 7], "b"]) == \
+        [("a", "a"), ("x", [5]), (None, [6, 7]), ("b", "b")]
+    assert parse_prompts({"prompt_token_ids": np.array([1, 2])}) == [(None, [1, 2])] and parse_prompts([]) == []
+    parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert template_message(parts, "auto")["content"] == "a\nb"
+    assert template_message(parts, "openai")["content"] == parts["content"]
+    with pytest.raises(ValueError, match="image_url"):
+        template_message({"role": "user", "content": [{"type": "image_url", "image_url": {}}]}, "auto")
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Let"}]
+    assert continue_final("<user>Hi\n<assistant>Let\n", messages) == "<user>Hi\n<assistant>Let"

@@ -208,12 +208,15 @@ class LLM:
 
     def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields text deltas as they are decoded. Text that might start a stop string is held back until it
-        is clear that it does not; the stop string itself is never yielded. One completion (`n` is not used)."""
+        is clear that it does not; the stop string itself is never yielded. One completion: `n` and `best_of` must be 1."""
         parsed = parse_prompts(prompt)
         if len(parsed) != 1:
             raise ValueError(f"stream() takes one prompt, got {len(parsed)}: use generate() for several")
         prompt = parsed[0][1]
         params = sampling_params or self.get_default_sampling_params()
+        if params.n > 1 or (params.best_of or 1) > 1:
+            raise ValueError(f"stream() yields one completion; got n={params.n}, best_of={params.best_of}: use "
+                             "generate() for several")
         seq = self.engine.add_request(f"stream-{next(self._ids)}", prompt, params)
         if seq.detok is None and not seq.is_finished:
             self.engine.abort(seq.request_id)
