@@ -149,5 +149,6 @@ def pair_scales(ckpt: Any, quant: dict[str, Any] | None) -> FP8Weights | None:
         if name.endswith(_ACTIVATION_SCALES):
             problems.append(f"{name!r}: static activation scales are not supported (activation_scheme 'dynamic' only)")
     if problems:
-        raise ConversionError(format_problems(f"{ckpt.path}: FP8 checkpoint does not match its quantization_config", problems), problems)
+        what = f"{ckpt.path}: FP8 checkpoint does not match its quantization_config"
+        raise ConversionError(format_problems(what, problems), problems)
     return FP8Weights(block, scales)

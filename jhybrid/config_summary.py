@@ -167,8 +167,11 @@ class ConfigSummary:
             lines.append(f"{r.size:>4} {gb(r.weight_bytes_bf16):>14} {gb(r.weight_bytes_fp8):>14} {r.kv_bytes_per_token:>10,} "
                          f"{r.state_bytes_per_sequence:>12,} {gb(r.pool_bytes):>10}  "
                          f"{'yes' if r.fits_bf16 else 'no'} / {'yes' if r.fits_fp8 else 'no'}")
-        shown = lambda n: "none up to " + str(_MAX_TP) if n is None else str(n) + (" (more than one 8-GPU node)" if n > 8 else "")  # noqa: E731
-        lines.append(f"smallest tensor-parallel size: bf16 {shown(self.smallest_tp(False))}, FP8 {shown(self.smallest_tp(True))}")
+        def shown(n: int | None) -> str:
+            return f"none up to {_MAX_TP}" if n is None else str(n) + (" (more than one 8-GPU node)" if n > 8 else "")
+
+        lines.append(f"smallest tensor-parallel size: bf16 {shown(self.smallest_tp(False))}, "
+                     f"FP8 {shown(self.smallest_tp(True))}")
         return "\n".join(lines)
 
 

@@ -211,8 +211,8 @@ def test_fused_fp8_experts(ckpts, tmp_path):
 
 def test_dequantize_partial_blocks():
     """`converters.fp8.dequantize` (host: convert) and its device twin (load) against an element-by-element
-    loop, for whole and partial blocks in both dims and a leading expert dim. Fails (was seen to) with the partial-block path indexing scales by
-    `i // b1` for rows."""
+    loop, for whole and partial blocks in both dims and a leading expert dim. Fails (was seen to) with the
+    partial-block path indexing scales by `i // b1` for rows."""
     rng = np.random.default_rng(0)
     for shape, block in (((2, 16, 32), (8, 16)), ((3, 21, 37), (8, 16)), ((20, 7), (16, 4))):
         w = rng.normal(0, 4, shape).astype(ml_dtypes.float8_e4m3fn)
