@@ -177,6 +177,7 @@ def test_gpu_memory_utilization_reaches_the_planner(llm, monkeypatch):
     assert all("--gpu-memory-utilization" in sub.choices[c].format_help() for c in ("serve", "generate"))
     assert translate("m", dict(dtype="half", num_gpu_blocks_override=9, tokenizer="m")) == \
         dict(dtype="float16", num_kv_blocks=9)
+    assert translate("m", dict(dtype=np.dtype("float32"))) == dict(dtype="float32")
     for name, value in (("quantization", "awq"), ("tokenizer", "other"), ("kv_cache_dtype", "fp8")):
         with pytest.raises(ValueError, match=name):
             LLM(llm.model, **{name: value})

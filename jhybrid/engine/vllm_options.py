@@ -45,6 +45,8 @@ def translate(model: Any, options: dict[str, Any]) -> dict[str, Any]:
     `engine_config` to name). Raises ValueError naming an option whose value jhybrid cannot honour."""
     out = {}
     for name, value in options.items():
+        if name == "dtype" and value is not None and not isinstance(value, str):
+            value = str(value).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
         if name == "dtype" and isinstance(value, str) and value in DTYPES:
             out[name] = DTYPES[value]
         elif name == "seed" and value is None:
