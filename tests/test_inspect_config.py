@@ -175,7 +175,8 @@ def test_smallest_tensor_parallel_sizes():
 
 def test_cli_config_only(tmp_path, capsys):
     """`jhybrid inspect --config-only` takes a directory or the config.json file, prints the summary (and
-    JSON with --json), and reports an unsupported config as a usage error naming the field."""
+    JSON with --json), reads an FP8 release's quantization_config, and reports an unsupported one as a usage
+    error naming the field."""
     d = REAL_CONFIGS / "Qwen3.5-35B-A3B"
     assert main(["inspect", "--config-only", str(d)]) == 0
     text = capsys.readouterr().out
@@ -187,6 +188,10 @@ def test_cli_config_only(tmp_path, capsys):
     s = summarize_config(d)
     assert out["num_params"] == s.num_params and out["smallest_tensor_parallel_size"]["fp8"] == s.smallest_tp(True)
     assert "mtp_num_hidden_layers" in out["ignored_fields"] and out["kv_bytes_per_token"] == s.kv_bytes_per_token
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    (tmp_path / "fp8.json").write_text(json.dumps({**published("Qwen3-Next-80B-A3B"), "quantization_config": fp8}))
+    assert main(["inspect", "--config-only", str(tmp_path / "fp8.json")]) == 0
+    assert '"quant_method": "fp8"' in capsys.readouterr().out  # an FP8 release's config reads, and says so
     bad = tmp_path / "config.json"
     bad.write_text(json.dumps({**published("Qwen3.5-35B-A3B"), "quantization_config": {"quant_method": "awq"}}))
     assert main(["inspect", "--config-only", str(tmp_path)]) == 2
