@@ -149,6 +149,59 @@ def test_sampler_equals_numpy_reference():
         assert tv < 0.1, f"row {i}: total variation {tv:.3f} from the reference distribution"
 
 
+def test_token_history_follows_the_holdings_of_a_slot():
+    """The runner's bookkeeping (`SlotTableKeeper.sync`) on its own: a penalised sequence's slot rows are reset
+    when it takes the slot, the step's `record_fed_tokens` adds what it feeds (prompt positions to the prompt
+    mask, later ones to the output counts), the same sequence taking the same slot again after a recompute
+    preemption starts from zero (it re-feeds everything), and one resuming in another slot with 5 tokens fed
+    (a swap-in) gets them written from the host; a sequence without penalties leaves the rows alone. Checked to
+    fail with the holding keyed by the sequence alone (not its preemptions) and with the swap-in rebuild writing
+    only the reset."""
+    from jhybrid.engine.scheduler import ScheduledRow
+    from jhybrid.engine.sequence import Sequence
+    from jhybrid.engine.slot_tables import SlotTableKeeper
+
+    vocab = 16
+    keeper = SlotTableKeeper(5, vocab, 4)
+    seq = Sequence("a", [1, 2, 3, 3], SamplingParams(frequency_penalty=1.0))
+    seq.slot = 2
+    record = jax.jit(lambda h, slot, ids, out: sample_history(h, slot, ids, out))
+
+    def rows(slot):
+        return (np.asarray(keeper.history.output_counts[slot]), np.asarray(keeper.history.prompt_mask[slot]))
+
+    keeper.history = record(keeper.history, 2, [9, 9, 9, 9, 9, 9], [True] * 6)  # a previous holder's garbage
+    keeper.sync([ScheduledRow(seq, 0, 4, True)])
+    assert not rows(2)[0].any() and not rows(2)[1].any()
+    keeper.history = record(keeper.history, 2, [1, 2, 3, 3, 5, 5, 7], [False] * 4 + [True] * 3)
+    counts, mask = rows(2)
+    assert counts.tolist() == np.bincount([5, 5, 7], minlength=vocab).tolist() and np.flatnonzero(mask).tolist() == [1, 2, 3]
+    seq.token_ids += [5, 5, 7]
+    keeper.sync([ScheduledRow(seq, 7, 1, True)])  # the same holding: nothing written
+    assert rows(2)[0].tolist() == counts.tolist()
+    seq.num_preemptions += 1  # recomputed, back in the same slot: re-feeds from position 0
+    keeper.sync([ScheduledRow(seq, 0, 7, True)])
+    assert not rows(2)[0].any() and not rows(2)[1].any()
+    seq.num_preemptions += 1  # swapped out after 7 fed tokens, back in slot 3
+    seq.slot = 3
+    keeper.sync([ScheduledRow(seq, 7, 1, True)])
+    counts, mask = rows(3)
+    assert counts.tolist() == np.bincount([5, 5, 7], minlength=vocab).tolist() and np.flatnonzero(mask).tolist() == [1, 2, 3]
+    plain = Sequence("b", [4, 4], SamplingParams())
+    plain.slot = 3
+    keeper.sync([ScheduledRow(plain, 0, 2, True)])
+    assert rows(3)[0].tolist() == counts.tolist()
+
+
+def sample_history(history, slot, ids, is_output):
+    """`record_fed_tokens` of one row's tokens into `slot`."""
+    from jhybrid.engine.sampling import record_fed_tokens
+
+    ids = jnp.asarray(ids, jnp.int32)
+    return record_fed_tokens(history, jnp.full(ids.shape, slot, jnp.int32), ids, jnp.asarray(is_output),
+                             jnp.ones(ids.shape, bool))
+
+
 # ------------------------------------------------------------------------------------------ through the engine
 @pytest.fixture(scope="module")
 def llm(tiny):
@@ -197,15 +250,17 @@ def test_penalties_greedy_equal_hf(tiny, llm):
 
 
 def test_penalised_outputs_survive_preemption_and_swapping(tiny, llm):
-    """Four long penalised requests at once on `ENGINE`'s small pool: recomputed sequences re-feed their tokens
-    (their slot's history is reset when they take a slot again, so each token counts once) and swapped-out ones
-    resume without re-feeding (their history is rebuilt from the host's tokens); the outputs equal each request's
-    run alone. Checked to fail with the history not reset on a new holding, and with the swap-in rebuild writing
-    only the reset (no tokens)."""
+    """Four penalised requests whose prompts fill `ENGINE`'s pool (11 of its 44 blocks each) are preempted while
+    decoding, with output tokens in their history: recomputed ones re-feed their tokens (the slot's history is
+    reset when the sequence takes it again, so each token counts once) and swapped-out ones resume without
+    re-feeding (their history is rebuilt from the host's tokens). The outputs equal each request's run alone.
+    Checked to fail with the swap-in rebuild writing only the reset (no tokens); the reset of a slot the same
+    sequence takes again is `test_token_history_follows_the_holdings_of_a_slot`'s (here the recomputed sequences
+    come back in other slots)."""
     _, model = tiny
     rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, 12, size=n).tolist() for n in (240, 250, 260, 270)]
-    params = SamplingParams(max_tokens=10, frequency_penalty=1.1, presence_penalty=0.3, repetition_penalty=1.4,
+    prompts = [rng.integers(0, 12, size=n).tolist() for n in (172, 170, 168, 166)]
+    params = SamplingParams(max_tokens=14, frequency_penalty=1.1, presence_penalty=0.3, repetition_penalty=1.4,
                             **GREEDY)
     want = [llm.generate([p], params)[0].token_ids for p in prompts]
     recomputed = llm.generate(prompts, params)

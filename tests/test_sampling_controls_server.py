@@ -41,19 +41,22 @@ def ckpt(tmp_path_factory):
         cfg = json.load(f)
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({**cfg, "chat_template": TEMPLATE}, f)
+    with open(os.path.join(path, "generation_config.json")) as f:
+        gen = json.load(f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({**gen, **DEFAULTS}, f)
     return path
 
 
 @pytest.fixture(scope="module")
 def served(ckpt):
-    """(engine, url of an app without defaults, url of an app with `DEFAULTS` as generation_config.json's)."""
+    """(engine, url of an app told to use no defaults, url of an app with the engine's: the checkpoint's
+    generation_config.json holds `DEFAULTS`)."""
     engine = build_engine(ckpt, served_model_name=MODEL, warmup=True, **SHAPES)
-    defaults = generation_defaults({**DEFAULTS, "eos_token_id": 0})
     template = load_chat_template(ckpt)
     plain = BackgroundServer(create_app(engine, ServerConfig(model_names=(MODEL,), chat_template=template,
                                                              generation_defaults={}))).start()
-    with_defaults = BackgroundServer(create_app(engine, ServerConfig(model_names=(MODEL,), chat_template=template,
-                                                                     generation_defaults=defaults))).start()
+    with_defaults = BackgroundServer(create_app(engine, ServerConfig(model_names=(MODEL,), chat_template=template))).start()
     yield engine, plain.url, with_defaults.url
     plain.stop()
     with_defaults.stop()
@@ -159,14 +162,17 @@ def test_openai_client_honours_each_control(served, offline, ckpt):
 def test_generation_config_defaults(served, offline, ckpt, tmp_path):
     """The checkpoint's generation_config.json sampling fields (vLLM's list; max_new_tokens as max_tokens) are the
     engine's defaults and the server applies them to fields a request leaves out: a request with no temperature
-    decodes greedily with the repetition penalty, 7 tokens; fields the request sets win. Checked to fail with the
-    defaults not applied in `_sampling_fields`."""
+    decodes greedily with the repetition penalty, 7 tokens; fields the request sets win; an app told to use none
+    uses none. Checked to fail with the defaults not applied in `_sampling_fields`, and with the app not asking
+    the engine for them."""
     engine, plain_url, url = served
-    assert generation_defaults({**DEFAULTS, "eos_token_id": 0}) == {"temperature": 0.0, "repetition_penalty": 1.7,
-                                                                      "max_tokens": 7, "top_k": 20}
+    want_defaults = {"temperature": 0.0, "repetition_penalty": 1.7, "max_tokens": 7, "top_k": 20}
+    assert generation_defaults({**DEFAULTS, "eos_token_id": 0}) == want_defaults
+    assert engine.engine.generation_defaults == want_defaults == offline.engine.generation_defaults
+    assert engine.engine.default_sampling_params == SamplingParams(**want_defaults)
     path = tmp_path / "generation_config.json"
     path.write_text(json.dumps({**DEFAULTS, "top_p": 1.5}))  # an invalid value is left out
-    assert generation_defaults(tmp_path) == {"temperature": 0.0, "repetition_penalty": 1.7, "max_tokens": 7, "top_k": 20}
+    assert generation_defaults(tmp_path) == want_defaults
     (want,) = offline.generate([PROMPT], SamplingParams(max_tokens=7, temperature=0.0, repetition_penalty=1.7))
     r = post(url, prompt=PROMPT)
     assert r.status_code == 200, r.text

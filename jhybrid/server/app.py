@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -264,14 +265,29 @@ def _entries(token_ids, token_logprobs, tops) -> list[dict[int, float]]:
     return [{t: lp, **{a: v for a, v in top.items() if a != t}} for t, lp, top in zip(token_ids, token_logprobs, tops)]
 
 
+def _engine_generation_defaults(engine: AsyncEngine) -> dict[str, Any]:
+    """The sampling defaults of the model behind `engine`: its front end's `generation_defaults` where it has them,
+    else the LLMEngine's (an engine on a thread), else read from the checkpoint an engine process runs."""
+    backend = getattr(engine, "backend", None)
+    for source in (engine, backend, getattr(backend, "engine", None)):
+        defaults = getattr(source, "generation_defaults", None)
+        if isinstance(defaults, Mapping):
+            return dict(defaults)
+    model = getattr(getattr(backend, "spec", None), "model", None)
+    if isinstance(model, str) and os.path.isdir(model):
+        from jhybrid.model_loader import generation_defaults
+
+        return generation_defaults(model)
+    return {}
+
+
 class _Serving:
     def __init__(self, engine: AsyncEngine, config: ServerConfig):
         self.engine, self.config = engine, config
         self.started = time.time()
         defaults = config.generation_defaults
-        if defaults is None:  # the engine's, where its front end has them
-            defaults = getattr(engine, "generation_defaults", None)
-        self.generation_defaults: dict[str, Any] = dict(defaults or {})
+        self.generation_defaults: dict[str, Any] = dict(defaults if defaults is not None else
+                                                        _engine_generation_defaults(engine))
         if self.generation_defaults:
             log.info("sampling defaults for fields a request leaves out (the checkpoint's generation_config.json): %s",
                      ", ".join(f"{k}={v}" for k, v in self.generation_defaults.items()))
