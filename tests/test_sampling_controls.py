@@ -127,15 +127,17 @@ def test_sampler_equals_numpy_reference():
     `sample`."""
     logits, meta, tables, history, expected = _case()
     num_rows = len(logits)
-    greedy = jax.jit(sample)(jnp.asarray(logits), _arrays(meta, 1, 0.0, 0.0), tables, history)
-    np.testing.assert_array_equal(np.asarray(greedy[0]), expected.argmax(-1))
-    logp = jax.nn.log_softmax(jnp.asarray(logits), axis=-1)
-    np.testing.assert_allclose(np.asarray(greedy[1]), np.take_along_axis(np.asarray(logp), expected.argmax(-1)[:, None], 1)[:, 0],
-                               rtol=1e-6)
-
     repeat, temp, min_p = 600, 0.8, 0.1
-    drawn = np.asarray(jax.jit(sample)(jnp.repeat(jnp.asarray(logits), repeat, axis=0),
-                                       _arrays(meta, repeat, temp, min_p, seed0=7), tables, history)[0])
+    # one batch: the greedy rows, then each setting `repeat` times sampled (one seed per row)
+    rows = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), _arrays(meta, 1, 0.0, 0.0),
+                        _arrays(meta, repeat, temp, min_p, seed0=7))
+    x = jnp.concatenate([jnp.asarray(logits), jnp.repeat(jnp.asarray(logits), repeat, axis=0)])
+    tokens, token_logp, *_ = jax.jit(sample)(x, rows, tables, history)
+    greedy, drawn = np.asarray(tokens[:num_rows]), np.asarray(tokens[num_rows:])
+    np.testing.assert_array_equal(greedy, expected.argmax(-1))
+    logp = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=-1))
+    np.testing.assert_allclose(np.asarray(token_logp[:num_rows]), np.take_along_axis(logp, greedy[:, None], 1)[:, 0],
+                               rtol=1e-6)
     for i in range(num_rows):
         scaled = expected[i] / temp
         p = np.exp(scaled - scaled.max())

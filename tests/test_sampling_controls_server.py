@@ -76,30 +76,41 @@ def contains(ids: list[int], word: list[int]) -> bool:
     return any(ids[i : i + len(word)] == word for i in range(len(ids) - len(word) + 1))
 
 
-def occurring_word(tok, ids: list[int], length: int) -> str:
-    """A string whose bad-word token sequences (one of `length` tokens) occur in `ids`."""
+def words_in(tok, ids: list[int], length: int) -> list[tuple[str, list[int]]]:
+    """Strings whose bad-word token sequences (one of `length` tokens) occur in `ids`, each with that sequence."""
+    out = []
     for i in range(len(ids) - length + 1):
         word = tok.decode(ids[i : i + length])
-        if word.strip() and any(len(s) == length and contains(ids, s) for s in bad_words_token_ids(tok, [word])):
-            return word
-    raise AssertionError(f"no {length}-token word occurs in {ids}")
+        if word.strip():
+            seq = next((s for s in bad_words_token_ids(tok, [word]) if len(s) == length and contains(ids, s)), None)
+            if seq is not None:
+                out.append((word, seq))
+    return out
 
 
 def test_bad_words_never_appear(offline):
-    """Words of the greedy output banned as bad_words (vLLM's tokenisation: with and without a leading space;
-    one of them several tokens long) no longer appear as those token sequences, and the output is unchanged up to
-    where the first one stood. Checked to fail with the bans not applied in `sample`, and with multi-token words
-    banned without their prefix (the output then departs earlier)."""
-    params = dict(max_tokens=24, **GREEDY)
+    """Words of the greedy output banned as bad_words (vLLM's tokenisation: with and without a leading space):
+    a two-token word whose last token also stands earlier after another token, and a one-token word that comes
+    later if there is one. Their token sequences no longer appear, and the output is unchanged up to where the first stood, that
+    earlier lone last token included (a word's last token is banned only after the rest of the word). Checked to
+    fail with the bans not applied in `sample`, and with multi-token words banned without their prefix."""
+    params = dict(max_tokens=40, presence_penalty=-1.0, **GREEDY)  # the random model repeats itself then
     (base,) = offline.generate([PROMPT], SamplingParams(**params))
-    tok = offline.engine.tokenizer
-    banned_words = [occurring_word(tok, base.token_ids, 2), occurring_word(tok, base.token_ids, 1)]
-    seqs = bad_words_token_ids(tok, banned_words)
-    assert max(len(s) for s in seqs) >= 2
-    (out,) = offline.generate([PROMPT], SamplingParams(**params, bad_words=banned_words))
+    tok, ids = offline.engine.tokenizer, base.token_ids
+
+    def first_at(seq):
+        return min(i for i in range(len(ids)) if ids[i : i + len(seq)] == seq)
+
+    def lone_last(seq):  # the last token stands before the word's first occurrence, not after its prefix
+        return [k for k in range(first_at(seq)) if ids[k] == seq[-1] and (k == 0 or ids[k - 1] != seq[0])]
+
+    multi, mseq = next((w, s) for w, s in words_in(tok, ids, 2) if lone_last(s))
+    words = [multi] + [w for w, s in words_in(tok, ids, 1) if first_at(s) > first_at(mseq) and s[0] not in mseq][:1]
+    seqs = bad_words_token_ids(tok, words)
+    (out,) = offline.generate([PROMPT], SamplingParams(**params, bad_words=words))
     assert not any(contains(out.token_ids, s) for s in seqs), (out.token_ids, seqs)
-    first = min(i for i in range(len(base.token_ids)) for s in seqs if base.token_ids[i : i + len(s)] == s)
-    assert out.token_ids[:first] == base.token_ids[:first]
+    first = min(first_at(s) for s in seqs if contains(ids, s))
+    assert first > lone_last(mseq)[0] and out.token_ids[:first] == ids[:first], (words, seqs, ids, out.token_ids)
 
 
 def test_stop_strings_include_and_min_tokens(offline):
@@ -128,8 +139,10 @@ def test_stop_strings_include_and_min_tokens(offline):
 
 def test_openai_client_honours_each_control(served, offline, ckpt):
     """Through the `openai` client (OpenAI's names as arguments, vLLM's in extra_body), completions and chat give
-    the offline engine's output for the same SamplingParams, for each control on its own and all at once.
-    Checked to fail with any one field not passed on by the server."""
+    the offline engine's output for the same SamplingParams, for each control on its own (each one changes the
+    completion's output: checked against the same request without it) and all at once. Checked to fail with each
+    field (presence / frequency penalty, repetition_penalty, min_p, min_tokens, allowed_token_ids, bad_words,
+    include_stop_str_in_output) not passed on by the server."""
     import openai
 
     engine, url, _ = served
@@ -138,22 +151,28 @@ def test_openai_client_honours_each_control(served, offline, ckpt):
     vocab = [t for t in range(2, 500) if tok.decode([t]).strip()]
     messages = [{"role": "user", "content": PROMPT}]
     chat_ids = tok.encode(load_chat_template(ckpt).render(messages), add_special_tokens=False)
-    cases = [dict(presence_penalty=1.5), dict(frequency_penalty=1.2), dict(repetition_penalty=1.9),
-             dict(min_tokens=5, logit_bias={0: 100}), dict(allowed_token_ids=vocab[:40]), dict(bad_words=["the", "fox"]),
-             dict(min_p=0.2, temperature=1.3, seed=3),
-             dict(presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3, min_p=0.1, temperature=0.9,
-                  seed=5, min_tokens=3, allowed_token_ids=vocab[:60], bad_words=["dog"], stop=["zz"],
-                  include_stop_str_in_output=True)]
+    (plain,) = offline.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0))
+    word = words_in(tok, plain.token_ids, 1)[0][0]
+    stop = plain.text[3:6]
+    cases = [({}, dict(presence_penalty=-2.0)), ({}, dict(frequency_penalty=-2.0)), ({}, dict(repetition_penalty=0.5)),
+             (dict(logit_bias={0: 100}), dict(min_tokens=5)), ({}, dict(allowed_token_ids=vocab[:40])),
+             ({}, dict(bad_words=[word])), (dict(temperature=1.3, seed=3), dict(min_p=0.2)),
+             (dict(stop=[stop]), dict(include_stop_str_in_output=True)),
+             ({}, dict(presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3, min_p=0.1, temperature=0.9,
+                       seed=5, min_tokens=3, allowed_token_ids=vocab[:60], bad_words=[word], stop=["zz"],
+                       include_stop_str_in_output=True))]
     openai_names = {"presence_penalty", "frequency_penalty", "logit_bias", "seed", "stop", "temperature"}
-    for kw in cases:
-        kw = {"temperature": 0.0, **kw}
+    for base, control in cases:
+        kw = {"temperature": 0.0, **base, **control}
         args = {k: v for k, v in kw.items() if k in openai_names}
         extra = {k: v for k, v in kw.items() if k not in openai_names}
         if "logit_bias" in args:
             args["logit_bias"] = {str(k): v for k, v in args["logit_bias"].items()}
         comp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, extra_body=extra, **args)
         (want,) = offline.generate([PROMPT], SamplingParams(max_tokens=10, **kw))
-        assert comp.choices[0].text == want.text, kw
+        (without,) = offline.generate([PROMPT], SamplingParams(max_tokens=10, **{"temperature": 0.0, **base}))
+        assert (want.token_ids, want.text) != (without.token_ids, without.text), f"{control} was meant to change the output"
+        assert comp.choices[0].text == want.text and comp.usage.completion_tokens == len(want.token_ids), kw
         chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, extra_body=extra, **args)
         (want,) = offline.generate([chat_ids], SamplingParams(max_tokens=10, **kw))
         assert chat.choices[0].message.content == want.text, kw
