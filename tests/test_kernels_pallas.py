@@ -241,10 +241,13 @@ CHUNK_VARIANTS = {  # the default (G and the scores from the WY stage, fused out
 }
 
 
-@pytest.mark.parametrize("variant,lengths,h,hv,dk,dv,c,dtype", [  # fast tier: the default, many chunks and mixed step
+# fast tier: the default on many chunks and on the mixed step. The other variants change the chunk stages only,
+# which a lone one-token row (case 0) never enters and which one chunk (case 1) exercises as a part of case 2:
+# they run cases 2-4.
+@pytest.mark.parametrize("variant,lengths,h,hv,dk,dv,c,dtype", [
     pytest.param(variant, *case, marks=() if variant == "default" and i in (2, 4) else pytest.mark.slow,
                  id=f"{variant}-case{i}")
-    for variant in CHUNK_VARIANTS for i, case in enumerate(CHUNK_CASES)])
+    for variant in CHUNK_VARIANTS for i, case in enumerate(CHUNK_CASES) if variant == "default" or i >= 2])
 def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, variant):
     rng = np.random.default_rng(sum(lengths) + dk)
     num_slots = len(lengths) + 3
