@@ -1,0 +1,90 @@
+"""What the sampling controls cost on the decode step (issue 19: aim <= 10% with all of them on vs greedy).
+
+    PYTHONPATH=. python -m benchmarks.sampling_cost [--batch 64] [--json out.json]
+    PYTHONPATH=. python -m benchmarks.sampling_cost --tiny --batch 4          # CPU smoke test
+
+The 2.2 B Qwen3-Next-shaped dense model of benchmarks/generate.py (its full 151,936-token vocabulary: the
+controls' work grows with the vocabulary), random bf16 weights made on the device, the bundled tokenizer for
+the bad words. `--batch` rows of 256-token prompts decode 64 tokens under each setting below, each run twice
+(the first pays for any compile; the engine is warmed up, so none should); the figure is the median wall time
+of the steps in which every row decodes (the engine dispatches a step before it reads the last one, so in
+steady state that is the device step plus any host time not hidden behind it). Every setting runs in the same
+engine, in the same process, so greedy is the same-run baseline. Also printed: programs compiled after warm-up
+(expected 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from benchmarks.decode_step import decode_step_times, random_params
+from benchmarks.generate import HF_CONFIG
+
+
+def settings(vocab: int) -> dict:
+    rng = np.random.default_rng(0)
+    sampled = dict(temperature=0.8, top_k=50, top_p=0.9, seed=1)
+    every = dict(sampled, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                 min_tokens=64, logit_bias={int(t): 2.0 for t in rng.integers(0, vocab, 50)},
+                 bad_words=["LORD", "Egypt"], allowed_token_ids=rng.integers(0, vocab, 20000).tolist(), logprobs=5)
+    return {
+        "greedy": dict(temperature=0.0),
+        "sampled (temperature, top-k, top-p)": sampled,
+        "penalties (presence, frequency, repetition)": dict(temperature=0.0, presence_penalty=0.5,
+                                                            frequency_penalty=0.5, repetition_penalty=1.2),
+        "every control": every,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test of this script)")
+    args = parser.parse_args(argv)
+
+    import jax
+
+    import jhybrid
+    from jhybrid.assets import default_model_path
+    from jhybrid.config import ModelConfig
+    from jhybrid.model_loader import LoadedModel
+    from jhybrid.tokenizer import load_tokenizer
+
+    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
+    if args.tiny:
+        from benchmarks.serve_gpu import TINY_CONFIG
+
+        hf.update(TINY_CONFIG, vocab_size=4096)
+    cfg = ModelConfig.from_hf(hf)
+    model = LoadedModel(cfg=cfg, params=random_params(cfg), tokenizer=load_tokenizer(default_model_path()))
+    llm = jhybrid.LLM(model, dtype=None, max_num_seqs=args.batch, max_model_len=512, max_num_batched_tokens=2048,
+                      warmup=True)
+    eng = llm.engine
+    prompts = [np.random.default_rng(i).integers(0, cfg.vocab_size, 256).tolist() for i in range(args.batch)]
+    res = {"device": str(jax.devices()[0].device_kind), "batch": args.batch, "vocab": cfg.vocab_size, "ms": {}}
+    for name, kw in settings(cfg.vocab_size).items():
+        sp = jhybrid.SamplingParams(max_tokens=64, ignore_eos=True, **kw)
+        times = []
+        for rep in range(2):
+            times = decode_step_times(eng, prompts, sp, f"{name[:8]}-{rep}")
+        res["ms"][name] = float(np.median(times[4:])) * 1e3
+        print(f"{name:45s} {res['ms'][name]:7.3f} ms / step", flush=True)
+    base = res["ms"]["greedy"]
+    res["compiled_after_warmup"] = eng.runner.num_compiled_after_seal
+    print(f"\nbatch {args.batch}, vocab {cfg.vocab_size}, {res['device']}; programs compiled after warm-up: "
+          f"{res['compiled_after_warmup']}")
+    print(f"{'setting':45s} {'ms/step':>8s} {'vs greedy':>10s}")
+    for name, ms in res["ms"].items():
+        print(f"{name:45s} {ms:8.3f} {ms / base - 1:+10.1%}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
