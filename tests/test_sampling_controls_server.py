@@ -192,6 +192,13 @@ def test_generation_config_defaults(served, offline, ckpt, tmp_path):
     path = tmp_path / "generation_config.json"
     path.write_text(json.dumps({**DEFAULTS, "top_p": 1.5}))  # an invalid value is left out
     assert generation_defaults(tmp_path) == want_defaults
+    # an engine process's front end has no LLMEngine: the app reads the checkpoint the process runs
+    from types import SimpleNamespace
+
+    from jhybrid.server.app import _engine_generation_defaults
+
+    assert _engine_generation_defaults(SimpleNamespace(backend=SimpleNamespace(spec=SimpleNamespace(model=ckpt)))) \
+        == want_defaults
     (want,) = offline.generate([PROMPT], SamplingParams(max_tokens=7, temperature=0.0, repetition_penalty=1.7))
     r = post(url, prompt=PROMPT)
     assert r.status_code == 200, r.text
