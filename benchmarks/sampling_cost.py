@@ -35,7 +35,12 @@ def settings(vocab: int) -> dict:
         "sampled (temperature, top-k, top-p)": sampled,
         "penalties (presence, frequency, repetition)": dict(temperature=0.0, presence_penalty=0.5,
                                                             frequency_penalty=0.5, repetition_penalty=1.2),
+        "logprobs (top 5)": dict(temperature=0.0, logprobs=5),
+        "allowed_token_ids (20,000 ids)": dict(temperature=0.0, allowed_token_ids=every["allowed_token_ids"]),
+        "min_p, min_tokens, logit_bias, bad_words": dict(sampled, min_p=0.05, min_tokens=64,
+                                                          logit_bias=every["logit_bias"], bad_words=["LORD", "Egypt"]),
         "every control": every,
+        "greedy again (run-to-run noise)": dict(temperature=0.0),
     }
 
 
