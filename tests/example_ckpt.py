@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -13,3 +14,11 @@ def write_example_checkpoint(path, seed: int = 0) -> str:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.write_tiny_checkpoint(str(path), seed=seed)
+
+
+def merge_json(path, fields: dict) -> None:
+    """Adds or replaces `fields` of the JSON file at `path` (a checkpoint's tokenizer_config.json, ...)."""
+    with open(path) as f:
+        data = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**data, **fields}, f)

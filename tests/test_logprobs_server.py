@@ -7,11 +7,9 @@ are chunked), so the two modules share their compiled step programs.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
-import shutil
 
 import httpx
 import numpy as np
@@ -19,8 +17,8 @@ import pytest
 
 from jhybrid import LLM, SamplingParams
 from jhybrid.server import BackgroundServer, ServerConfig, build_engine, create_app, load_chat_template
+from tests.example_ckpt import merge_json, write_example_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tiny"
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 SHAPES = dict(dtype="float32", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=16)  # test_server.py's
@@ -29,14 +27,8 @@ PROMPT = "the quick brown fox jumps over the lazy dog and then the dog sleeps wh
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("tiny_random", os.path.join(ROOT, "examples", "tiny_random.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    path = module.write_tiny_checkpoint(str(tmp_path_factory.mktemp("lp") / "plain"), seed=5)
-    with open(os.path.join(path, "tokenizer_config.json")) as f:
-        cfg = json.load(f)
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({**cfg, "chat_template": TEMPLATE}, f)
+    path = write_example_checkpoint(tmp_path_factory.mktemp("lp") / "plain", seed=5)
+    merge_json(os.path.join(path, "tokenizer_config.json"), {"chat_template": TEMPLATE})
     return path
 
 

@@ -9,7 +9,6 @@ their compiled step programs.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -21,8 +20,8 @@ from jhybrid.engine.compilation import CompileWatch
 from jhybrid.engine.sampling import bad_words_token_ids
 from jhybrid.model_loader import generation_defaults
 from jhybrid.server import BackgroundServer, ServerConfig, build_engine, create_app, load_chat_template
+from tests.example_ckpt import merge_json, write_example_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "tiny"
 SHAPES = dict(dtype="float32", max_num_seqs=8, max_model_len=128, max_num_batched_tokens=16)  # test_server.py's
 PROMPT = "The quick brown fox jumps over the lazy dog and the capital of France is Paris"
@@ -33,18 +32,9 @@ DEFAULTS = {"temperature": 0.0, "repetition_penalty": 1.7, "max_new_tokens": 7, 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("tiny_random", os.path.join(ROOT, "examples", "tiny_random.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    path = module.write_tiny_checkpoint(str(tmp_path_factory.mktemp("sc") / "plain"), seed=5)
-    with open(os.path.join(path, "tokenizer_config.json")) as f:
-        cfg = json.load(f)
-    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({**cfg, "chat_template": TEMPLATE}, f)
-    with open(os.path.join(path, "generation_config.json")) as f:
-        gen = json.load(f)
-    with open(os.path.join(path, "generation_config.json"), "w") as f:
-        json.dump({**gen, **DEFAULTS}, f)
+    path = write_example_checkpoint(tmp_path_factory.mktemp("sc") / "plain", seed=5)
+    merge_json(os.path.join(path, "tokenizer_config.json"), {"chat_template": TEMPLATE})
+    merge_json(os.path.join(path, "generation_config.json"), DEFAULTS)
     return path
 
 
