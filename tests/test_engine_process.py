@@ -118,6 +118,9 @@ def test_a_dead_engine_process_fails_every_open_request_and_the_server_says_so()
         results = asyncio.run(run())
         assert [r[0][2].finish_reason for r in results] == ["error"] * 3
         assert all("engine process died" in r[0][2].error for r in results)
+        deadline = time.monotonic() + 10  # on_fatal runs on the receiver thread right after the errors are delivered
+        while not fatal and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(fatal) == 1 and not engine.is_alive
         assert httpx.get(server.url + "/health").status_code == 503
         r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "And", "max_tokens": 2})
