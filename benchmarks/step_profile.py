@@ -34,6 +34,8 @@ def main(argv=None):
                         "(each its own state slot and KV pages): that many one-token (decode) rows, and a prompt "
                         "row with the rest of the tokens (mixed), as a server's step beside running decodes")
     p.add_argument("--tiny", action="store_true", help="a small model (CPU check of the script)")
+    p.add_argument("--hlo", action="store_true",
+                   help="also write each program's optimized HLO to DIR/<program>.hlo.txt (to look up a fusion by name)")
     args = p.parse_args(argv)
     import jax
 
@@ -68,6 +70,13 @@ def main(argv=None):
         for _ in range(3):
             run()
     out = args.out or tempfile.mkdtemp()
+    if args.hlo:
+        os.makedirs(out, exist_ok=True)
+        for key, compiled in runner._programs.items():
+            if key in set(keys):
+                name = "%s_t%d_r%d" % ("decode" if key[0] else "mixed", key[1], key[2])
+                with open(os.path.join(out, name + ".hlo.txt"), "w") as f:
+                    f.write(compiled.as_text())
     results = {}
     for name, run in runs.items():
         folder = os.path.join(out, name.replace(" ", "_").replace("+", "p"))
