@@ -8,6 +8,8 @@ compiled step programs of test_programs.py / test_engine.py.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,6 +28,7 @@ from jhybrid.engine.sampling import (
     SlotTables,
     TokenHistory,
     sample,
+    top_k_exact,
 )
 from tests.conftest import ENGINE, GREEDY
 
@@ -149,6 +152,25 @@ def test_sampler_equals_numpy_reference():
         freq = np.bincount(got, minlength=len(p)) / repeat
         tv = 0.5 * np.abs(freq - p).sum()
         assert tv < 0.1, f"row {i}: total variation {tv:.3f} from the reference distribution"
+
+
+@pytest.mark.parametrize("k", [5, 16, 20, 37])
+def test_top_k_exact_equals_a_sort_and_keeps_each_pass_small(k):
+    """`top_k_exact` gives the values and indices of a stable descending NumPy sort (ties in index order: rows
+    with many equal values) while every TopK it emits has k <= GPU_TOPK_MAX_K (XLA's GPU kernel; a larger k is a
+    full sort of the row on the GPU). Checked to fail with the second pass's -inf masking removed (indices repeat)
+    and with `lax.top_k(x, k)` restored (the jaxpr's k is 20)."""
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((6, 300)).astype(np.float32)
+    x[1] = np.round(x[1])  # a handful of distinct values: ties across the pass boundary
+    x[2, :40] = 3.0
+    values, ids = jax.jit(top_k_exact, static_argnums=1)(jnp.asarray(x), k)
+    order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(np.asarray(ids), order)
+    np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, order, axis=-1))
+    jaxpr = str(jax.make_jaxpr(top_k_exact, static_argnums=1)(jnp.asarray(x), k))
+    ks = [int(m) for m in re.findall(r"top_k\[.*?k=(\d+)", jaxpr)]
+    assert ks and max(ks) <= 16 and sum(ks) == k, jaxpr
 
 
 def test_token_history_follows_the_holdings_of_a_slot():

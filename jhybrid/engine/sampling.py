@@ -308,7 +308,7 @@ def sample(
     token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
     def top(x):
-        lp, ids = jax.lax.top_k(x, MAX_LOGPROBS)
+        lp, ids = top_k_exact(x, MAX_LOGPROBS)
         return lp, ids.astype(jnp.int32)
 
     def no_top(x):
@@ -316,6 +316,24 @@ def sample(
 
     top_lp, top_ids = jax.lax.cond(jnp.any(s.want_logprobs > 0), top, no_top, logp)
     return tokens, token_logp, top_lp, top_ids
+
+
+GPU_TOPK_MAX_K = 16  # the largest k of XLA's GPU TopK kernel; a larger k is lowered to a sort of the whole row
+
+
+def top_k_exact(x: Float[Array, "B V"], k: int) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
+    """`lax.top_k(x, k)` (the same values and indices, ties in index order) for rows of finite values, as top-k
+    passes of at most `GPU_TOPK_MAX_K`: each takes the next best of the row with the ones found so far set to -inf.
+
+    XLA's GPU TopK kernel takes k <= 16; above that `lax.top_k` sorts the whole row, and over a 152k vocabulary
+    that sort was most of what logprobs cost a decode step (benchmarks/RESULTS.md, "Sampling controls").
+    """
+    if k <= GPU_TOPK_MAX_K:
+        return jax.lax.top_k(x, k)
+    values, ids = jax.lax.top_k(x, GPU_TOPK_MAX_K)
+    rest = x.at[jnp.arange(x.shape[0])[:, None], ids].set(-jnp.inf)
+    more_values, more_ids = top_k_exact(rest, k - GPU_TOPK_MAX_K)
+    return jnp.concatenate([values, more_values], axis=-1), jnp.concatenate([ids, more_ids], axis=-1)
 
 
 def apply_penalties(logits: Float[Array, "B V"], output_counts: Int[Array, "B V"], prompt_mask: Array,
@@ -384,7 +402,7 @@ def prompt_logprobs(
         lp = jnp.take_along_axis(logp, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
 
         def top(y):
-            top_lp, ids = jax.lax.top_k(y, MAX_LOGPROBS)
+            top_lp, ids = top_k_exact(y, MAX_LOGPROBS)
             return top_lp, ids.astype(jnp.int32)
 
         def no_top(y):
