@@ -11,12 +11,22 @@ of the steps in which every row decodes (the engine dispatches a step before it 
 steady state that is the device step plus any host time not hidden behind it). Every setting runs in the same
 engine, in the same process, so greedy is the same-run baseline. Also printed: programs compiled after warm-up
 (expected 0).
+
+The wall time of a step is the device step or the engine's host work, whichever is longer, and on a busy host
+it moves by +-15% between identical settings (RESULTS.md). `--trace DIR` also runs each setting's second pass
+under the JAX profiler and reports the GPU kernel time per decode step: the kernels that start between the first
+and the last decode-only step, divided by the steps. The controls change only the device's sampling work, so
+that column is the one to compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
 import json
+import os
 
 import numpy as np
 
@@ -49,6 +59,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--json")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test of this script)")
+    parser.add_argument("--trace", metavar="DIR", help="also measure GPU kernel time per decode step (JAX profiler "
+                        "traces written under DIR)")
     args = parser.parse_args(argv)
 
     import jax
@@ -77,18 +89,61 @@ def main(argv=None) -> int:
         for rep in range(2):
             times = decode_step_times(eng, prompts, sp, f"{name[:8]}-{rep}")
         res["ms"][name] = float(np.median(times[4:])) * 1e3
-        print(f"{name:45s} {res['ms'][name]:7.3f} ms / step", flush=True)
+        line = f"{name:45s} {res['ms'][name]:7.3f} ms / step"
+        if args.trace:
+            folder = os.path.join(args.trace, f"setting{len(res['ms'])}")
+            res.setdefault("kernel_ms", {})[name] = kernel_ms_per_decode_step(eng, prompts, sp, folder)
+            line += f"   kernels {res['kernel_ms'][name]:7.3f} ms / step"
+        print(line, flush=True)
     base = res["ms"]["greedy"]
     res["compiled_after_warmup"] = eng.runner.num_compiled_after_seal
     print(f"\nbatch {args.batch}, vocab {cfg.vocab_size}, {res['device']}; programs compiled after warm-up: "
           f"{res['compiled_after_warmup']}")
-    print(f"{'setting':45s} {'ms/step':>8s} {'vs greedy':>10s}")
+    kernels = res.get("kernel_ms")
+    print(f"{'setting':45s} {'ms/step':>8s} {'vs greedy':>10s}" + (f" {'kernel ms':>10s} {'vs greedy':>10s}" if kernels else ""))
     for name, ms in res["ms"].items():
-        print(f"{name:45s} {ms:8.3f} {ms / base - 1:+10.1%}")
+        line = f"{name:45s} {ms:8.3f} {ms / base - 1:+10.1%}"
+        if kernels:
+            line += f" {kernels[name]:10.3f} {kernels[name] / kernels['greedy'] - 1:+10.1%}"
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     return 0
+
+
+def kernel_ms_per_decode_step(eng, prompts, sp, folder: str) -> float:
+    """GPU kernel time per decode step of `prompts` under `sp`: the engine runs them to the end under the JAX
+    profiler; the kernels that start inside the window of decode-only steps (marked by a host annotation around
+    each `step()`, on the profiler's clock) are summed and divided by the steps in it. The engine dispatches a
+    step before it reads the last one, so the window is one step off at each end; over ~60 steps that is noise."""
+    import jax
+
+    for i, prompt in enumerate(prompts):
+        eng.add_request(f"trace-{i}", prompt, sp)
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+        steps = 0
+        while eng.has_unfinished():
+            decode_only = all(s.num_uncomputed <= 1 for s in eng.scheduler.running) and not eng.scheduler.waiting
+            with jax.profiler.TraceAnnotation("decode_only_step" if decode_only else "other_step"):
+                eng.step()
+            steps += decode_only
+    for i in range(len(prompts)):
+        eng.release(f"trace-{i}")
+    (trace,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, n in names.items() if "GPU" in n.upper() and "HOST" not in n.upper()} or set(names)
+    marks = [e for e in events if e.get("ph") == "X" and e.get("name") == "decode_only_step"]
+    if not marks:
+        return float("nan")
+    start, end = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
+    busy = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu and start <= e["ts"] < end and e["name"] != "decode_only_step":
+            busy["all"] += e.get("dur", 0)
+    return busy["all"] / len(marks) / 1e3
 
 
 if __name__ == "__main__":
