@@ -340,7 +340,7 @@ def test_qwen3_coder_server_and_n(server):
 def test_multi_turn_history_renders_as_hf(server, ckpt, tmp_path):
     """Assistant tool_calls (arguments as JSON text, as OpenAI sends them) and tool messages reach the template
     as HF expects them (arguments as objects). fails without the arguments conversion in `for_template` (the
-    XML template iterates `arguments|items`: a 400), or without tool messages' tool_call_id being kept."""
+    XML template iterates `arguments|items`: it fails on text)."""
     backend, url = server
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [

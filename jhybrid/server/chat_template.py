@@ -8,8 +8,8 @@ answers chat requests with a 400.
 
 Rendering matches HF: `ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)` with the
 loopcontrols extension, a `tojson` filter that keeps non-ASCII, `raise_exception` and `strftime_now`
-helpers, and `messages`, `tools` and `documents` (None unless given), `add_generation_prompt`, `bos_token`, `eos_token` (and the other special tokens
-of tokenizer_config.json) as variables. The rendered text already holds the special tokens, so callers
+helpers, and `messages`, `tools` and `documents` (None unless given), `add_generation_prompt`, `bos_token`,
+`eos_token` (and the other special tokens of tokenizer_config.json) as variables. The rendered text already holds the special tokens, so callers
 tokenize it with `add_special_tokens=False`.
 """
 

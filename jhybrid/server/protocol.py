@@ -10,8 +10,8 @@ their neutral value. Sampling controls: OpenAI's `presence_penalty`, `frequency_
 `n`, `best_of` and `seed`; vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `bad_words`,
 `allowed_token_ids`, `include_stop_str_in_output`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
 `chat_template_kwargs`. Tools: `tools` (function tools, checked here), `tool_choice`, `parallel_tool_calls`, and
-assistant `tool_calls` / `tool` messages in the history (`jhybrid.server.tools`). Fields a request leaves out take the checkpoint's generation_config.json defaults
-(`jhybrid.server.app`). Log-probabilities: completions `logprobs` (0..20, with `echo` the
+assistant `tool_calls` / `tool` messages in the history (`jhybrid.server.tools`). Fields a request leaves out
+take the checkpoint's generation_config.json defaults (`jhybrid.server.app`). Log-probabilities: completions `logprobs` (0..20, with `echo` the
 prompt's too; `max_tokens: 0` only with `echo`), chat `logprobs` + `top_logprobs` (0..20; `top_logprobs` without
 `logprobs: true` is a 400, as OpenAI answers).
 """
