@@ -91,6 +91,13 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                      help="run the engine in a process of its own, beside the HTTP server's (default: on; off runs "
                      "it on a thread of the server process, where the two share one GIL: slower under load)")
+    tools = srv.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let requests with tools use tool_choice "auto" (their default): the model decides when to '
+                       "call, --tool-call-parser reads the calls from its output (default: off; such requests get 400)")
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="how the model writes tool calls: hermes (Qwen3, Qwen3-Next), qwen3_coder (Qwen3.5), "
+                       "minimax (MiniMax-M1) (vLLM's names; default: none)")
     lim = srv.add_argument_group("limits and robustness")
     lim.add_argument("--max-seqs-per-request", type=int, default=128, metavar="N",
                      help="sequences one request may create, prompts x best_of (default 128, OpenAI's limit on n); "
@@ -299,7 +306,8 @@ def _serve(args: argparse.Namespace) -> int:
         log_level=args.log_level, compilation_cache_dir=cache_dir, max_seqs_per_request=args.max_seqs_per_request,
         max_waiting_requests=args.max_waiting_requests, max_queued_tokens=args.max_queued_tokens,
         shutdown_timeout=args.shutdown_timeout, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        allowed_origins=origins, engine_process=args.engine_process, **_engine_config_options(args),
+        allowed_origins=origins, engine_process=args.engine_process, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, **_engine_config_options(args),
     )
     return status or 0  # 1 when the engine could not continue
 

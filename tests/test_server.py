@@ -195,7 +195,7 @@ def test_bad_input_matrix(servers):
         ("max_tokens past context", "/v1/completions", {**comp, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
         ("ids out of vocab", "/v1/completions", {**comp, "prompt": [1, 2, 100000]}, 400, "token ids"),
         ("empty prompt", "/v1/completions", {**comp, "prompt": ""}, 400, "empty"),
-        ("template refuses role", "/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x"}]}, 400,
+        ("template refuses role", "/v1/chat/completions", {**chat, "messages": [{"role": "tool", "content": "x", "tool_call_id": "c"}]}, 400,
          "unknown role tool"),
         ("body over the limit", "/v1/completions", {**comp, "prompt": "x" * (2 << 20)}, 413, "exceeds"),
     ]

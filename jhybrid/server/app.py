@@ -16,7 +16,10 @@ candidates of highest cumulative log-probability are returned. Log-probabilities
 streamed per chunk and not. Sampling controls (penalties, min_p, min_tokens, bad_words, allowed_token_ids,
 include_stop_str_in_output, ...) go to the engine in each candidate's SamplingParams; fields a request leaves out
 take `ServerConfig.generation_defaults` (the checkpoint's generation_config.json, as vLLM's `--generation-config
-auto`). A client that disconnects aborts all of its
+auto`). Tools (`tools`, `tool_choice`, `parallel_tool_calls`; `jhybrid.server.tools`): the tools reach the chat
+template; with tool_choice "auto" the server's parser (`ServerConfig.tool_call_parser`, `tool_parsers.py`) turns the
+calls the model writes into `message.tool_calls` (streamed as `delta.tool_calls`) and finish_reason "tool_calls";
+"required" and a named function are enforced by structured output. A client that disconnects aborts all of its
 requests. An unexpected exception while handling a request answers 500 for that request alone.
 CORS is off unless `allowed_origins` names origins.
 """
@@ -47,6 +50,8 @@ from jhybrid.server.chat_template import ChatTemplate, ChatTemplateError
 from jhybrid.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from jhybrid.server.http import (ClientDisconnected, EventStream, HTTPMetricsMiddleware, check_api_key, error_response,
                                  read_body, require_json, sse, unless_disconnected)
+from jhybrid.server.tool_parsers import PARSERS, collect
+from jhybrid.server.tools import ToolPlan, template_tools, tool_plan
 from jhybrid.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -78,8 +83,17 @@ class ServerConfig:
     # checkpoint's generation_config.json, as vLLM's `--generation-config auto`); None: the engine's
     # `generation_defaults` if it has them, else none
     generation_defaults: Mapping[str, Any] | None = None
+    # tool calling (vLLM's flags): tool_choice "auto" needs `enable_auto_tool_choice` and a parser, one of
+    # `tool_parsers.PARSERS` (hermes, qwen3_coder, minimax)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser=}; known: {', '.join(sorted(PARSERS))}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser NAME: "
+                             f"{', '.join(sorted(PARSERS))})")
         if not self.model_names:
             raise ValueError("ServerConfig needs at least one model name")
         if self.max_body_bytes < 1:
@@ -450,15 +464,20 @@ class _Serving:
             raise APIError(400, f"the model `{model}` has no chat template (neither tokenizer_config.json's "
                            "chat_template nor chat_template.jinja): use /v1/completions, or start the server with "
                            "--chat-template FILE", param="messages", code="no_chat_template")
+        kwargs = dict(req.chat_template_kwargs or {})
+        if "tools" in kwargs:
+            raise APIError(400, "chat_template_kwargs: send the tools as the request's `tools`, not as a template "
+                           "variable", param="chat_template_kwargs", code="invalid_value")
+        plan = tool_plan(req, enable_auto=self.config.enable_auto_tool_choice, parser=self.config.tool_call_parser)
         try:
-            text = template.render([m.for_template() for m in req.messages],
-                                   add_generation_prompt=req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+            text = template.render([m.for_template() for m in req.messages], tools=template_tools(req),
+                                   add_generation_prompt=req.add_generation_prompt, **kwargs)
         except ChatTemplateError as e:
             raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from None
         ids = self._encode(text, add_special_tokens=False)
         self._check_ids(ids, "messages")
         max_tokens = self._max_tokens(req.max_new_tokens, len(ids), self.generation_defaults.get("max_tokens"))
-        return await self._generate(request, req, model, "chatcmpl", [ids], [max_tokens], [""], chat=True)
+        return await self._generate(request, req, model, "chatcmpl", [ids], [max_tokens], [""], chat=True, tools=plan)
 
     def _decode(self, ids: list[int]) -> str:
         return self.engine.tokenizer.decode(ids) if self.engine.tokenizer is not None else ""
@@ -485,10 +504,11 @@ class _Serving:
                            f"{self.engine.max_queued_tokens}", param="prompt", code="too_many_tokens")
         return best_of
 
-    async def _generate(self, request, req, model, prefix, ids_list, max_tokens, echo, *, chat: bool):
+    async def _generate(self, request, req, model, prefix, ids_list, max_tokens, echo, *, chat: bool,
+                        tools: ToolPlan | None = None):
         n, best_of = req.n, self._count(req, ids_list)
         prompts = [ids for ids in ids_list for _ in range(best_of)]
-        fields = self._sampling_fields(req, chat)
+        fields = {**self._sampling_fields(req, chat), **(tools.sampling_fields if tools else {})}
         params = [self._params(fields, req, max_tokens[k // best_of], k % best_of) for k in range(len(prompts))]
         self._check_bans(params[0])
         response_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -496,7 +516,7 @@ class _Serving:
                 "created": int(time.time()), "model": model}
         num_prompt_tokens = sum(len(ids) for ids in ids_list)
         view = _View(self, req, chat, prompts, echo=[echo[k // best_of] for k in range(len(prompts))],
-                     drop=[max_tokens[k // best_of] == 0 for k in range(len(prompts))])
+                     drop=[max_tokens[k // best_of] == 0 for k in range(len(prompts))], tools=tools)
         choices = _Choices(self.engine, response_id, prompts, params)
         if req.stream:  # best_of == n here
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -559,11 +579,14 @@ class _Serving:
                     started[i] = True
                     if not view.chat and view.echo[i] and view.wants_logprobs:  # the prompt's logprobs came now
                         yield event(view.chunk(i, view.echo[i], view.prompt_logprobs(i, delta.prompt_logprobs)))
-                if not view.drop[i] and (delta.text or (view.wants_logprobs and delta.token_ids)):
+                if view.tools is not None:
+                    for choice in view.tool_chunks(i, delta):
+                        yield event(choice)
+                elif not view.drop[i] and (delta.text or (view.wants_logprobs and delta.token_ids)):
                     yield event(view.chunk(i, delta.text, view.delta_logprobs(i, delta)))
                 if delta.finished:
                     num_completion += 0 if view.drop[i] else delta.num_output_tokens
-                    yield event(view.chunk(i, None, finish=delta.finish_reason))
+                    yield event(view.chunk(i, None, finish=view.finish_reason(i, delta.finish_reason)))
             else:
                 if include_usage:
                     yield sse({**head, "choices": [], "usage": _usage(num_prompt_tokens, num_completion)})
@@ -576,8 +599,11 @@ class _View:
     """How one HTTP request's engine requests read as OpenAI choices: text, echo, and logprobs in the endpoint's
     shape (`jhybrid.server.logprobs`). `drop[k]`: `max_tokens` 0 with echo (the generated token is not shown)."""
 
-    def __init__(self, serving: _Serving, req, chat: bool, prompts: list[list[int]], echo: list[str], drop: list[bool]):
+    def __init__(self, serving: _Serving, req, chat: bool, prompts: list[list[int]], echo: list[str], drop: list[bool],
+                 tools: ToolPlan | None = None):
         self.req, self.chat, self.prompts, self.echo, self.drop = req, chat, prompts, echo, drop
+        self.tools = tools  # chat with tool calls to read: a parser per choice
+        self.parsers = [tools.new_stream() for _ in prompts] if tools is not None else []
         self.texts = TokenTexts(serving.engine.tokenizer)
         self.wants_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         self.ids = [list(p) for p in prompts]  # streaming: prompt + tokens sent so far, per choice
@@ -600,8 +626,15 @@ class _View:
                 start = 0
             logprobs = completion_logprobs(self.texts, ids + generated, start, entries)
         if self.chat:
-            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                    "finish_reason": reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                parser = self.parsers[k]
+                content, calls = collect(parser.feed(text) + parser.finish())
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                reason = self.finish_reason(k, reason)
+            return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason}
         return {"index": i, "text": self.echo[k] + text, "logprobs": logprobs, "finish_reason": reason}
 
     def _prompt_entries(self, k: int, prompt_logprobs) -> tuple:
@@ -613,6 +646,28 @@ class _View:
             delta = {"content": text} if text or logprobs is not None else {}
             return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+
+    def finish_reason(self, k: int, reason: str) -> str:
+        """"tool_calls" for a request that stopped after making calls (length and abort stay as they are)."""
+        if self.tools is not None and reason == "stop" and self.parsers[k].num_calls:
+            return "tool_calls"
+        return reason
+
+    def tool_chunks(self, i: int, delta: Delta) -> list[dict]:
+        """Stream chunks of choice `i` for an engine delta read by its tool-call parser: text and tool-call deltas
+        (text that may begin a call held back), the delta's logprobs on the first (or alone, when all is held)."""
+        parser = self.parsers[i]
+        parts = parser.feed(delta.text) if delta.text else []
+        if delta.finished:
+            parts += parser.finish()
+        logprobs = self.delta_logprobs(i, delta)
+        if logprobs is not None and delta.token_ids and not parts:
+            parts = [{}]
+        chunks = []
+        for part in parts:
+            chunks.append({"index": i, "delta": part, "logprobs": logprobs, "finish_reason": None})
+            logprobs = None
+        return chunks
 
     def prompt_logprobs(self, i: int, prompt_logprobs) -> dict:
         """Streamed echo: the prompt's tokens and logprobs (completions)."""

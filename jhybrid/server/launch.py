@@ -133,13 +133,15 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
           log_level: str = "info", max_seqs_per_request: int = 128, max_waiting_requests: int = 1024,
           max_queued_tokens: int = 1 << 20, shutdown_timeout: float = 30.0, header_timeout: float = 10.0,
           body_timeout: float = 30.0, allowed_origins: tuple[str, ...] = (), compilation_cache_dir: str | None = None,
-          engine_process: bool = True, engine_config: EngineConfig | None = None, **engine_options: Any) -> int:
+          engine_process: bool = True, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+          engine_config: EngineConfig | None = None, **engine_options: Any) -> int:
     """Loads the model and serves it until SIGTERM / SIGINT (binds to loopback unless `host` says otherwise).
     `engine_config` and `engine_options` are the engine's options, as in `build_engine` (dtype, max_num_seqs,
     ...). `compilation_cache_dir`: JAX's persistent compilation cache (None: off); with `warmup=True` (the
     CLI's default) every step program is compiled, or loaded from that cache, before the server listens.
     `engine_process`: the engine runs in a process of its own (default; `engine_process.py` says why), else on
-    a thread of the server process. The environment variable JHYBRID_ENGINE_SETUP ("module:function") names a
+    a thread of the server process. `enable_auto_tool_choice`, `tool_call_parser`: tool calling (`ServerConfig`,
+    `jhybrid.server.tools`). The environment variable JHYBRID_ENGINE_SETUP ("module:function") names a
     function called with the LLMEngine before it serves (the tests inject faults with it).
     Returns the exit status: 0 after a graceful shutdown, 1 when the engine could not continue."""
     # the thread that hands deltas to the event loop (the engine thread, or the engine process's receiver) should
@@ -155,7 +157,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str
     template = load_chat_template(model, chat_template)
     config = ServerConfig(model_names=(name,), api_key=api_key, chat_template=template, max_body_bytes=max_body_bytes,
                           max_seqs_per_request=max_seqs_per_request, body_timeout=body_timeout,
-                          allowed_origins=tuple(allowed_origins))
+                          allowed_origins=tuple(allowed_origins), enable_auto_tool_choice=enable_auto_tool_choice,
+                          tool_call_parser=tool_call_parser)
     engine = build_engine(model, engine_config, served_model_name=name, max_waiting_requests=max_waiting_requests,
                           max_queued_tokens=max_queued_tokens, engine_process=engine_process,
                           compilation_cache_dir=compilation_cache_dir, log_level=log_level,

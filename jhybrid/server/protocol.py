@@ -9,14 +9,17 @@ clients send vendor fields freely, except those that would change the output (`U
 their neutral value. Sampling controls: OpenAI's `presence_penalty`, `frequency_penalty` ([-2, 2]), `logit_bias`,
 `n`, `best_of` and `seed`; vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `bad_words`,
 `allowed_token_ids`, `include_stop_str_in_output`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
-`chat_template_kwargs`. Fields a request leaves out take the checkpoint's generation_config.json defaults
-(`jhybrid.server.app`). Log-probabilities: completions `logprobs` (0..20, with `echo` the
+`chat_template_kwargs`. Tools: `tools` (function tools, checked here), `tool_choice`, `parallel_tool_calls`, and
+assistant `tool_calls` / `tool` messages in the history (`jhybrid.server.tools`). Fields a request leaves out
+take the checkpoint's generation_config.json defaults (`jhybrid.server.app`). Log-probabilities: completions `logprobs` (0..20, with `echo` the
 prompt's too; `max_tokens: 0` only with `echo`), chat `logprobs` + `top_logprobs` (0..20; `top_logprobs` without
 `logprobs: true` is a 400, as OpenAI answers).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -35,7 +38,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
     "guided_grammar": (None,), "structured_outputs": (None,),
     "truncate_prompt_tokens": (None,), "logits_processors": (None, []), "functions": (None, []),
-    "function_call": (None, "none", "auto"), "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
     "verbosity": (None,), "web_search_options": (None,), "continue_final_message": (None, False),
 }
@@ -219,11 +222,82 @@ class ContentPart(BaseModel):
     text: str
 
 
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # OpenAI's letters, digits, _ and -, plus . and : (namespaces)
+
+
+class FunctionDefinition(BaseModel):
+    """A function tool: its `parameters` are a JSON schema of an object (none: no arguments). `strict` is
+    accepted; with tool_choice "auto" the arguments are what the model wrote (not enforced)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not TOOL_NAME.fullmatch(v):
+            raise ValueError(f"must be 1 to 64 letters, digits, '_', '-', '.' or ':', got {v!r}")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v):
+        if v is None:
+            return v
+        if v.get("type", "object") != "object":
+            raise ValueError(f'must be a JSON schema of an object ("type": "object"), got "type": {v["type"]!r}')
+        props = v.get("properties", {})
+        if not isinstance(props, dict) or not all(isinstance(p, dict) for p in props.values()):
+            raise ValueError('"properties" must map each argument name to its JSON schema (an object)')
+        required = v.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise ValueError('"required" must be a list of argument names')
+        return v
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionCall(BaseModel):
+    """A call in an assistant message of the history; `arguments` is JSON text (as OpenAI sends it) or an object."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v):
+        if isinstance(v, str):
+            try:
+                parsed = json.loads(v) if v.strip() else {}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"must be a JSON object as text, got {v[:60]!r} ({e})") from None
+            if not isinstance(parsed, dict):
+                raise ValueError(f"must be a JSON object as text, got {v[:60]!r}")
+        return v
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # tool_calls etc. pass through to the template
+    model_config = ConfigDict(extra="allow", strict=True)  # other fields (reasoning_content, ...) reach the template
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -237,12 +311,28 @@ class ChatMessage(BaseModel):
             return v
         raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
 
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry tool calls, this one is {self.role!r}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool message must name the call it answers (tool_call_id)")
+        return self
+
     def for_template(self) -> dict[str, Any]:
-        """A plain dict, with text parts joined into one string (what text-only templates expect)."""
+        """A plain dict, with text parts joined into one string (what text-only templates expect) and tool calls'
+        arguments as objects (what tool-use templates expect; HF's convention, as vLLM does)."""
         d = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             d["content"] = "".join(part.text for part in self.content)
+        for call in d.get("tool_calls", ()):
+            args = call["function"]["arguments"]
+            if isinstance(args, str):
+                call["function"]["arguments"] = json.loads(args) if args.strip() else {}
         return d
+
+
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -253,7 +343,10 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; None: "auto" with tools
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -261,12 +354,37 @@ class ChatCompletionRequest(_GenerationRequest):
             raise ValueError("top_logprobs: logprobs must be set to true when top_logprobs is used")
         return self
 
-    @field_validator("tools")
+    @field_validator("tool_choice", mode="before")
     @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tool calling is not supported")
-        return v
+    def _tool_choice_shape(cls, v):
+        if v is None or v in TOOL_CHOICES:
+            return v
+        function = v.get("function") if isinstance(v, dict) else None
+        if not (isinstance(v, dict) and v.get("type") == "function" and isinstance(function, dict)
+                and isinstance(function.get("name"), str)):
+            raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}, '
+                             f"got {json.dumps(v)[:80]}")
+        return {"type": "function", "function": {"name": function["name"]}}
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        names = [t.function.name for t in self.tools or ()]
+        if dup := sorted({n for n in names if names.count(n) > 1}):
+            raise ValueError(f"tools: two tools are named {dup[0]!r}; names must be unique")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError(f"tool_choice: {json.dumps(choice)} needs tools; none were given")
+        if isinstance(choice, dict) and choice["function"]["name"] not in names:
+            raise ValueError(f"tool_choice: names the function {choice['function']['name']!r}, which is not among "
+                             f"the tools ({', '.join(names)})")
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @field_validator("echo")
     @classmethod
