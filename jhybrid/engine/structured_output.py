@@ -100,7 +100,7 @@ class StructuredOutputsParams:
         kind = self.kind
         if kind == "json":
             schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
-            return kind, _json.dumps(schema, sort_keys=True, separators=(",", ":"))
+            return kind, _json.dumps(schema, separators=(",", ":"))  # key order kept: it is the output's
         if kind == "choice":
             return kind, _json.dumps(list(self.choice))
         if kind == "json_object":
@@ -156,10 +156,11 @@ def new_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
 
 
 class Matcher:
-    """One request's grammar state (see the module docstring)."""
+    """One request's grammar state (see the module docstring). `keep` (`[W]` int32 or None) is ANDed into every
+    mask it fills (JSON kinds: no token with a raw control byte, see `GrammarCache`)."""
 
-    def __init__(self, matcher):
-        self._m = matcher
+    def __init__(self, matcher, keep: np.ndarray | None = None):
+        self._m, self._keep = matcher, keep
 
     def accept(self, token: int) -> bool:
         """Advances past `token`; False when the grammar does not allow it (the matcher is unchanged)."""
@@ -170,6 +171,8 @@ class Matcher:
         import torch
 
         self._m.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
+        if self._keep is not None:
+            bitmask[row] &= self._keep
 
     @property
     def terminated(self) -> bool:
@@ -197,6 +200,7 @@ class GrammarCache:
         if self._compiler is None:
             xgr = _xgrammar()
             info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            self._no_control = _tokens_without_control_bytes(info.decoded_vocab, self.vocab_size, self.stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         return self._compiler
 
@@ -225,8 +229,20 @@ class GrammarCache:
         xgr = _xgrammar()
         stops = sorted(set(self.stop_token_ids) | {t for t in stop_token_ids if t < self.vocab_size})
         compiled = self.compile(params)
+        # JSON without free whitespace holds no raw byte below 0x20; xgrammar 0.2.9's rule for strings with
+        # minLength / maxLength admits them (and a strict JSON parser then refuses the output): masked out here
+        keep = self._no_control if params.kind in ("json", "json_object") else None
         return Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None,
-                                          terminate_without_stop_token=not stops))
+                                          terminate_without_stop_token=not stops), keep)
+
+
+def _tokens_without_control_bytes(decoded_vocab: Sequence[bytes], vocab_size: int, keep_ids: Iterable[int]):
+    """`[ceil(V/32)]` int32 bitmask: the tokens whose bytes have none below 0x20, and `keep_ids`."""
+    ok = np.zeros(bitmask_width(vocab_size) * 32, bool)
+    for i, piece in enumerate(decoded_vocab[:vocab_size]):
+        ok[i] = not any(b < 0x20 for b in piece)
+    ok[[t for t in keep_ids if t < vocab_size]] = True
+    return np.packbits(ok.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32).view(np.int32).ravel()
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
