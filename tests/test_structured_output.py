@@ -194,8 +194,8 @@ def test_regex_choice_grammar_and_json_object(offline):
 
 def test_logprobs_stay_the_models(offline):
     """A constrained token's reported logprob is the model's (what the same model gives that token as part of a
-    prompt), not one renormalised over the allowed tokens. Checked to fail: computing `logp` in `sample` after the
-    mask gives larger values."""
+    prompt), not one renormalised over the allowed tokens. Checked to fail: taking the token's logprob in `sample`
+    from the masked logits gives larger values."""
     so = StructuredOutputsParams(regex=REGEX)
     out = offline.generate([PROMPT], SamplingParams(max_tokens=20, temperature=1.0, seed=3, structured_outputs=so,
                                                     logprobs=1), use_tqdm=False)[0]
@@ -233,7 +233,7 @@ def test_recompute_and_abort_keep_the_matcher_right(offline):
     """Every running sequence sent back for recompute mid-generation (the engine's failed-step recovery drops the
     step in flight, its tokens unread) resumes its matcher where its tokens are: the outputs equal those of an
     uninterrupted run. An aborted constrained request frees its matcher. Checked to fail: with `_requeue_all`
-    also resetting each sequence's matcher (a fresh one from the cache), the resumed outputs differ or fail."""
+    also giving each sequence a fresh matcher (grammar state lost), the resumed outputs differ."""
     eng = offline.engine
     so = StructuredOutputsParams(json=SCHEMA)
     params = [SamplingParams(max_tokens=100, temperature=1.0, seed=s, structured_outputs=so) for s in SEEDS]
@@ -259,8 +259,8 @@ def test_recompute_and_abort_keep_the_matcher_right(offline):
 
 def test_nothing_compiles_after_warmup(offline):
     """Structured requests of every kind, mixed with free ones, compile no program after warm-up (the bitmask is a
-    runtime input of the step programs). Checked to fail: with the mask passed as None when no row is constrained
-    (`_token_mask`), the constrained steps compile programs of their own."""
+    runtime input of the step programs). Checked to fail: with the host mask put through one eager `jnp` op in
+    `_token_mask` (work on the request path outside the step programs), the watch counts its compiles."""
     work = [(PROMPT, SamplingParams(max_tokens=30, temperature=1.0, seed=1, structured_outputs=so))
             for so in (StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX),
                        StructuredOutputsParams(choice=CHOICES), StructuredOutputsParams(grammar=GRAMMAR))]
@@ -279,7 +279,8 @@ def post(url: str, path: str = "/v1/completions", **body) -> httpx.Response:
 def test_openai_client_response_format_and_structured_outputs(served):
     """Chat with `response_format` json_schema and json_object, completions with `extra_body={"structured_outputs":
     ...}` (regex, choice, json, grammar) and the older `guided_*` fields, through the `openai` client.
-    Checked to fail: with `fields["structured_outputs"]` not set in `_sampling_fields`, the outputs are noise."""
+    Checked to fail: with `fields["structured_outputs"]` not set in `_sampling_fields`, the outputs are noise
+    (and with `guided_regex` back in protocol.UNSUPPORTED, the guided requests answer 400)."""
     import openai
 
     _, url = served
@@ -312,8 +313,7 @@ def test_openai_client_response_format_and_structured_outputs(served):
 def test_refusals_name_the_field_and_nothing_compiles(served):
     """Bad schema / regex / grammar, two constraints at once, unknown options, an unknown response_format type:
     400 naming the field. Then the warmed-up engine has compiled nothing since it was ready. Checked to fail:
-    with `guided_regex` back in `UNSUPPORTED` the guided request answers 400; without the ValueError-to-400
-    mapping of `structured_outputs_params` a bad schema reaches the engine (500)."""
+    without the ValueError-to-400 mapping of `structured_outputs_params` a bad schema answers 500."""
     engine, url = served
     cases = [(dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
               "response_format.json_schema.schema"),
