@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         for rep in range(2):
             times = decode_step_times(eng, prompts, sp, f"{name[:8]}-{rep}")
         res["ms"][name] = float(np.median(times[4:])) * 1e3
-        print(f"{name:45s} {res['ms'][name]:7.3f} ms / step", flush=True)
+        print(f"{name:45s} {res['ms'][name]:7.3f} ms / step ({len(times)} all-decode steps)", flush=True)
     base = res["ms"]["greedy"]
     res["compiled_after_warmup"] = eng.runner.num_compiled_after_seal
     print(f"\nbatch {args.batch}, vocab {cfg.vocab_size}, {res['device']}; programs compiled after warm-up: "
