@@ -123,6 +123,7 @@ class LLMEngine:
                                    max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes)
         self.requests: dict[Any, Sequence] = {}
         self.grammars = None  # GrammarCache, made with the first structured-output request (or by warmup())
+        self._grammar_waiting: list[tuple[Sequence, Any]] = []  # (sequence, future of its compiled grammar)
         self._prev: StepResult | None = None
         self._arrivals = 0
         self.num_preemptions = 0
@@ -208,8 +209,9 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, arrival=self._arrivals)
         if not error and (params.bad_words or params.min_tokens):
             error = self._set_bans(seq)
+        compiling = None
         if not error and params.structured_outputs is not None:
-            error = self._set_matcher(seq)
+            error, compiling = self._start_matcher(seq)
         if self.tokenizer is not None:
             from jhybrid.tokenizer import IncrementalDetokenizer
 
@@ -218,6 +220,8 @@ class LLMEngine:
         self.requests[request_id] = seq
         if error:
             self.scheduler.finish(seq, "error", error)
+        elif compiling is not None:  # joins the scheduler's queue once its grammar is compiled (`_admit_compiled`)
+            self._grammar_waiting.append((seq, compiling))
         else:
             self.scheduler.add(seq)
         return seq
@@ -241,15 +245,48 @@ class LLMEngine:
             self.grammars = GrammarCache(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
         return self.grammars
 
-    def _set_matcher(self, seq: Sequence) -> str | None:
-        """Gives `seq` its grammar matcher (the grammar compiled once per distinct grammar); the error, if any."""
+    def _start_matcher(self, seq: Sequence):
+        """Gives `seq` its grammar matcher when its grammar is compiled already; else starts compiling it (once per
+        distinct grammar, on the cache's thread). Returns (error or None, the compile's future or None)."""
         if self.tokenizer is None:
-            return "structured_outputs: this checkpoint has no tokenizer to build the grammar's token masks from"
+            return "structured_outputs: this checkpoint has no tokenizer to build the grammar's token masks from", None
         try:
-            seq.set_matcher(self._grammar_cache().matcher(seq.params.structured_outputs, seq.params.stop_token_ids))
+            future = self._grammar_cache().compile_async(seq.params.structured_outputs)
+        except (ImportError, ValueError) as e:
+            return str(e), None
+        if not future.done():
+            return None, future
+        return self._set_matcher(seq, future), None
+
+    def _set_matcher(self, seq: Sequence, compiled) -> str | None:
+        """Gives `seq` a matcher of the grammar `compiled` (a done future) made; the error, if any."""
+        try:
+            seq.set_matcher(self.grammars.matcher(seq.params.structured_outputs, seq.params.stop_token_ids,
+                                                  compiled.result()))
         except (ImportError, ValueError) as e:
             return str(e)
         return None
+
+    def _admit_compiled(self) -> list[Sequence]:
+        """Queues the sequences whose grammar compiled (or fails them); returns those that failed. With nothing else
+        to run, waits a little for a compile rather than spinning."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        if not self.scheduler.has_work() and self._prev is None:
+            wait([f for _, f in self._grammar_waiting], timeout=0.05, return_when=FIRST_COMPLETED)
+        failed, waiting = [], []
+        for seq, future in self._grammar_waiting:
+            if seq.is_finished:  # aborted while its grammar compiled
+                continue
+            if not future.done():
+                waiting.append((seq, future))
+            elif error := self._set_matcher(seq, future):
+                self.scheduler.finish(seq, "error", error)
+                failed.append(seq)
+            else:
+                self.scheduler.add(seq)
+        self._grammar_waiting = waiting
+        return failed
 
     def _encode(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -273,17 +310,17 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._prev is not None
+        return self.scheduler.has_work() or self._prev is not None or bool(self._grammar_waiting)
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that got tokens or finished while reading."""
         timing, t0 = self.timing, time.perf_counter()
         current = None
-        updated = []
+        updated = self._admit_compiled() if self._grammar_waiting else []
         if self._prev is not None and self._prev.constrained:  # its tokens decide the next step's grammar masks
             prev, self._prev = self._prev, None
-            updated = self._read(prev)
+            updated += self._read(prev)
             t0 = time.perf_counter()
         if self.scheduler.has_work():
             sched = self.scheduler.schedule()
@@ -301,7 +338,7 @@ class LLMEngine:
                 current = self.runner.execute(sched, self._prev)
             timing["host_prepare_seconds"] += time.perf_counter() - t1
         if self._prev is not None:
-            updated = self._read(self._prev)
+            updated += self._read(self._prev)
         self._prev = current
         if self.swapper is not None:
             self.swapper.flush()  # the previous step is read, so swap-out data has (nearly) arrived

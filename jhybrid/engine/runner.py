@@ -432,7 +432,10 @@ class ModelRunner:
             mask = self._all_allowed.get(num_rows)
             if mask is None:
                 width = bitmask_width(self.cfg.vocab_size)
-                mask = self._all_allowed[num_rows] = self._replicate(lambda: jnp.full((num_rows, width), -1, jnp.int32))
+                ones = np.full((num_rows, width), -1, np.int32)
+                # one transfer, no program (over a mesh: replicated by a small jitted copy, made at warm-up)
+                mask = jax.device_put(ones) if self.mesh is None else self._replicate(lambda: jnp.asarray(ones))
+                self._all_allowed[num_rows] = mask
             return mask, False
         mask = new_bitmask(num_rows, self.cfg.vocab_size)
         for i, matcher in masked:
