@@ -442,7 +442,7 @@ class ModelRunner:
             r = rows[i]
             if r.start + r.num_tokens != len(r.seq.token_ids):
                 raise AssertionError(f"{r.seq}: a constrained row needs every token on the host before its mask")
-            matcher.fill(mask, i)
+            matcher.fill(mask, i, hold_stop=len(r.seq.output_ids) < r.seq.params.min_tokens)
         return mask, True
 
     # ----------------------------------------------------------------- programs

@@ -160,20 +160,27 @@ class Matcher:
     """One request's grammar state (see the module docstring). `keep` (`[W]` int32 or None) is ANDed into every
     mask it fills (JSON kinds: no token with a raw control byte, see `GrammarCache`)."""
 
-    def __init__(self, matcher, keep: np.ndarray | None = None):
+    def __init__(self, matcher, keep: np.ndarray | None = None, stop_token_ids: Sequence[int] = ()):
         self._m, self._keep = matcher, keep
+        self._stops = np.asarray(stop_token_ids, np.int64)
 
     def accept(self, token: int) -> bool:
         """Advances past `token`; False when the grammar does not allow it (the matcher is unchanged)."""
         return bool(self._m.accept_token(int(token)))
 
-    def fill(self, bitmask: np.ndarray, row: int) -> None:
-        """Writes the tokens allowed next into `bitmask[row]` (`[rows, W]` int32, C-contiguous)."""
+    def fill(self, bitmask: np.ndarray, row: int, hold_stop: bool = False) -> None:
+        """Writes the tokens allowed next into `bitmask[row]` (`[rows, W]` int32, C-contiguous). `hold_stop`
+        (before `min_tokens`): the stop tokens are left out unless the grammar allows nothing else (it must end)."""
         import torch
 
         self._m.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
         if self._keep is not None:
             bitmask[row] &= self._keep
+        if hold_stop and len(self._stops):
+            held = bitmask[row].copy()
+            np.bitwise_and.at(held, self._stops // 32, ~(np.int32(1) << (self._stops % 32).astype(np.int32)))
+            if held.any():
+                bitmask[row] = held
 
     @property
     def terminated(self) -> bool:
@@ -262,7 +269,7 @@ class GrammarCache:
         # minLength / maxLength admits them (and a strict JSON parser then refuses the output): masked out here
         keep = self._no_control if params.kind in ("json", "json_object") else None
         return Matcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None,
-                                          terminate_without_stop_token=not stops), keep)
+                                          terminate_without_stop_token=not stops), keep, stops)
 
 
 def _tokens_without_control_bytes(decoded_vocab: Sequence[bytes], vocab_size: int, keep_ids: Iterable[int]):
