@@ -2,8 +2,9 @@
 
 from jhybrid.assets import default_model_path
 from jhybrid.config import ModelConfig
-from jhybrid.engine import LLM, CompletionOutput, EngineConfig, Logprob, RequestOutput, SamplingParams, generate
+from jhybrid.engine import (LLM, CompletionOutput, EngineConfig, Logprob, RequestOutput, SamplingParams,
+                            StructuredOutputsParams, generate)
 
 __all__ = ["CompletionOutput", "EngineConfig", "LLM", "Logprob", "ModelConfig", "RequestOutput", "SamplingParams",
-           "default_model_path", "generate"]
+           "StructuredOutputsParams", "default_model_path", "generate"]
 __version__ = "0.1.0"

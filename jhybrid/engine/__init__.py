@@ -5,7 +5,8 @@ from jhybrid.engine.llm import LLM, generate
 from jhybrid.engine.llm_engine import LLMEngine
 from jhybrid.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from jhybrid.engine.sampling import SamplingParams
+from jhybrid.engine.structured_output import StructuredOutputsParams
 from jhybrid.model_loader import LoadedModel, load
 
 __all__ = ["CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "LoadedModel", "Logprob", "RequestOutput", "SamplingParams",
-           "generate", "load"]
+           "StructuredOutputsParams", "generate", "load"]

@@ -4,6 +4,15 @@
 tokenisation, stop checks and scheduling on the host overlap the device's work. A sequence that stops at
 step n was already scheduled into step n+1; that row's token is dropped.
 
+Structured output (`SamplingParams.structured_outputs`, `jhybrid.engine.structured_output`): a request's grammar
+mask for its next token depends on the token step n sampled, so a step in which some row sampled under a grammar
+is read *before* the next step is scheduled and dispatched: its matchers accept their tokens, the next step's
+masks are built on the host and go in with it. Only steps after such a step lose the overlap (the device waits
+for the host's read, stop checks and masks: ~5 us per constrained row at a 150k vocabulary, benchmarks/
+RESULTS.md); steps without constrained rows pipeline as before. A matcher advances only on tokens the host reads,
+so preemption (recompute or swap: the tokens are kept) and failed steps (their tokens are dropped unread) leave
+it where the sequence is.
+
 With `host_kv_memory_gb > 0` a host tier (`jhybrid.cache.host_tier`) holds the KV and state of preempted
 sequences (`jhybrid.engine.swap`); `preemption_mode` picks swap or recompute ("auto": by the cost model,
 whose host-device bandwidth and prefill rate are measured at start unless given as
@@ -113,6 +122,8 @@ class LLMEngine:
                                    offload_policy=config.offload_policy,
                                    max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes)
         self.requests: dict[Any, Sequence] = {}
+        self.grammars = None  # GrammarCache, made with the first structured-output request (or by warmup())
+        self._grammar_waiting: list[tuple[Sequence, Any]] = []  # (sequence, future of its compiled grammar)
         self._prev: StepResult | None = None
         self._arrivals = 0
         self.num_preemptions = 0
@@ -153,6 +164,11 @@ class LLMEngine:
                 self.runner.warm(key)
             self.runner.warm_slot_programs()
         self.runner.seal()
+        if self.tokenizer is not None:  # the grammar library's view of the tokenizer (seconds at 150k tokens)
+            try:
+                self._grammar_cache().warm()
+            except (ImportError, ValueError) as e:
+                log.warning("structured output is unavailable: %s", e)
         self._after_ready = CompileWatch()  # every program the process compiles from now on
         self.startup_programs_compiled += watch.count
         self.startup_compile_seconds += time.perf_counter() - t0
@@ -193,6 +209,9 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, arrival=self._arrivals)
         if not error and (params.bad_words or params.min_tokens):
             error = self._set_bans(seq)
+        compiling = None
+        if not error and params.structured_outputs is not None:
+            error, compiling = self._start_matcher(seq)
         if self.tokenizer is not None:
             from jhybrid.tokenizer import IncrementalDetokenizer
 
@@ -201,6 +220,8 @@ class LLMEngine:
         self.requests[request_id] = seq
         if error:
             self.scheduler.finish(seq, "error", error)
+        elif compiling is not None:  # joins the scheduler's queue once its grammar is compiled (`_admit_compiled`)
+            self._grammar_waiting.append((seq, compiling))
         else:
             self.scheduler.add(seq)
         return seq
@@ -216,6 +237,56 @@ class LLMEngine:
         except ValueError as e:
             return str(e)
         return None
+
+    def _grammar_cache(self):
+        if self.grammars is None:
+            from jhybrid.engine.structured_output import GrammarCache
+
+            self.grammars = GrammarCache(self.tokenizer, self.model.cfg.vocab_size, self.eos_token_ids)
+        return self.grammars
+
+    def _start_matcher(self, seq: Sequence):
+        """Gives `seq` its grammar matcher when its grammar is compiled already; else starts compiling it (once per
+        distinct grammar, on the cache's thread). Returns (error or None, the compile's future or None)."""
+        if self.tokenizer is None:
+            return "structured_outputs: this checkpoint has no tokenizer to build the grammar's token masks from", None
+        try:
+            future = self._grammar_cache().compile_async(seq.params.structured_outputs)
+        except (ImportError, ValueError) as e:
+            return str(e), None
+        if not future.done():
+            return None, future
+        return self._set_matcher(seq, future), None
+
+    def _set_matcher(self, seq: Sequence, compiled) -> str | None:
+        """Gives `seq` a matcher of the grammar `compiled` (a done future) made; the error, if any."""
+        try:
+            seq.set_matcher(self.grammars.matcher(seq.params.structured_outputs, seq.params.stop_token_ids,
+                                                  compiled.result()))
+        except (ImportError, ValueError) as e:
+            return str(e)
+        return None
+
+    def _admit_compiled(self) -> list[Sequence]:
+        """Queues the sequences whose grammar compiled (or fails them); returns those that failed. With nothing else
+        to run, waits a little for a compile rather than spinning."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        if not self.scheduler.has_work() and self._prev is None:
+            wait([f for _, f in self._grammar_waiting], timeout=0.05, return_when=FIRST_COMPLETED)
+        failed, waiting = [], []
+        for seq, future in self._grammar_waiting:
+            if seq.is_finished:  # aborted while its grammar compiled
+                continue
+            if not future.done():
+                waiting.append((seq, future))
+            elif error := self._set_matcher(seq, future):
+                self.scheduler.finish(seq, "error", error)
+                failed.append(seq)
+            else:
+                self.scheduler.add(seq)
+        self._grammar_waiting = waiting
+        return failed
 
     def _encode(self, prompt) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -239,13 +310,18 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._prev is not None
+        return self.scheduler.has_work() or self._prev is not None or bool(self._grammar_waiting)
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that got tokens or finished while reading."""
         timing, t0 = self.timing, time.perf_counter()
         current = None
+        updated = self._admit_compiled() if self._grammar_waiting else []
+        if self._prev is not None and self._prev.constrained:  # its tokens decide the next step's grammar masks
+            prev, self._prev = self._prev, None
+            updated += self._read(prev)
+            t0 = time.perf_counter()
         if self.scheduler.has_work():
             sched = self.scheduler.schedule()
             t1 = time.perf_counter()
@@ -261,7 +337,8 @@ class LLMEngine:
                     self.runner.state = self.swapper.swap_in(self.runner.state, sched.swap_in)
                 current = self.runner.execute(sched, self._prev)
             timing["host_prepare_seconds"] += time.perf_counter() - t1
-        updated = self._read(self._prev) if self._prev is not None else []
+        if self._prev is not None:
+            updated += self._read(self._prev)
         self._prev = current
         if self.swapper is not None:
             self.swapper.flush()  # the previous step is read, so swap-out data has (nearly) arrived
@@ -344,7 +421,19 @@ class LLMEngine:
             text_before = seq.text
             if seq.detok is not None:
                 seq.text += seq.detok.add(token)
+            matcher = seq.matcher
+            if matcher is not None and not matcher.accept(token):
+                self.scheduler.finish(seq, "error", f"structured_outputs: the sampled token {token} is not allowed by "
+                                      "the grammar (allowed_token_ids, bad_words or min_tokens may exclude every "
+                                      "token the grammar allows here)")
+                updated.append(seq)
+                continue
             self._check_stop(seq, token, text_before)
+            if matcher is not None and not seq.is_finished and matcher.terminated:
+                # the grammar took a stop token that does not stop this request by itself (ignore_eos): it is done
+                if not seq.params.include_stop_str_in_output:
+                    seq.text = text_before
+                self._finish(seq, "stop", flush=seq.params.include_stop_str_in_output)
             updated.append(seq)
         return updated
 

@@ -22,6 +22,8 @@ request without prompt logprobs costs what it did. What a request asks for beyon
 bias, banned token sequences, allowed tokens) lives in device tables per state slot, written when such a
 sequence takes a slot, and the token history that penalties read is per-slot state that each step updates with
 the tokens it feeds (`jhybrid.engine.slot_tables`): these are arguments of every program, never new programs.
+So is the structured-output grammar bitmask (`[rows, ceil(V/32)]` int32, `_token_mask`): built on the host for
+the rows that sample under a grammar, an all-ones device array kept per row bucket when no row does.
 
 With a tensor-parallel `mesh` (`jhybrid.parallel`) the parameters and the state are sharded over its
 devices, the step is jitted with them (XLA SPMD inserts the collectives) and sampling runs on gathered
@@ -46,6 +48,7 @@ from jhybrid.config import ModelConfig
 from jhybrid.engine.sampling import (FLAG_PENALTIES, MAX_BAN_TOKENS, SamplingArrays, SamplingParams, SlotTables,
                                      TokenHistory, prompt_logprobs, record_fed_tokens, sample)
 from jhybrid.engine.slot_tables import SlotTableKeeper, recent_window
+from jhybrid.engine.structured_output import bitmask_width, new_bitmask
 from jhybrid.engine.scheduler import SchedulerOutput
 from jhybrid.models.batch import Batch
 from jhybrid.models.hybrid import forward, lm_head
@@ -98,7 +101,7 @@ def meta_size(layout: tuple[int, int, int]) -> int:
 )
 def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array,
                 tables: SlotTables, history: TokenHistory, host_meta: jax.Array | None = None, stage=None,
-                plp_meta: jax.Array | None = None, *,
+                plp_meta: jax.Array | None = None, token_mask: jax.Array | None = None, *,
                 layout: tuple[int, int, int], decode: bool, max_rows: int, mesh=None,
                 host_layout: tuple[int, int] | None = None, host_attn=None):
     """One step. `meta` is the packed int32 metadata of `layout = (T, B, M)`; `prev_out [2, R]` the previous
@@ -108,7 +111,8 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
     with `plp_meta` (`[T + 1]`: each packed token's next prompt token whose logprob is
     wanted, -1 for none; then 1 when some row wants top prompt logprobs) a sixth item, the prompt
     log-probabilities (`[T]` logprob of each target, `[T, L]` top logprobs, `[T, L]` top ids). Steps without
-    `plp_meta` are the programs of requests that want no prompt logprobs, unchanged.
+    `plp_meta` are the programs of requests that want no prompt logprobs, unchanged. `token_mask` (`[B,
+    ceil(V/32)]` int32) is the structured-output grammar bitmask of the rows with FLAG_MASKED (`sample`).
 
     Offloaded attention (`host_attn`: the engine's `HostAttention`, static, by identity): `host_layout` is
     None for a step without host-KV rows, `(0,)` for "cpu" (`host_meta [1]`: the step's registered id) and
@@ -158,7 +162,7 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
         logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh, host_attention=host)
     if mesh is not None:  # sample on the gathered logits; keep the state in its shards
         logits, state = parallel.replicated(logits, mesh), parallel.constrain_state(state, cfg, mesh)
-    tokens, token_logp, top_lp, top_ids = sample(logits, sampling, tables, history)
+    tokens, token_logp, top_lp, top_ids = sample(logits, sampling, tables, history, token_mask)
     packed = jnp.zeros((2, max_rows), jnp.int32)
     packed = packed.at[0, : tokens.shape[0]].set(tokens)
     packed = packed.at[1, : tokens.shape[0]].set(jax.lax.bitcast_convert_type(token_logp, jnp.int32))
@@ -182,6 +186,7 @@ class StepResult:
     # output) and, per such row, (sequence, first prompt position, packed index of its first token, positions)
     plp: tuple[jax.Array, jax.Array, jax.Array] | None = None
     plp_rows: tuple[tuple, ...] = ()
+    constrained: bool = False  # some row samples under a grammar: the host reads this step before the next one
 
     def fetch_prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(`[T]` logprob of each packed position's next prompt token, `[T, L]` top logprobs, `[T, L]` their
@@ -242,6 +247,7 @@ class ModelRunner:
         self.lower_seconds = 0.0
         self.num_compiled_after_seal = 0
         self.compiled_shapes: set[tuple] = set()  # every (layout, decode, host layout) a step ran with
+        self._all_allowed: dict[int, jax.Array] = {}  # [rows, W] all-ones grammar bitmasks (device), by rows
 
     def _replicate(self, make):
         """`make()`'s arrays, replicated over the mesh (one device: where JAX puts them)."""
@@ -382,6 +388,7 @@ class ModelRunner:
                       frequency_penalty=extra[:, 4].view(np.int32), repetition_penalty=extra[:, 5].view(np.int32),
                       recent=recent)
         meta = np.concatenate([np.asarray(fields[name], np.int32).ravel() for name, _ in _FIELDS])
+        token_mask, constrained = self._token_mask(rows, num_rows)
         keeper = self.slot_tables
         keeper.sync(rows)
         if self.host_attn is not None:
@@ -404,21 +411,46 @@ class ModelRunner:
             self.compiled_shapes.add((layout, decode, statics["host_layout"]))
             out, top_lp, top_ids, self.state, keeper.history, *plp_out = engine_step(
                 self.cfg, self.params, self.state, meta, prev_out, keeper.tables, keeper.history, host_meta, stage,
-                **plp_args, **statics, host_attn=self.host_attn)
+                **plp_args, token_mask=token_mask, **statics, host_attn=self.host_attn)
         else:
             self.compiled_shapes.add((layout, decode, None))
             program = self._program(decode, num_tokens, num_rows, plp)
             out, top_lp, top_ids, self.state, keeper.history, *plp_out = program(
-                self.params, self.state, meta, prev_out, keeper.tables, keeper.history, **plp_args)
+                self.params, self.state, meta, prev_out, keeper.tables, keeper.history, **plp_args,
+                token_mask=token_mask)
         if not want_logprobs.any():
             top_lp = top_ids = None
-        return StepResult(sched, out, top_lp, top_ids, plp_out[0] if plp_out else None, plp_rows)
+        return StepResult(sched, out, top_lp, top_ids, plp_out[0] if plp_out else None, plp_rows, constrained)
+
+    def _token_mask(self, rows, num_rows: int):
+        """The step's grammar bitmask `[num_rows, ceil(V/32)]` and whether some row reads it: the rows that sample
+        under a grammar get their matcher's mask (built here on the host, from every token up to the row's end:
+        the engine reads a step with such rows before it dispatches the next, so none is pending); a step without
+        such rows passes a cached all-ones device array (nothing to send)."""
+        masked = [(i, r.seq.matcher) for i, r in enumerate(rows) if r.samples and r.seq.matcher is not None]
+        if not masked:
+            mask = self._all_allowed.get(num_rows)
+            if mask is None:
+                width = bitmask_width(self.cfg.vocab_size)
+                ones = np.full((num_rows, width), -1, np.int32)
+                # one transfer, no program (over a mesh: replicated by a small jitted copy, made at warm-up)
+                mask = jax.device_put(ones) if self.mesh is None else self._replicate(lambda: jnp.asarray(ones))
+                self._all_allowed[num_rows] = mask
+            return mask, False
+        mask = new_bitmask(num_rows, self.cfg.vocab_size)
+        for i, matcher in masked:
+            r = rows[i]
+            if r.start + r.num_tokens != len(r.seq.token_ids):
+                raise AssertionError(f"{r.seq}: a constrained row needs every token on the host before its mask")
+            matcher.fill(mask, i, hold_stop=len(r.seq.output_ids) < r.seq.params.min_tokens)
+        return mask, True
 
     # ----------------------------------------------------------------- programs
     def _lower(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
         layout = (num_tokens, num_rows, self.max_blocks)
         meta = jax.ShapeDtypeStruct((meta_size(layout),), jnp.int32)
         extra = dict(plp_meta=jax.ShapeDtypeStruct((num_tokens + 1,), jnp.int32)) if plp else {}
+        extra["token_mask"] = jax.ShapeDtypeStruct((num_rows, bitmask_width(self.cfg.vocab_size)), jnp.int32)
         return engine_step.lower(self.cfg, self.params, self.state, meta, self._no_prev, self.slot_tables.tables,
                                  self.slot_tables.history, **extra, layout=layout, decode=decode,
                                  max_rows=self.max_rows, mesh=self.mesh)

@@ -6,8 +6,8 @@ of a step needs (drawing, sorting for top-k / top-p, the top log-probabilities, 
 allowed-token mask) is skipped by `lax.cond` on the device. The per-request tables (logit bias, banned token
 sequences, allowed tokens, token counts for penalties) live per state slot: `jhybrid.engine.slot_tables`.
 
-The order is vLLM's (v1 sampler): logit bias, allowed tokens and banned ones (bad words; EOS and stop token ids
-before `min_tokens`), then presence / frequency / repetition penalties; greedy rows take the argmax of that,
+The order is vLLM's (v1 sampler): logit bias, the structured-output grammar bitmask (`jhybrid.engine.structured_output`), allowed tokens and
+banned ones (bad words; EOS and stop token ids before `min_tokens`), then presence / frequency / repetition penalties; greedy rows take the argmax of that,
 sampled rows divide by the temperature, drop tokens below `min_p` of the most likely one, then top-k / top-p.
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ MAX_N = 128  # completions (n) and candidates (best_of) per request, OpenAI's li
 MAX_BANS = 128  # banned token sequences per request: bad words (each with and without a leading space) + stop ids
 MAX_BAN_TOKENS = 8  # tokens of one bad word (its last token is banned after the others)
 FLAG_PENALTIES, FLAG_BANS, FLAG_ALLOWED = 1, 2, 4  # `SamplingArrays.flags`: what a row uses
+FLAG_MASKED = 8  # the row reads its row of the step's grammar bitmask (structured output)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +69,9 @@ class SamplingParams:
         At most `MAX_BAN_TOKENS` tokens each; with min_tokens' stop ids at most `MAX_BANS` sequences.
       allowed_token_ids: only these tokens can be sampled (non-empty when given).
       include_stop_str_in_output: keep the stop string (or the text of the stop token) at the end of the text.
+      structured_outputs: the output must follow a JSON schema, a regex, a choice of strings, an EBNF grammar or
+        be a JSON object (`jhybrid.engine.structured_output.StructuredOutputsParams`). The request ends ("stop")
+        when the grammar accepts a stop token (EOS or `stop_token_ids`). Log-probabilities stay the model's.
     """
 
     max_tokens: int = 16
@@ -91,6 +96,7 @@ class SamplingParams:
     bad_words: Sequence[str] = ()
     allowed_token_ids: Sequence[int] | None = None
     include_stop_str_in_output: bool = False
+    structured_outputs: Any = None  # StructuredOutputsParams | None (imported lazily: it needs xgrammar)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -153,6 +159,12 @@ class SamplingParams:
             object.__setattr__(self, "allowed_token_ids", allowed)
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(f"include_stop_str_in_output must be a bool, got {self.include_stop_str_in_output!r}")
+        if self.structured_outputs is not None:
+            from jhybrid.engine.structured_output import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -254,7 +266,8 @@ def record_fed_tokens(history: TokenHistory, slots: Int[Array, "T"], token_ids: 
 
 
 def sample(
-    logits: Float[Array, "B V"], s: SamplingArrays, tables: SlotTables, history: TokenHistory
+    logits: Float[Array, "B V"], s: SamplingArrays, tables: SlotTables, history: TokenHistory,
+    token_mask: Int[Array, "B W"] | None = None,
 ) -> tuple[Int[Array, "B"], Float[Array, "B"], Float[Array, "B L"], Int[Array, "B L"]]:
     """Samples one token per row, every setting a runtime array.
 
@@ -262,7 +275,8 @@ def sample(
     model's distribution (before bias, penalties, masks, temperature and filtering), as vLLM reports them by
     default; the top ones are computed only when some row wants them (zeros otherwise). Drawing, top-k / top-p
     filtering, the allowed-token mask, bans and penalties run only when some row needs them (`lax.cond`), so an
-    all-greedy step pays for the bias and an argmax alone.
+    all-greedy step pays for the bias and an argmax alone. `token_mask` (`[B, ceil(V/32)]` int32, bit t % 32 of
+    word t // 32 set: token t allowed) is the structured-output grammar bitmask, read by rows with FLAG_MASKED.
     """
     logits = logits.astype(jnp.float32)
     num_rows = logits.shape[0]
@@ -283,6 +297,11 @@ def sample(
         return apply_penalties(y, history.output_counts[s.slot_ids], history.prompt_mask[s.slot_ids],
                                s.presence_penalty, s.frequency_penalty, s.repetition_penalty)
 
+    def constrain(y):
+        return apply_token_bitmask(y, token_mask, uses(FLAG_MASKED))
+
+    if token_mask is not None:
+        x = jax.lax.cond(jnp.any(uses(FLAG_MASKED)), constrain, lambda y: y, x)
     x = jax.lax.cond(jnp.any(uses(FLAG_ALLOWED)), restrict, lambda y: y, x)
     x = jax.lax.cond(jnp.any(uses(FLAG_BANS)), ban, lambda y: y, x)
     x = jax.lax.cond(jnp.any(uses(FLAG_PENALTIES)), penalise, lambda y: y, x)
@@ -334,6 +353,15 @@ def top_k_exact(x: Float[Array, "B V"], k: int) -> tuple[Float[Array, "B k"], In
     rest = x.at[jnp.arange(x.shape[0])[:, None], ids].set(-jnp.inf)
     more_values, more_ids = top_k_exact(rest, k - GPU_TOPK_MAX_K)
     return jnp.concatenate([values, more_values], axis=-1), jnp.concatenate([ids, more_ids], axis=-1)
+
+
+def apply_token_bitmask(logits: Float[Array, "B V"], token_mask: Int[Array, "B W"], rows: Array) -> Array:
+    """Sets to -inf the tokens whose bit is clear in `token_mask` (`[B, W]` int32, W = ceil(V / 32): token t is
+    bit t % 32 of word t // 32), in the rows where `rows [B]` (bool) holds."""
+    num_rows, vocab = logits.shape
+    bits = (token_mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0  # [B, V]
+    return jnp.where(allowed | ~rows[:, None], logits, -jnp.inf)
 
 
 def apply_penalties(logits: Float[Array, "B V"], output_counts: Int[Array, "B V"], prompt_mask: Array,

@@ -168,6 +168,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+        seq.matcher = None  # a structured-output request's grammar state (host memory) goes with it
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.error = error

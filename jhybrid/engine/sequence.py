@@ -6,7 +6,7 @@ import enum
 import itertools
 from typing import Any
 
-from jhybrid.engine.sampling import FLAG_ALLOWED, FLAG_BANS, FLAG_PENALTIES, SamplingParams
+from jhybrid.engine.sampling import FLAG_ALLOWED, FLAG_BANS, FLAG_MASKED, FLAG_PENALTIES, SamplingParams
 
 _ids = itertools.count()
 
@@ -53,6 +53,9 @@ class Sequence:
         self.bans: Any = None  # [n, MAX_BAN_TOKENS + 1] int32 entries (`slot_tables.ban_rows`) or None
         self.ban_window = False  # some banned sequence has more than one token: steps send the output's end
         self.detok: Any = None  # IncrementalDetokenizer when a tokenizer exists
+        # structured output: the grammar matcher (`jhybrid.engine.structured_output.Matcher`), advanced by each
+        # output token the host reads; freed when the sequence finishes. Its row flag is FLAG_MASKED.
+        self.matcher: Any = None
         self.text = ""
         self.stop_text_floor = 0  # stop strings must end past this much text (that of the first min_tokens tokens)
         self.sent_text_len = 0  # how much of `text` has been streamed
@@ -62,6 +65,10 @@ class Sequence:
         if len(rows):
             self.bans, self.flags = rows, self.flags | FLAG_BANS
             self.ban_window = bool((rows[:, :-2] >= 0).any())
+
+    def set_matcher(self, matcher) -> None:
+        """Constrains the output to a grammar (`jhybrid.engine.structured_output.Matcher`)."""
+        self.matcher, self.flags = matcher, self.flags | FLAG_MASKED
 
     @property
     def output_ids(self) -> list[int]:

@@ -52,7 +52,9 @@ def ban_rows(params: SamplingParams, bad_words_ids: list[list[int]], eos_token_i
         if min(ids) < 0 or max(ids) >= vocab_size:
             raise ValueError(f"bad_words: token ids outside the vocabulary [0, {vocab_size}): {ids}")
     entries = [(ids, INT32_MAX) for ids in bad_words_ids]
-    if params.min_tokens > 0:
+    # under a grammar the matcher holds the stop ids back instead, unless they are all the grammar allows
+    # (`jhybrid.engine.structured_output.Matcher.fill`)
+    if params.min_tokens > 0 and params.structured_outputs is None:
         entries += [([t], params.min_tokens) for t in params.stop_ids(eos_token_ids) if t < vocab_size]
     if len(entries) > MAX_BANS:
         field = "bad_words" if params.bad_words else "stop_token_ids"

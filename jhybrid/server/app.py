@@ -388,6 +388,12 @@ class _Serving:
             fields["allowed_token_ids"] = tuple(req.allowed_token_ids)
         if req.bad_words:
             fields["bad_words"] = tuple(req.bad_words)
+        structured = req.structured_outputs_params()
+        if structured is not None:
+            if self.engine.tokenizer is None:
+                raise APIError(400, "structured output needs the model's tokenizer; this model has none",
+                               param="response_format", code="invalid_value")
+            fields["structured_outputs"] = structured
         fields.update(stop=req.stop_list, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
                       skip_special_tokens=req.skip_special_tokens, min_tokens=req.min_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output)

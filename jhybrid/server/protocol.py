@@ -5,8 +5,11 @@ with a message that starts with the offending field (`max_tokens: Input should b
 Every field is range-checked against what the engine can represent: integers that reach int32 arrays are
 bounded, floats must be finite (NaN and Infinity are refused). Unknown fields are ignored, as OpenAI
 clients send vendor fields freely, except those that would change the output (`UNSUPPORTED`, e.g.
-`typical_p`, `guided_json`, `response_format` other than text): those answer 400 unless they hold
-their neutral value. Sampling controls: OpenAI's `presence_penalty`, `frequency_penalty` ([-2, 2]), `logit_bias`,
+`typical_p`, `guided_whitespace_pattern`): those answer 400 unless they hold their neutral value.
+Structured output (`_GenerationRequest.structured_outputs_params`): OpenAI's `response_format` (`text`,
+`json_object`, `json_schema`), vLLM's `structured_outputs` ({"json" | "regex" | "choice" | "grammar" |
+"json_object": ...}) and its older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; at most one
+of them per request; an invalid schema, regex or grammar is a 400 naming the field. Sampling controls: OpenAI's `presence_penalty`, `frequency_penalty` ([-2, 2]), `logit_bias`,
 `n`, `best_of` and `seed`; vLLM's extensions `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `bad_words`,
 `allowed_token_ids`, `include_stop_str_in_output`, `ignore_eos`, `stop_token_ids`, `skip_special_tokens`,
 `chat_template_kwargs`. Tools: `tools` (function tools, checked here), `tool_choice`, `parallel_tool_calls`, and
@@ -35,8 +38,7 @@ MAX_LOGPROBS = 20  # OpenAI's limit on `logprobs` (completions) and `top_logprob
 UNSUPPORTED: dict[str, tuple] = {
     "typical_p": (None, 1.0),
     "length_penalty": (None, 1.0), "use_beam_search": (None, False),
-    "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
-    "guided_grammar": (None,), "structured_outputs": (None,),
+    "prompt_logprobs": (None,), "guided_whitespace_pattern": (None,), "structural_tag": (None,),
     "truncate_prompt_tokens": (None,), "logits_processors": (None, []), "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "reasoning_effort": (None,),
@@ -83,6 +85,17 @@ def validation_error(e: ValidationError) -> APIError:
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 
+def _bad(field: str, message: str) -> APIError:
+    return APIError(400, f"{field}: {message}", param=field, code="invalid_value")
+
+
+# vLLM `structured_outputs` options besides the constraint, with the values this server's behaviour matches
+# (JSON is always written without free whitespace and strict: no properties the schema does not name)
+_STRUCTURED_NEUTRAL = {"disable_fallback": (None, False, True), "disable_any_whitespace": (None, True),
+                       "disable_additional_properties": (None, True), "whitespace_pattern": (None,),
+                       "structural_tag": (None,)}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
@@ -118,6 +131,11 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -131,11 +149,63 @@ class _GenerationRequest(BaseModel):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v):
-        if v is not None and v.get("type") != "text":
-            raise ValueError(f"structured output ({v.get('type')!r}) is not supported by this server; leave "
-                             'response_format unset or {"type": "text"}')
+    def _format_type(cls, v):
+        if v is not None and v.get("type") not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type must be one of 'text', 'json_object', 'json_schema'; got {v.get('type')!r}")
         return v
+
+    def structured_outputs_params(self):
+        """The request's `StructuredOutputsParams` (None: free text); APIError 400 naming the field when the
+        constraint is malformed, invalid (schema, regex, grammar) or given more than once."""
+        from jhybrid.engine.structured_output import StructuredOutputsParams
+
+        given = []  # (field path of the constraint for errors, its StructuredOutputsParams kwargs)
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") == "json_object":
+            given.append(("response_format", dict(json_object=True)))
+        elif fmt is not None and fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise _bad("response_format.json_schema", 'must be an object {"name": ..., "schema": {...}}')
+            schema = spec.get("schema")
+            if not isinstance(schema, dict):
+                raise _bad("response_format.json_schema.schema", "a JSON schema (an object) is required")
+            given.append(("response_format.json_schema.schema", dict(json=schema)))
+        if self.structured_outputs is not None:
+            so = dict(self.structured_outputs)
+            for key, ok in _STRUCTURED_NEUTRAL.items():
+                if key in so and so.pop(key) not in ok:
+                    raise APIError(400, f"structured_outputs.{key}: only {' or '.join(map(repr, ok))} is supported",
+                                   param=f"structured_outputs.{key}", code="unsupported_parameter")
+            unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown:
+                raise APIError(400, f"structured_outputs.{unknown[0]}: not supported by this server; use one of "
+                               "json, regex, choice, grammar, json_object", param=f"structured_outputs.{unknown[0]}",
+                               code="unsupported_parameter")
+            so = {k: v for k, v in so.items() if v is not None and v is not False}
+            if len(so) != 1:
+                raise _bad("structured_outputs", f"give exactly one of json, regex, choice, grammar, json_object; got "
+                           f"{', '.join(so) or 'none'}")
+            (key, value), = so.items()
+            given.append((f"structured_outputs.{key}", {key: value}))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                given.append((name, {name.removeprefix("guided_"): getattr(self, name)}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise _bad(given[1][0], f"only one structured-output constraint per request; {given[0][0]} is given too")
+        path, kwargs = given[0]
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except ValueError as e:  # the message names structured_outputs.<kind>: name the field the request used
+            msg = str(e)
+            kind = next(iter(kwargs))
+            for prefix in (f"structured_outputs.{kind}", "structured_outputs"):
+                if msg.startswith(prefix):
+                    msg = path + msg[len(prefix):]
+                    break
+            raise _bad(path, msg.removeprefix(path + ": ").removeprefix(path + " ")) from None
 
     def check_supported(self) -> None:
         """400 for a field this server does not implement that would change the output."""
