@@ -14,7 +14,10 @@ rows in every linear layer, conv and recurrent state: `jhybrid.cache.state.copy_
 length is a multiple of the block size also snapshots at its end (no cut needed), and a decoding sequence
 snapshots each time its fed tokens reach a block boundary (one copy per `block_size` tokens; each new one
 replaces the sequence's previous decode snapshot), so a finished sequence leaves the state at its last full
-block, where a chat's next turn resumes. The cut costs one extra, short step per prompt (its tail is fed
+block, where a chat's next turn resumes. And where a lookup matched KV blocks deeper than its deepest snapshot
+(two prompts that share a system prompt but were snapshotted only at their own ends), the request's prefill
+is also cut and snapshotted at that deepest matched boundary (`PrefixCursor.branch`), so the next request
+with that prefix hits there. The cut costs one extra, short step per prompt (its tail is fed
 in the next step, usually beside other rows); a kernel that also wrote the state at a chosen position inside
 a chunk would remove it, and is left for later.
 
@@ -77,6 +80,7 @@ class PrefixCursor:
     pending: dict[int, int] = dataclasses.field(default_factory=dict)
     rolling: int | None = None
     rolling_node: _Node | None = None  # where `rolling` is attached (None: pending)
+    branch: int = 0  # tokens: also snapshot here (the deepest boundary a lookup matched KV without a snapshot)
     stopped: bool = False  # its chain went through a node that died: register nothing more
 
 
@@ -197,8 +201,9 @@ class PrefixCache:
         return len(self.blocks.cached)
 
     # ----------------------------------------------------------------- lookup
-    def lookup(self, token_ids: list[int]) -> Hit | None:
-        """The deepest usable prefix of `token_ids`, at most `len(token_ids) - 1` tokens (None: none)."""
+    def lookup(self, token_ids: list[int]) -> tuple[Hit | None, int]:
+        """The deepest usable prefix of `token_ids`, at most `len(token_ids) - 1` tokens (None: none), and how
+        many tokens of full blocks matched (with or without a snapshot)."""
         bs = self.block_size
         node, best, path = None, None, []
         for i in range((len(token_ids) - 1) // bs):
@@ -209,7 +214,7 @@ class PrefixCache:
             path.append(node.block)
             if node.snapshot is not None or not self.has_state:
                 best = Hit((i + 1) * bs, tuple(path), node.snapshot, node)
-        return best
+        return best, len(path) * bs
 
     def acquire(self, hit: Hit) -> list[int]:
         """Takes a reference on the hit's blocks and pins its snapshot for this step; returns the blocks."""
@@ -231,15 +236,15 @@ class PrefixCache:
         self._pinned.clear()
 
     # ----------------------------------------------------------------- where prefill chunks end
-    def cut(self, num_tokens: int, start: int, n: int) -> int:
+    def cut(self, num_tokens: int, start: int, n: int, branch: int = 0) -> int:
         """`n` or fewer tokens from `start`, so that the chunk ends at the next snapshot point inside
         `(start, start + n)` (the last block boundary before the sequence's last token; every
-        `snapshot_interval`-th boundary)."""
+        `snapshot_interval`-th boundary; `branch`)."""
         if not self.has_state:
             return n
         bs = self.block_size
         last = (num_tokens - 1) // bs * bs
-        points = [last] if last > start else []
+        points = [p for p in (last, branch) if p > start]
         if self.snapshot_interval:
             step = self.snapshot_interval * bs
             nxt = (start // step + 1) * step
@@ -248,7 +253,7 @@ class PrefixCache:
         end = min(points, default=start + n)
         return min(n, end - start) if end > start else n
 
-    def wants_snapshot(self, num_tokens: int, num_prompt: int, start: int, end: int) -> bool | str:
+    def wants_snapshot(self, num_tokens: int, num_prompt: int, start: int, end: int, branch: int = 0) -> bool | str:
         """Whether the state after a row `[start, end)` is snapshotted: "rolling" for a decode row (it feeds
         a generated token), True at a prefill snapshot point, else False."""
         bs = self.block_size
@@ -258,7 +263,7 @@ class PrefixCache:
             return "rolling"
         last = (num_tokens - 1) // bs * bs
         step = self.snapshot_interval * bs
-        return end == last or end == num_tokens or bool(step and end % step == 0)
+        return end in (last, num_tokens, branch) or bool(step and end % step == 0)
 
     # ----------------------------------------------------------------- registration
     def register(self, cursor: PrefixCursor, token_ids: list[int], block_table: list[int], upto: int) -> None:
@@ -352,6 +357,7 @@ class PrefixCache:
             self._snap_free.append(slot)
         cursor.pending.clear()
         cursor.node, cursor.num_blocks, cursor.rolling, cursor.rolling_node, cursor.stopped = None, 0, None, None, False
+        cursor.branch = 0
 
     def start_from(self, cursor: PrefixCursor, hit: Hit | None) -> None:
         """The sequence's chain starts at the hit (None: at the root)."""

@@ -284,7 +284,7 @@ class Scheduler:
                 continue
             n = min(seq.num_uncomputed, budget)
             if self.prefix is not None and n > 1:
-                n = self.prefix.cut(seq.num_tokens, seq.num_computed, n)
+                n = self.prefix.cut(seq.num_tokens, seq.num_computed, n, seq.prefix.branch)
             while not self._grow(seq, seq.num_computed + n) and (victim := self._victim(seq, scheduled)) is not None:
                 self._preempt(victim, swap_out)
                 preempted.append(victim)
@@ -310,7 +310,7 @@ class Scheduler:
             start = seq.num_computed  # > 0 for a swapped-out sequence, which resumes there, or a prefix hit
             n = min(seq.num_uncomputed, budget)
             if self.prefix is not None and n > 1:
-                n = self.prefix.cut(seq.num_tokens, start, n)
+                n = self.prefix.cut(seq.num_tokens, start, n, seq.prefix.branch)
             assert n >= 1, f"{seq}: waiting with nothing to feed"
             if not self._grow(seq, start + n):
                 if hit is not None:  # give the shared blocks back
@@ -353,7 +353,9 @@ class Scheduler:
         if (self.prefix is None or seq.num_computed or seq.seq_id in self.swapped
                 or seq.params.prompt_logprobs is not None):
             return None
-        hit = self.prefix.lookup(seq.token_ids)
+        hit, matched = self.prefix.lookup(seq.token_ids)
+        # KV matched deeper than the deepest snapshot: snapshot there this time, for the next request
+        seq.prefix.branch = matched if matched > (hit.num_tokens if hit else 0) else 0
         if hit is not None:
             seq.block_table = self.prefix.acquire(hit)
             seq.num_computed = hit.num_tokens
@@ -368,7 +370,8 @@ class Scheduler:
         for row in rows:
             seq, end = row.seq, row.start + row.num_tokens
             self.prefix.register(seq.prefix, seq.token_ids, seq.block_table, min(end, len(seq.token_ids)))
-            want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), row.start, end)
+            want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), row.start, end,
+                                              seq.prefix.branch)
             if want:
                 slot = self.prefix.snapshot(seq.prefix, end // bs, rolling=want == "rolling")
                 if slot is not None:
