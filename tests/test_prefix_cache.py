@@ -262,25 +262,19 @@ request_st = st.tuples(st.integers(0, 1), st.integers(10, 60), st.integers(1, 14
                        st.integers(0, 12), st.one_of(st.none(), st.none(), st.none(), st.integers(0, 8)))
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.lists(request_st, min_size=3, max_size=7))
-def test_random_interleavings(gdn, mode, data):
-    """Requests drawn from three shared prefixes (cut at random lengths, with random tails), arriving at random
-    steps, some aborted at a random step, on a pool small enough to preempt (recomputed, or swapped to the host
-    tier) and with two snapshot slots (evicted): after every step the reference counts equal what sequences
-    hold and the cache's invariants hold (`PrefixCache.check`: nothing leaked or doubled); at the end nothing is
-    held, every finished request equals its run without the cache, and every aborted one is a prefix of it."""
+def _drive(model, mode: str, data) -> tuple[int, int, int]:
+    """Runs the requests of `data` (see `request_st`) on a small cached engine, checking the invariants after
+    every step and the outputs at the end; returns (prefix-hit tokens, preemptions, snapshots taken)."""
     engine = SMALL | (HOST if mode == "swap" else {})
-    llm = LLM(gdn, **engine)
+    llm = LLM(model, **engine)
     eng, pc = llm.engine, llm.engine.prefix_cache
     prefixes = [tokens(50 + k, 60) for k in range(2)]
     work = {}
     for i, (k, cut, tail, max_tokens, arrive, abort_at) in enumerate(data):
-        prompt = prefixes[k][:cut] + tokens(100 + i, tail)
-        work[f"r{i}"] = (prompt, max_tokens, arrive, abort_at)
+        work[f"r{i}"] = (prefixes[k][:cut] + tokens(100 + i, tail), max_tokens, arrive, abort_at)
     seqs, step = {}, 0
-    while step <= 12 or eng.has_unfinished():
+    last_arrival = max(arrive for _, _, arrive, _ in work.values())
+    while step <= last_arrival or eng.has_unfinished():
         for rid, (prompt, max_tokens, arrive, _) in work.items():
             if arrive == step:
                 seqs[rid] = eng.add_request(rid, prompt, params(max_tokens))
@@ -289,17 +283,12 @@ def test_random_interleavings(gdn, mode, data):
                 eng.abort(rid)
         eng.step()
         live = [s for s in seqs.values() if not s.is_finished]
-        pc.check(_held(live), [s.prefix for s in live])
+        pc.check(_held(live), [s.prefix for s in live])  # reference counts = what sequences hold; no leaks
         step += 1
         assert step < 500, "the engine did not finish"
     pc.check({}, [])
     assert eng.blocks.num_used == 0 and eng.slots.num_used == 0
-    import os
-    if os.environ.get("PC_DEBUG"):
-        st_ = eng.stats()
-        print("EX", mode, st_["prefix_cache_hits"], st_["num_preemptions"], st_["num_swap_preemptions"],
-              pc.num_snapshots_taken, [s.num_cached_tokens for s in seqs.values()], [s.finish_reason for s in seqs.values()])
-    ref = LLM(gdn, **ENGINE)
+    ref = LLM(model, **ENGINE)
     for rid, (prompt, max_tokens, _, _) in work.items():
         key = (tuple(prompt), max_tokens)
         if key not in _REFERENCE:
@@ -312,4 +301,32 @@ def test_random_interleavings(gdn, mode, data):
         assert seq.output_ids == want.token_ids, f"{rid} ({mode}): {seq.output_ids} != no cache {want.token_ids}"
         for pos, (g, w) in enumerate(zip(seq.logprobs, want.logprobs, strict=True)):
             err = np.abs(np.array(list(g.values())) - np.array(list(w.values()))).max()
-            assert list(g) == list(w) and err <= 1e-5, f"{rid}: position {pos}: logprobs off by {err:.2e}"
+            # 1e-4: the engine without the cache moves one such request's logprobs by 1.7e-5 between batch mixes
+            # (other chunk splits of its prompt); a stale or foreign state moves them by 1e-3 and more
+            assert list(g) == list(w) and err <= 1e-4, f"{rid}: position {pos}: logprobs off by {err:.2e}"
+    return eng.stats()["prefix_cache_hits"], eng.num_preemptions, pc.num_snapshots_taken
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.lists(request_st, min_size=3, max_size=7))
+def test_random_interleavings(gdn, mode, data):
+    """Requests drawn from two shared prefixes (cut at random lengths, with random tails), arriving at random
+    steps, some aborted at a random step, on a pool small enough to preempt (recomputed, or swapped to the host
+    tier) and with two snapshot slots (evicted): after every step the reference counts equal what sequences
+    hold and the cache's invariants hold (`PrefixCache.check`: nothing leaked or doubled); at the end nothing is
+    held, every finished request equals its run without the cache, and every aborted one is a prefix of it."""
+    _drive(gdn, mode, data)
+
+
+FIXED = [(0, 60, 10, 12, 0, None), (1, 50, 14, 12, 0, None), (0, 60, 5, 8, 3, None), (0, 58, 9, 6, 8, None),
+         (1, 50, 3, 6, 9, 2), (0, 60, 12, 8, 14, None), (1, 52, 6, 10, 16, None), (0, 60, 2, 3, 40, None),
+         (1, 52, 4, 3, 41, None), (0, 60, 2, 3, 100, None), (1, 52, 4, 3, 101, None)]  # the last two: after the rest
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_fixed_interleaving_hits_preempts_and_evicts(gdn, mode):
+    """One workload of the property test that is known to do all of it: hits, preemptions, and more snapshots
+    taken than the pool holds (evictions), so the random test's checks cover them at least once."""
+    hits, preemptions, snapshots = _drive(gdn, mode, FIXED)
+    assert hits > 0 and preemptions > 0 and snapshots > SMALL["prefix_snapshot_slots"], (hits, preemptions, snapshots)
