@@ -48,8 +48,10 @@ def plan_cache(
     memory_fraction: float = 0.9,
     free_bytes: int | None = None,
     activation_reserve: float = 0.1,
+    num_snapshot_slots: int = 0,
 ) -> CacheConfig:
-    """The cache sizes. `num_kv_blocks` fixes the pool; otherwise it fills what the budget leaves.
+    """The cache sizes. `num_kv_blocks` fixes the pool; otherwise it fills what the budget leaves after the state
+    slots and the `num_snapshot_slots` prefix-cache snapshots (each the size of a state slot).
 
     Raises ValueError when the budget cannot hold the slots plus one `max_model_len` sequence of KV.
     """
@@ -66,15 +68,17 @@ def plan_cache(
         else:
             free = device_memory_bytes() if free_bytes is None else free_bytes
             budget = free * memory_fraction * (1.0 - activation_reserve)
-            state_bytes = num_slots * cfg.state_bytes_per_sequence()
+            state_bytes = (num_slots + num_snapshot_slots) * cfg.state_bytes_per_sequence()
             num_kv_blocks = int((budget - state_bytes) // block_bytes)
             num_kv_blocks = min(num_kv_blocks, max_num_seqs * blocks_per_seq + 1)  # more is never used
             if num_kv_blocks < min_blocks:
                 raise ValueError(
-                    f"memory budget {budget / 2**30:.2f} GiB holds {num_slots} state slots "
+                    f"memory budget {budget / 2**30:.2f} GiB holds {num_slots} state slots and {num_snapshot_slots} "
+                    f"snapshots "
                     f"({state_bytes / 2**30:.2f} GiB) but not one {max_model_len}-token sequence of KV "
                     f"({min_blocks} blocks of {block_bytes} bytes): lower max_model_len or max_num_seqs"
                 )
     elif num_kv_blocks < min_blocks:
         raise ValueError(f"{num_kv_blocks=} cannot hold one {max_model_len=} sequence: need >= {min_blocks}")
-    return CacheConfig(num_blocks=num_kv_blocks, block_size=block_size, num_slots=num_slots, kv_dtype=kv_dtype)
+    return CacheConfig(num_blocks=num_kv_blocks, block_size=block_size, num_slots=num_slots, kv_dtype=kv_dtype,
+                       num_snapshot_slots=num_snapshot_slots)

@@ -10,6 +10,10 @@ attention has no conv, so its conv state is the empty `[S, 0, 0]` (kept so conv[
 and `[S, H, hd, hd]`; Mamba2 `[S, Hm*P + 2*G*N, Wm-1]` / `[S, Hm, N, P]` (N = ssm_state_size, the B/C dim,
 plays K; P = head dim plays V). A model without full-attention layers has empty `k_pages`/`v_pages`.
 
+With prefix caching the conv / ssm arrays have `num_snapshot_slots` more rows past the sequences' slots
+(`CacheConfig.num_state_rows`): snapshots of a sequence's state at a block boundary
+(`jhybrid.cache.prefix_cache`), moved by `copy_slots`.
+
 Page 0 and slot 0 are null targets that padding writes into (pallas_kernels/README.md); a slot must be
 zeroed (`zero_slots`) when it is handed to a new sequence. Block tables and lengths are per-step metadata
 (`jhybrid.models.batch.Batch`), not state.
@@ -35,6 +39,15 @@ class CacheConfig:
     block_size: int
     num_slots: int  # state slots, slot 0 included (reserved)
     kv_dtype: str = "bfloat16"
+    num_snapshot_slots: int = 0  # prefix-cache state snapshots: state rows num_slots .. num_state_rows - 1
+
+    @property
+    def num_state_rows(self) -> int:
+        return self.num_slots + self.num_snapshot_slots
+
+    @property
+    def snapshot_slots(self) -> range:
+        return range(self.num_slots, self.num_state_rows)
 
     def __post_init__(self):
         if self.num_blocks < 2 or self.num_slots < 2 or self.block_size < 1:
@@ -42,6 +55,8 @@ class CacheConfig:
                 f"need num_blocks >= 2 and num_slots >= 2 (index 0 is reserved) and block_size >= 1, got "
                 f"{self.num_blocks=} {self.num_slots=} {self.block_size=}"
             )
+        if self.num_snapshot_slots < 0:
+            raise ValueError(f"{self.num_snapshot_slots=} must be >= 0")
 
 
 @jax.tree_util.register_dataclass
@@ -61,8 +76,8 @@ def init_state(cfg: ModelConfig, cache: CacheConfig) -> HybridState:
     return HybridState(
         k_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(cfg.num_full_layers)),
         v_pages=tuple(jnp.zeros(kv_shape, kv_dtype) for _ in range(cfg.num_full_layers)),
-        conv=tuple(jnp.zeros((cache.num_slots, *conv), jnp.float32) for conv, _ in shapes),
-        ssm=tuple(jnp.zeros((cache.num_slots, *ssm), jnp.float32) for _, ssm in shapes),
+        conv=tuple(jnp.zeros((cache.num_state_rows, *conv), jnp.float32) for conv, _ in shapes),
+        ssm=tuple(jnp.zeros((cache.num_state_rows, *ssm), jnp.float32) for _, ssm in shapes),
     )
 
 
@@ -73,4 +88,16 @@ def zero_slots(state: HybridState, slot_ids: Int[Array, "N"]) -> HybridState:
         state,
         conv=tuple(c.at[slot_ids].set(0.0) for c in state.conv),
         ssm=tuple(s.at[slot_ids].set(0.0) for s in state.ssm),
+    )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def copy_slots(state: HybridState, src: Int[Array, "N"], dst: Int[Array, "N"]) -> HybridState:
+    """Copies the linear-layer state (conv and recurrent, every layer) of state rows `src` into rows `dst`
+    (prefix-cache snapshots and restores). Padding pairs are (0, 0): the null slot onto itself. No row may be
+    both a source and a destination of one call."""
+    return dataclasses.replace(
+        state,
+        conv=tuple(c.at[dst].set(c[src]) for c in state.conv),
+        ssm=tuple(s.at[dst].set(s[src]) for s in state.ssm),
     )

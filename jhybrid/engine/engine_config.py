@@ -93,6 +93,17 @@ class EngineConfig:
     offload_admission: bool = _option(
         False, "with --kv-offload: also offload to admit waiting sequences, not only to keep running ones "
         "(slower than waiting in benchmarks/RESULTS.md)", group="host memory tier")
+    enable_prefix_caching: bool = _option(
+        False, "reuse the KV blocks and the linear layers' state of prompt prefixes seen before (exact: state "
+        "snapshots at block boundaries, jhybrid/cache/prefix_cache.py); a hit's tokens are reported as "
+        "usage.prompt_tokens_details.cached_tokens", group="prefix caching")
+    prefix_snapshot_slots: int | None = _option(
+        None, "with --enable-prefix-caching: state snapshots kept on the device (each the size of one sequence's "
+        "linear state; counted by the memory planner)", metavar="N", none="max_num_seqs", group="prefix caching")
+    prefix_snapshot_interval: int = _option(
+        0, "with --enable-prefix-caching: also snapshot the state every N blocks of a long prompt (each costs a "
+        "step boundary and a snapshot slot); 0: only at a prompt's last block boundary", metavar="N",
+        group="prefix caching")
     tensor_parallel_size: int = _option(
         1, "shard the model over N devices (a tensor-parallel mesh over the first N; N must divide the head counts)",
         metavar="N", group="parallelism")
@@ -105,7 +116,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             _check_count(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prefill_tokens_with_decodes",
-                     "offload_threads"):
+                     "offload_threads", "prefix_snapshot_slots"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name), " (or None: the default)")
         for name, choices in (("preemption_mode", PREEMPTION_MODES), ("swap_transfer", TRANSFERS),
@@ -124,6 +135,13 @@ class EngineConfig:
             raise ValueError("preemption_mode='swap' needs a host tier: set host_kv_memory_gb > 0")
         if self.kv_offload != "off" and not self.host_kv_memory_gb > 0:
             raise ValueError(f"kv_offload={self.kv_offload!r} keeps KV blocks in the host tier: set host_kv_memory_gb > 0")
+        if isinstance(self.prefix_snapshot_interval, bool) or not isinstance(self.prefix_snapshot_interval, int) \
+                or self.prefix_snapshot_interval < 0:
+            raise ValueError(f"prefix_snapshot_interval must be an integer >= 0 (0: only a prompt's last block "
+                             f"boundary), got {self.prefix_snapshot_interval!r}")
+        if self.enable_prefix_caching and self.kv_offload != "off":
+            raise ValueError(f"enable_prefix_caching is not supported with kv_offload={self.kv_offload!r} yet: use "
+                             "kv_offload='off'")
         if self.kv_offload != "off" and self.tensor_parallel_size > 1:
             raise ValueError(f"kv_offload={self.kv_offload!r} is not supported with "
                              f"tensor_parallel_size={self.tensor_parallel_size}: use kv_offload='off'")

@@ -199,7 +199,7 @@ class LLM:
         return RequestOutput(
             request_id=request_id, prompt=text, prompt_token_ids=list(first.prompt_ids),
             prompt_logprobs=prompt_logprobs(first.prompt_logprobs, first.prompt_ids, sp.prompt_logprobs or 0, decode),
-            outputs=candidates, finished=all(seq.is_finished for seq in seqs))
+            outputs=candidates, finished=all(seq.is_finished for seq in seqs), num_cached_tokens=first.num_cached_tokens)
 
     def _release(self, groups) -> None:
         for _, _, seqs in groups:

@@ -39,6 +39,7 @@ import numpy as np
 from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
 from jhybrid.cache.host_tier import HostTier, SwapCostModel, plan_host_tier
 from jhybrid.cache.planner import plan_cache
+from jhybrid.cache.prefix_cache import PrefixCache
 from jhybrid.engine.engine_config import EngineConfig, engine_config
 from jhybrid.engine.runner import ModelRunner, StepResult
 from jhybrid.engine.sampling import SamplingParams, bad_words_token_ids
@@ -95,10 +96,21 @@ class LLMEngine:
         self.max_model_len = max_model_len
         max_num_batched_tokens = config.max_num_batched_tokens or max(512, min(2048, max_model_len))
         kv_dtype = np.dtype(model.params["embed"].dtype).name
+        num_snapshots = 0
+        if config.enable_prefix_caching and cfg.num_linear_layers:
+            num_snapshots = config.prefix_snapshot_slots or max_num_seqs
         self.cache = plan_cache(cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
                                 kv_dtype=kv_dtype, num_kv_blocks=config.num_kv_blocks,
-                                memory_fraction=config.memory_fraction, free_bytes=_tp_free_bytes(tensor_parallel_size))
-        self.blocks = BlockAllocator(self.cache.num_blocks, block_size)
+                                memory_fraction=config.memory_fraction, free_bytes=_tp_free_bytes(tensor_parallel_size),
+                                num_snapshot_slots=num_snapshots)
+        self.prefix_cache = None
+        if config.enable_prefix_caching:
+            self.prefix_cache = PrefixCache(self.cache.num_blocks, block_size, self.cache.snapshot_slots,
+                                            has_state=cfg.num_linear_layers > 0,
+                                            snapshot_interval=config.prefix_snapshot_interval)
+            self.blocks = self.prefix_cache.blocks
+        else:
+            self.blocks = BlockAllocator(self.cache.num_blocks, block_size)
         self.slots = SlotAllocator(self.cache.num_slots)
         self.runner = ModelRunner(cfg, model.params, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   max_num_batched_tokens=max_num_batched_tokens, seed=config.seed, mesh=self.mesh)
@@ -120,7 +132,8 @@ class LLMEngine:
                                    preemption_mode=config.preemption_mode if self.host is not None else "recompute",
                                    kv_offload=kv_offload, offload_admission=config.offload_admission,
                                    offload_policy=config.offload_policy,
-                                   max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes)
+                                   max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
+                                   prefix_cache=self.prefix_cache)
         self.requests: dict[Any, Sequence] = {}
         self.grammars = None  # GrammarCache, made with the first structured-output request (or by warmup())
         self._grammar_waiting: list[tuple[Sequence, Any]] = []  # (sequence, future of its compiled grammar)
@@ -133,8 +146,9 @@ class LLMEngine:
         # host time per step by phase, and the time spent waiting for the device (`stats()`)
         self.timing = dict(num_steps=0, host_schedule_seconds=0.0, host_prepare_seconds=0.0,
                            host_postprocess_seconds=0.0, device_wait_seconds=0.0)
-        log.info("KV pool: %d blocks of %d tokens; %d state slots", self.cache.num_blocks - 1, block_size,
-                 self.cache.num_slots - 1)
+        log.info("KV pool: %d blocks of %d tokens; %d state slots%s", self.cache.num_blocks - 1, block_size,
+                 self.cache.num_slots - 1, f"; prefix caching with {num_snapshots} state snapshots"
+                 if self.prefix_cache is not None else "")
         if config.warmup:
             self.warmup()
 
@@ -333,9 +347,13 @@ class LLMEngine:
                 self.offloader.dispatch(self.runner.state, sched.offload)
             if sched.rows:
                 self.runner.zero_slots(sched.new_slots)
+                if sched.restores:  # prefix hits: their slots start from a snapshot (before the step)
+                    self.runner.copy_slots(sched.restores)
                 if sched.swap_in:
                     self.runner.state = self.swapper.swap_in(self.runner.state, sched.swap_in)
                 current = self.runner.execute(sched, self._prev)
+                if sched.snapshots:  # rows that ended at a snapshot point: copy their state (after the step)
+                    self.runner.copy_slots(sched.snapshots)
             timing["host_prepare_seconds"] += time.perf_counter() - t1
         if self._prev is not None:
             updated += self._read(self._prev)
@@ -368,6 +386,12 @@ class LLMEngine:
                                                            "host_postprocess_seconds")),
         )
         out.update(dataclasses.asdict(self.host_attn.stats if self.host_attn is not None else OffloadStats()))
+        pc = self.prefix_cache
+        out.update(prefix_cache_queries=pc.num_queries if pc else 0, prefix_cache_hits=pc.num_hits if pc else 0,
+                   prefix_snapshots_held=pc.num_snapshots if pc else 0,
+                   prefix_snapshots_total=len(pc.snapshot_slots) if pc and pc.has_state else 0,
+                   prefix_snapshots_taken=pc.num_snapshots_taken if pc else 0,
+                   prefix_cached_blocks=pc.num_cached_blocks if pc else 0)
         if self.host is not None:
             st = self.swapper.stats
             out.update(
@@ -565,6 +589,8 @@ class LLMEngine:
             seq.num_computed = seq.num_pending = 0
             seq.status = Status.WAITING
         sched.waiting.extend(seqs)
+        if sched.prefix is not None:  # what the failed step wrote is unknown
+            sched.prefix.clear()
         try:
             for part in (self.swapper, self.offloader):
                 if part is not None:

@@ -85,6 +85,8 @@ class RequestOutput:
       prompt: the prompt's text (a chat's rendered template); None for a prompt given as token ids.
       prompt_logprobs: with `SamplingParams.prompt_logprobs = k`: None at position 0, then per prompt position
         {token id: Logprob}: the prompt token and the top-k.
+      num_cached_tokens: prompt tokens reused from the prefix cache (`enable_prefix_caching`; None when it is
+        off or the request was never admitted).
     """
 
     request_id: str
@@ -93,6 +95,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int | None = None
 
     @property
     def text(self) -> str | None:

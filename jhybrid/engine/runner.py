@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhybrid.cache.state import CacheConfig, HybridState, init_state, zero_slots
+from jhybrid.cache.state import CacheConfig, HybridState, copy_slots, init_state, zero_slots
 from jhybrid.config import ModelConfig
 from jhybrid.engine.sampling import (FLAG_PENALTIES, MAX_BAN_TOKENS, SamplingArrays, SamplingParams, SlotTables,
                                      TokenHistory, prompt_logprobs, record_fed_tokens, sample)
@@ -265,6 +265,15 @@ class ModelRunner:
             padded = np.zeros(self.max_rows, np.int32)
             padded[: len(slots)] = slots
             self.state = zero_slots(self.state, padded)
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies the linear state of state row `src` into row `dst` for each `(src, dst)` (prefix-cache snapshots
+        and restores; one program: padded to `max_rows` with the null slot onto itself)."""
+        for at in range(0, len(pairs), self.max_rows):
+            chunk = pairs[at : at + self.max_rows]
+            src, dst = np.zeros(self.max_rows, np.int32), np.zeros(self.max_rows, np.int32)
+            src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
+            self.state = copy_slots(self.state, src, dst)
 
     def _sync_table(self, seq) -> None:
         slot, table = seq.slot, seq.block_table
@@ -576,6 +585,8 @@ class ModelRunner:
     def warm_slot_programs(self) -> None:
         """Compiles (and runs, on the null slot only) the slot-zeroing and sampling-table programs."""
         self.zero_slots([0])
+        if self.cache.num_snapshot_slots:
+            self.copy_slots([(0, 0)])
         self.slot_tables.warm()
 
     def _seed(self, seq) -> int:

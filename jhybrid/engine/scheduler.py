@@ -29,7 +29,14 @@ reading the previous step; the next `schedule()` *commits* it (the blocks move f
 token per step (it was decoding when chosen, and decoding stays decoding), so prefill never sees host KV; when
 it finishes or is preempted (always by recompute: its KV is split between tiers) its host blocks are freed
 with it.
-Preemption stays the fallback when nothing can be offloaded or the host tier is full. With `offload_policy`
+Preemption stays the fallback when nothing can be offloaded or the host tier is full.
+
+Prefix caching (`prefix_cache`, `jhybrid.cache.prefix_cache`): a waiting sequence with nothing computed is
+looked up when admitted; on a hit it starts with the shared KV blocks, its slot is loaded from the snapshot
+(`restores`, copied before the step; it is then not zeroed) and its prefill starts at the hit. Prefill chunks
+are cut at snapshot points; after each step the rows that end at one are copied into snapshot slots
+(`snapshots`, copied after the step). The rows' full blocks are registered in the trie at the end of
+`schedule()`, after this step's admissions, and when a sequence leaves the device. With `offload_policy`
 "cost" (the engine's default) an offload must also pay: per device block freed, the cost model prices the
 sequence's host attention for the rest of its decode (`SwapCostModel.offload_seconds`, its steps left x the
 bytes / H2D) against the preemption it avoids (the newest running sequence, swapped or recomputed as the
@@ -45,6 +52,7 @@ from collections import deque
 
 from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
 from jhybrid.cache.host_tier import HostAllocator, HostEntry, SwapCostModel
+from jhybrid.cache.prefix_cache import PrefixCache
 from jhybrid.engine.sequence import Sequence, Status
 
 
@@ -83,6 +91,10 @@ class SchedulerOutput:
     swap_out: list[SwapOp] = dataclasses.field(default_factory=list)  # gather before the step (pages reused)
     swap_in: list[SwapOp] = dataclasses.field(default_factory=list)  # scatter before the step; frees the entry
     offload: list[OffloadOp] = dataclasses.field(default_factory=list)  # gather before the step; commit next step
+    # prefix caching: (snapshot slot, sequence slot) to copy before the step (instead of zeroing the slot), and
+    # (sequence slot, snapshot slot) to copy after it
+    restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    snapshots: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +126,7 @@ class Scheduler:
         offload_admission: bool = False,
         offload_policy: str = "cost",
         max_prefill_tokens_with_decodes: int | None = None,
+        prefix_cache: PrefixCache | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"need {max_num_seqs=} >= 1 and {max_num_batched_tokens=} >= 1")
@@ -133,6 +146,9 @@ class Scheduler:
             raise ValueError(f"unknown {offload_policy=}; choose one of {OFFLOAD_POLICIES}")
         if kv_offload != "off" and offload_policy == "cost" and cost_model is None:
             raise ValueError("offload_policy='cost' needs a cost model (measured bandwidth and prefill rate)")
+        if prefix_cache is not None and (prefix_cache.blocks is not blocks or kv_offload != "off"):
+            raise ValueError("prefix caching needs the prefix cache's block allocator, and kv_offload='off'")
+        self.prefix = prefix_cache
         self.host, self.preemption_mode, self.cost_model = host, preemption_mode, cost_model
         self.kv_offload, self.offload_admission, self.offload_policy = kv_offload, offload_admission, offload_policy
         self.num_offloads_declined = 0  # offloads the cost model priced above the preemption they would avoid
@@ -180,6 +196,8 @@ class Scheduler:
         if seq.host_blocks:
             self.host.blocks.free(seq.host_blocks)
             seq.host_blocks = []
+        if self.prefix is not None:  # its computed blocks stay cached; its unattached snapshots are freed
+            self.prefix.release(seq.prefix, seq.token_ids, seq.block_table, seq.num_computed)
         if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []
@@ -253,6 +271,9 @@ class Scheduler:
         swap_in: list[SwapOp] = []
         scheduled: set[int] = set()
         self._commit_offloads()
+        restores: list[tuple[int, int]] = []
+        if self.prefix is not None:
+            self.prefix.begin_step()
         # 1. running sequences: decoding ones (one token to feed) first, then those still prefilling, each group
         # in arrival order; when blocks run out, preempt the newest running sequence not scheduled yet
         decoding = [s for s in self.running if s.num_uncomputed == 1]
@@ -263,6 +284,8 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_uncomputed, budget)
+            if self.prefix is not None and n > 1:
+                n = self.prefix.cut(seq.num_tokens, seq.num_computed, n, seq.prefix.branch)
             while not self._grow(seq, seq.num_computed + n) and (victim := self._victim(seq, scheduled)) is not None:
                 self._preempt(victim, swap_out)
                 preempted.append(victim)
@@ -284,10 +307,17 @@ class Scheduler:
                 break
             if not self.slots.can_allocate(1):
                 break
-            start = seq.num_computed  # > 0 only for a swapped-out sequence, which resumes there
+            hit = self._lookup(seq)
+            start = seq.num_computed  # > 0 for a swapped-out sequence, which resumes there, or a prefix hit
             n = min(seq.num_uncomputed, budget)
+            if self.prefix is not None and n > 1:
+                n = self.prefix.cut(seq.num_tokens, start, n, seq.prefix.branch)
             assert n >= 1, f"{seq}: waiting with nothing to feed"
             if not self._grow(seq, start + n):
+                if hit is not None:  # give the shared blocks back
+                    self.blocks.free(seq.block_table)
+                    seq.block_table, seq.num_computed = [], 0
+                    self.prefix.start_from(seq.prefix, None)
                 break
             self.waiting.popleft()
             (seq.slot,) = self.slots.allocate(1)
@@ -295,8 +325,14 @@ class Scheduler:
             if entry is not None:
                 assert entry.num_tokens == start, f"{seq}: host entry holds {entry.num_tokens} tokens"
                 swap_in.append(SwapOp(seq, seq.block_table[: len(entry.blocks)], seq.slot, entry))
+            elif hit is not None and hit.snapshot is not None:
+                restores.append((hit.snapshot, seq.slot))  # every row of the slot is overwritten: not zeroed
             else:
                 new_slots.append(seq.slot)
+            if self.prefix is not None and entry is None:
+                self.prefix.count(len(seq.prompt_ids), hit)
+                if seq.num_cached_tokens is None:
+                    seq.num_cached_tokens = hit.num_tokens if hit is not None else 0
             seq.status = Status.RUNNING
             self.running.append(seq)
             rows.append(ScheduledRow(seq, start, n, start + n == seq.num_tokens))
@@ -307,7 +343,41 @@ class Scheduler:
             if row.samples:
                 row.seq.num_pending += 1
         offload = self._plan_offload(rows) if self.kv_offload != "off" else []
-        return SchedulerOutput(rows, preempted, new_slots, swap_out, swap_in, offload)
+        snapshots = self._register(rows) if self.prefix is not None else []
+        return SchedulerOutput(rows, preempted, new_slots, swap_out, swap_in, offload, restores, snapshots)
+
+    # ----------------------------------------------------------------- prefix caching
+    def _lookup(self, seq: Sequence):
+        """A prefix hit for a waiting sequence with nothing computed (None: no cache, no hit, a swapped-out
+        sequence, or one that wants prompt log-probabilities, which need every prompt position computed). On a
+        hit the sequence holds the shared blocks and starts there."""
+        if (self.prefix is None or seq.num_computed or seq.seq_id in self.swapped
+                or seq.params.prompt_logprobs is not None):
+            return None
+        hit, matched = self.prefix.lookup(seq.token_ids)
+        # KV matched deeper than the deepest snapshot: snapshot there this time, for the next request
+        seq.prefix.branch = matched if matched > (hit.num_tokens if hit else 0) else 0
+        if hit is not None:
+            seq.block_table = self.prefix.acquire(hit)
+            seq.num_computed = hit.num_tokens
+            self.prefix.start_from(seq.prefix, hit)
+        return hit
+
+    def _register(self, rows: list[ScheduledRow]) -> list[tuple[int, int]]:
+        """Registers the rows' full blocks (ids known on the host) and picks the rows whose state is snapshotted
+        after this step: (sequence slot, snapshot slot) pairs."""
+        out = []
+        bs = self.blocks.block_size
+        for row in rows:
+            seq, end = row.seq, row.start + row.num_tokens
+            self.prefix.register(seq.prefix, seq.token_ids, seq.block_table, min(end, len(seq.token_ids)))
+            want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), row.start, end,
+                                              seq.prefix.branch)
+            if want:
+                slot = self.prefix.snapshot(seq.prefix, end // bs, rolling=want == "rolling")
+                if slot is not None:
+                    out.append((seq.slot, slot))
+        return out
 
     # ----------------------------------------------------------------- offloading
     def _commit_offloads(self) -> None:

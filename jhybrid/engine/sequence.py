@@ -6,6 +6,7 @@ import enum
 import itertools
 from typing import Any
 
+from jhybrid.cache.prefix_cache import PrefixCursor
 from jhybrid.engine.sampling import FLAG_ALLOWED, FLAG_BANS, FLAG_MASKED, FLAG_PENALTIES, SamplingParams
 
 _ids = itertools.count()
@@ -40,6 +41,8 @@ class Sequence:
         self.num_computed = 0
         self.num_pending = 0
         self.num_preemptions = 0
+        self.prefix = PrefixCursor()  # its place in the prefix cache (`jhybrid.cache.prefix_cache`)
+        self.num_cached_tokens: int | None = None  # prompt tokens reused from the prefix cache at admission
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] = []

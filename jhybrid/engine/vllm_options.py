@@ -20,7 +20,7 @@ NO_EFFECT = {
     "enforce_eager": "no CUDA graphs to capture", "max_seq_len_to_capture": "no CUDA graphs to capture",
     "compilation_config": "XLA compiles each step program once", "disable_custom_all_reduce": "XLA's collectives",
     "disable_async_output_proc": "the engine always reads a step behind", "async_scheduling": "always on",
-    "swap_space": "the host tier is host_kv_memory_gb", "enable_prefix_caching": "no prefix cache",
+    "swap_space": "the host tier is host_kv_memory_gb",
     "enable_chunked_prefill": "prefills are always chunked", "disable_log_stats": "no periodic stats log",
     "disable_log_requests": "requests are not logged", "trust_remote_code": "no remote code is run",
     "download_dir": "checkpoints are local directories", "hf_token": "checkpoints are local directories",

@@ -546,7 +546,8 @@ class _Serving:
             keep += group
         body = {**head, "object": "chat.completion" if chat else "text_completion",
                 "choices": [view.choice(i, k, outputs[k]) for i, k in enumerate(keep)],
-                "usage": _usage(num_prompt_tokens, num_completion)}
+                "usage": _usage(num_prompt_tokens, num_completion,
+                                _cached([outputs[p * best_of].final for p in range(len(ids_list))]))}
         return JSONResponse(body)
 
     def _failed(self, final) -> APIError:
@@ -570,6 +571,7 @@ class _Serving:
 
         num_completion = 0
         started = [False] * len(choices.ids)
+        finals: list[Delta | None] = [None] * len(choices.ids)
         try:
             for i in range(len(choices.ids)):
                 if view.chat:
@@ -591,11 +593,13 @@ class _Serving:
                 elif not view.drop[i] and (delta.text or (view.wants_logprobs and delta.token_ids)):
                     yield event(view.chunk(i, delta.text, view.delta_logprobs(i, delta)))
                 if delta.finished:
+                    finals[i] = delta
                     num_completion += 0 if view.drop[i] else delta.num_output_tokens
                     yield event(view.chunk(i, None, finish=view.finish_reason(i, delta.finish_reason)))
             else:
                 if include_usage:
-                    yield sse({**head, "choices": [], "usage": _usage(num_prompt_tokens, num_completion)})
+                    yield sse({**head, "choices": [], "usage": _usage(num_prompt_tokens, num_completion,
+                                                                      _cached(finals))})
             yield "data: [DONE]\n\n"
         finally:
             choices.close()
@@ -697,5 +701,15 @@ class _View:
         return out
 
 
-def _usage(num_prompt: int, num_completion: int) -> dict[str, int]:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
+def _usage(num_prompt: int, num_completion: int, num_cached: int | None = None) -> dict:
+    """OpenAI's usage; with prefix caching on, `prompt_tokens_details.cached_tokens` (vLLM's field)."""
+    out = {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
+    if num_cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": num_cached}
+    return out
+
+
+def _cached(finals) -> int | None:
+    """Prompt tokens reused from the prefix cache, summed over one candidate of each prompt (None: cache off)."""
+    counts = [d.num_cached_tokens for d in finals if d is not None and d.num_cached_tokens is not None]
+    return sum(counts) if counts else None

@@ -39,7 +39,8 @@ class Delta:
     "stop" | "length" | "abort" | "error" (then `error` says why) and `cumulative_logprob`, the sum of its
     tokens' log-probabilities under the model. `token_logprobs`: the log-probability of each of `token_ids`;
     `logprobs`: their top-k {token id: logprob} when the request asked (`SamplingParams.logprobs`);
-    `prompt_logprobs`: on a request's first delta, per prompt position, when it asked (`prompt_logprobs`)."""
+    `prompt_logprobs`: on a request's first delta, per prompt position, when it asked (`prompt_logprobs`).
+    `num_cached_tokens` (the last delta, with prefix caching on): prompt tokens reused from the prefix cache."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -51,6 +52,7 @@ class Delta:
     token_logprobs: tuple[float, ...] = ()
     logprobs: tuple[dict[int, float], ...] | None = None
     prompt_logprobs: tuple[dict[int, float] | None, ...] | None = None
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -257,7 +259,8 @@ class EngineLoop:
             prompt_logprobs = None
         if seq.is_finished:
             return Delta(text, new_ids, len(seq.prompt_ids), len(output_ids), seq.finish_reason, seq.error,
-                         float(sum(seq.token_logprobs)), token_logprobs, logprobs, prompt_logprobs)
+                         float(sum(seq.token_logprobs)), token_logprobs, logprobs, prompt_logprobs,
+                         getattr(seq, "num_cached_tokens", None))
         return Delta(text, new_ids, len(seq.prompt_ids), len(output_ids), None, None, None, token_logprobs, logprobs,
                      prompt_logprobs)
 

@@ -23,6 +23,8 @@ Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
 | `jhybrid:offload_steps_total{path}` | counter | steps with host-KV rows (`host`) or without (`plain`) |
 | `jhybrid:cpu_attention_calls_total`, `jhybrid:cpu_attention_seconds_total`, `jhybrid:cpu_attention_wait_seconds_total` | counter | CPU attention over host KV: calls, worker time, time the step waited |
 | `jhybrid:offload_copy_bytes_total` | counter | `kv_offload="copy"`: host blocks copied to the device |
+| `jhybrid:prefix_cache_queries_total`, `jhybrid:prefix_cache_hits_total` | counter | prefix caching: prompt tokens looked up at admission / found in the cache (vLLM's names) |
+| `jhybrid:prefix_cache_snapshots_held` / `_total`, `jhybrid:prefix_cache_cached_blocks` | gauge | prefix caching: state snapshots held (of the pool), KV blocks indexed by content |
 | `jhybrid:request_success_total{finished_reason}` | counter | finished requests: stop, length, abort, error |
 | `jhybrid:http_requests_total{method,route,status}` | counter | HTTP responses (rejections included) |
 | `jhybrid:startup_programs_compiled`, `jhybrid:startup_compile_seconds` | gauge | programs compiled (or loaded) before ready, and the seconds it took |
@@ -119,6 +121,9 @@ class EngineMetrics:
             "cpu_wait_seconds": counter("jhybrid:cpu_attention_wait_seconds",
                                         "Seconds steps waited for CPU attention (not hidden by the GPU's work)."),
             "copy_bytes": counter("jhybrid:offload_copy_bytes", "Host KV bytes copied to the device (kv_offload='copy')."),
+            "prefix_cache_queries": counter("jhybrid:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache at admission."),
+            "prefix_cache_hits": counter("jhybrid:prefix_cache_hits", "Prompt tokens found in the prefix cache (reused)."),
         }
         steps = Counter("jhybrid:offload_steps", "Steps with host-KV rows (host) or without (plain).",
                         ["model_name", "path"], registry=r)
@@ -133,6 +138,10 @@ class EngineMetrics:
             "programs_compiled_after_ready": gauge("jhybrid:programs_compiled_after_ready_total",
                                                    "Programs compiled after the server reported ready."),
             "num_steps": gauge("jhybrid:engine_steps_total", "Engine steps run."),
+            "prefix_snapshots_held": gauge("jhybrid:prefix_cache_snapshots_held",
+                                           "Linear-state snapshots held by the prefix cache."),
+            "prefix_snapshots_total": gauge("jhybrid:prefix_cache_snapshots_total", "Snapshot slots of the prefix cache."),
+            "prefix_cached_blocks": gauge("jhybrid:prefix_cache_cached_blocks", "KV blocks indexed by the prefix cache."),
             "host_schedule_seconds": gauge("jhybrid:engine_host_schedule_seconds_total",
                                            "Engine-thread seconds spent scheduling steps."),
             "host_prepare_seconds": gauge("jhybrid:engine_host_prepare_seconds_total",

@@ -1,0 +1,332 @@
+"""Prefix caching (`jhybrid.cache.prefix_cache`, `enable_prefix_caching=True`) is exact: a request that reuses
+a cached prefix (shared KV blocks + a linear-state snapshot) generates what it generates without the cache,
+token for token and by log-probabilities, for each linear layer kind: Gated DeltaNet (Qwen3.5, conv state),
+lightning attention (MiniMax, no conv state) and Mamba2 (Bamba, conv state), each with full-attention layers
+too. Every engine test also asserts the hit (`num_cached_tokens`, an exact count): equality alone would pass
+with the cache never hit.
+
+How the tests were checked to fail (on this tree, each change made by hand, the file run, the change undone;
+never committed):
+  * `LLMEngine.step` without its `self.runner.copy_slots(sched.restores)` (the snapshot is not restored: the
+    slot keeps a stale state): every family's hit cases fail, by other tokens or log-probabilities off by >1e-3,
+    and the property test fails (an output differs from the no-cache run);
+  * `PrefixCache.lookup` keying a child by its parent only (`tuple(token_ids[...])` replaced by `()`: a block
+    whose tokens differ is shared): `test_lookup_compares_token_ids` fails and the engine cases with a
+    different block after the shared prefix fail;
+  * `CachingBlockAllocator.free` never making a cached block evictable (leaked): the property test's
+    invariant check and `test_eviction_*` fail;
+  * `Scheduler` not cutting the prefill at the snapshot point (`PrefixCache.cut` returning `n`): no snapshot
+    is taken inside a prompt, so the `num_cached_tokens` assertions fail (no hit).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jhybrid import LLM, SamplingParams
+from jhybrid.cache.prefix_cache import PrefixCache, PrefixCursor
+from tests.hf_models import make_bamba, make_minimax, make_qwen3_5
+
+BS = 16  # the engines' block size (the default)
+
+# ----------------------------------------------------------------------------------------- host bookkeeping
+
+
+def _cache(num_blocks=9, snapshots=range(4, 7), **kw) -> PrefixCache:
+    return PrefixCache(num_blocks, 4, snapshots, **kw)
+
+
+def _run(pc: PrefixCache, tokens: list[int], cursor: PrefixCursor | None = None):
+    """A sequence that computes `tokens` from scratch: its blocks, registered, and a snapshot at the end."""
+    cursor = cursor or PrefixCursor()
+    table = pc.blocks.allocate(-(-len(tokens) // 4))
+    pc.register(cursor, tokens, table, len(tokens))
+    pc.snapshot(cursor, len(tokens) // 4, rolling=False)
+    return table, cursor
+
+
+def test_lookup_compares_token_ids():
+    """A hit needs every token of every shared block equal, and stops one token short of the prompt."""
+    pc = _cache()
+    a = list(range(12))
+    table, cursor = _run(pc, a)
+    pc.release(cursor, a, table, len(a))
+    pc.blocks.free(table)
+    hit, matched = pc.lookup(a + [99])
+    assert hit.num_tokens == 12 and hit.blocks == tuple(table) and matched == 12
+    assert pc.lookup(a) == (None, 8), "the whole prompt is never a hit (its last token is fed for its logits)"
+    b = a[:5] + [77] + a[6:] + [1]  # differs in the second block
+    assert pc.lookup(b) == (None, 4), "no snapshot at block 1, and block 2 differs: no hit"
+    pc.check({}, [])
+
+
+def test_eviction_takes_free_blocks_first_then_lru_and_kills_descendants():
+    pc = _cache(num_blocks=9)  # 8 usable blocks of 4 tokens
+    a = list(range(12))
+    table, cursor = _run(pc, a)  # 3 blocks, snapshot at depth 3
+    pc.release(cursor, a, table, len(a))
+    pc.blocks.free(table)
+    assert pc.blocks.num_free == 8 and pc.num_cached_blocks == 3 and pc.num_snapshots == 1
+    other = pc.blocks.allocate(5)  # the 5 never-cached blocks first
+    assert not set(other) & set(table) and pc.num_cached_blocks == 3
+    pc.blocks.allocate(1)  # evicts the LRU cached block: the deepest one (released tail first)
+    assert pc.num_cached_blocks == 2 and pc.num_snapshots == 0, "the snapshot at depth 3 went with its block"
+    assert pc.lookup(a + [1])[0] is None
+    pc.blocks.allocate(2)  # the rest
+    assert pc.num_cached_blocks == 0 and pc.blocks.num_free == 0
+    pc.check({b: 1 for b in range(1, 9)}, [])
+
+
+def test_eviction_of_a_parent_frees_its_descendants():
+    pc = _cache(num_blocks=9)
+    a = list(range(12))
+    table, cursor = _run(pc, a)
+    hit, _ = pc.lookup(a + [5])
+    pc.acquire(hit)  # another sequence shares all three blocks
+    pc.release(cursor, a, table, len(a))
+    pc.blocks.free(table)
+    pc.blocks.free([table[0]])  # ... and lets the first go (refs: 0, 1, 1)
+    pc.blocks.allocate(5)
+    pc.blocks.allocate(1)  # evicts block 0: its descendants leave the cache but stay held
+    assert pc.num_cached_blocks == 0 and pc.num_snapshots == 0
+    assert pc.blocks.refs[table[1]] == 1 and pc.blocks.refs[table[2]] == 1
+    pc.blocks.free(table[1:])  # no longer cached: straight back to the free list
+    assert pc.blocks.num_free == 2 and not pc.blocks.evictable
+
+
+def test_snapshot_pool_is_lru_and_skips_pinned():
+    pc = _cache(num_blocks=17, snapshots=range(4, 6))  # two snapshot slots
+    seqs = [[k * 100 + i for i in range(8)] for k in range(3)]
+    for s in seqs[:2]:
+        table, cursor = _run(pc, s)
+        pc.release(cursor, s, table, len(s))
+        pc.blocks.free(table)
+    pc.begin_step()
+    hit0, _ = pc.lookup(seqs[0] + [1])
+    pc.acquire(hit0)  # pinned this step, and most recently used
+    table, cursor = _run(pc, seqs[2])  # takes seqs[1]'s snapshot slot (LRU, unpinned)
+    assert pc.lookup(seqs[1] + [1])[0] is None and pc.lookup(seqs[0] + [1])[0] is not None
+    assert pc.lookup(seqs[2] + [1])[0] is not None
+
+
+# ----------------------------------------------------------------------------------------- engines
+
+FAMILIES = {
+    "gated_deltanet": lambda p: make_qwen3_5(p, seed=31),
+    "lightning": lambda p: make_minimax(p, seed=32),
+    "mamba2": lambda p: make_bamba(p, seed=33),
+}
+ENGINE = dict(dtype=None, max_num_seqs=3, max_model_len=96, num_kv_blocks=24, max_num_batched_tokens=32)
+CACHED = ENGINE | dict(enable_prefix_caching=True, prefix_snapshot_slots=4)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    FAMILIES[request.param](path)
+    return request.param, LLM(path, **ENGINE).model
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 128, size=n).tolist()
+
+
+def params(max_tokens: int = 6) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def assert_exact(label: str, got, want, tol: float = 1e-6) -> None:
+    """Same tokens; the same top-2 ids with log-probabilities within `tol` relative (a few fp32 ulps: the
+    prompt is prefilled in other chunks with the cache, e.g. [48, 57) after a hit against [0, 32) + [32, 57)
+    without; a stale or wrong state moves them by 1e-3 and more)."""
+    assert got.token_ids == want.token_ids, f"{label}: tokens {got.token_ids} != without the cache {want.token_ids}"
+    err = 0.0
+    for pos, (g, w) in enumerate(zip(got.logprobs, want.logprobs, strict=True)):
+        assert list(g) == list(w), f"{label}: position {pos}: top-2 ids {list(g)} != {list(w)}"
+        gv, wv = np.array(list(g.values())), np.array(list(w.values()))
+        err = max(err, float((np.abs(gv - wv) / np.maximum(1.0, np.abs(wv))).max()))
+    assert err <= tol, f"{label}: log-probabilities off by {err:.2e} (relative) from the run without the cache"
+
+
+# (label, first prompt, second prompt, tokens the second reuses)
+def _cases():
+    shared40, shared48 = tokens(1, 40), tokens(2, 48)
+    return {
+        "inside_a_block": (shared40 + tokens(3, 5), shared40 + tokens(4, 7), 32),  # 40 -> the boundary at 32
+        "on_a_boundary": (shared48 + tokens(5, 5), shared48 + tokens(6, 9), 48),
+        "whole_prompt_then_more": (shared48, shared48 + tokens(7, 10), 48),  # an aligned prompt snapshots its end
+        "identical_prompt": (shared40 + tokens(3, 5), shared40 + tokens(3, 5), 32),  # its last token is recomputed
+        "identical_aligned_prompt": (shared48, shared48, 32),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_hit_equals_no_cache(model, case):
+    """The second prompt shares a prefix with the first (ending inside a block, on a block boundary, or being
+    the whole first prompt): with the cache it reuses `reused` tokens and generates exactly what it does
+    without the cache."""
+    name, loaded = model
+    first, second, reused = _cases()[case]
+    want = LLM(loaded, **ENGINE).generate([second], params())[0]
+    llm = LLM(loaded, **CACHED)
+    (out_first,) = llm.generate([first], params())
+    assert out_first.num_cached_tokens == 0
+    (out,) = llm.generate([second], params())
+    assert out.num_cached_tokens == reused, f"{name} {case}: reused {out.num_cached_tokens} tokens, not {reused}"
+    assert_exact(f"{name} {case}", out, want)
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] == reused and stats["prefix_cache_queries"] == len(first) + len(second)
+    assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
+
+
+def test_next_turn_resumes_from_the_finished_sequence(model):
+    """A chat's next turn: prompt + the first answer + new tokens resumes at the last block boundary the first
+    sequence's decode reached (its decode snapshot), past its prompt."""
+    name, loaded = model
+    first = tokens(8, 40)
+    llm = LLM(loaded, **CACHED)
+    (out1,) = llm.generate([first], params(12))  # 40 + 11 fed tokens: a decode snapshot at 48
+    second = first + out1.token_ids + tokens(9, 6)
+    (out,) = llm.generate([second], params())
+    assert out.num_cached_tokens == 48, f"{name}: reused {out.num_cached_tokens} tokens, not 48"
+    assert_exact(f"{name} next turn", out, LLM(loaded, **ENGINE).generate([second], params())[0])
+
+
+def test_shared_system_prompt_snapshots_at_the_branch(model):
+    """Prompts that share a 40-token "system prompt" and go on differently: the first snapshots only at its own
+    last boundary (48, past the shared part), so the second matches KV to 32 but has no snapshot there: it
+    recomputes and leaves one at 32 (the branch point); the third hits at 32."""
+    name, loaded = model
+    system = tokens(20, 40)
+    prompts = [system + tokens(21 + i, 20) for i in range(3)]
+    llm = LLM(loaded, **CACHED)
+    outs = [llm.generate([p], params())[0] for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 32], f"{name}: {[o.num_cached_tokens for o in outs]}"
+    assert_exact(f"{name} system prompt", outs[2], LLM(loaded, **ENGINE).generate([prompts[2]], params())[0])
+
+
+def test_batch_sharing_blocks_at_once(model):
+    """Three prompts with one prefix in one batch, after it was seen: all three share its blocks at once (reference
+    count 3), and each equals its run without the cache."""
+    name, loaded = model
+    shared = tokens(10, 50)
+    prompts = [shared + tokens(11 + i, 3 + 4 * i) for i in range(3)]
+    llm = LLM(loaded, **CACHED)
+    llm.generate([shared + [1, 2]], params(2))
+    outs = llm.generate(prompts, params())
+    assert [o.num_cached_tokens for o in outs] == [48, 48, 48]
+    ref = LLM(loaded, **ENGINE)
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        assert_exact(f"{name} batch row {i}", out, ref.generate([p], params())[0])
+
+
+def test_cache_off_reports_nothing(model):
+    _, loaded = model
+    llm = LLM(loaded, **ENGINE)
+    assert llm.engine.prefix_cache is None and llm.engine.cache.num_snapshot_slots == 0
+    (out,) = llm.generate([tokens(12, 20)], params(2))
+    assert out.num_cached_tokens is None
+
+
+# ----------------------------------------------------------------------------------------- property test
+
+_REFERENCE: dict = {}  # (prompt, max_tokens) -> output without the cache (shared by the examples)
+
+
+@pytest.fixture(scope="module")
+def gdn(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gdn_property")
+    make_qwen3_5(path, seed=41)
+    return LLM(path, **ENGINE).model
+
+
+def _held(seqs) -> dict[int, int]:
+    held = collections.Counter()
+    for s in seqs:
+        held.update(s.block_table)
+    return dict(held)
+
+
+# 3 rows of up to 96 tokens need 18 blocks of 16; 9 (8 usable) force preemption. Two snapshot slots: eviction.
+SMALL = dict(dtype=None, max_num_seqs=3, max_model_len=96, num_kv_blocks=9, max_num_batched_tokens=32,
+             enable_prefix_caching=True, prefix_snapshot_slots=2)
+HOST = dict(host_kv_memory_gb=0.01, preemption_mode="swap")
+
+# (prefix, its tokens kept, tail tokens, max_tokens, arrival step, abort this many steps after arrival or None)
+request_st = st.tuples(st.integers(0, 1), st.integers(10, 60), st.integers(1, 14), st.integers(1, 12),
+                       st.integers(0, 12), st.one_of(st.none(), st.none(), st.none(), st.integers(0, 8)))
+
+
+def _drive(model, mode: str, data) -> tuple[int, int, int]:
+    """Runs the requests of `data` (see `request_st`) on a small cached engine, checking the invariants after
+    every step and the outputs at the end; returns (prefix-hit tokens, preemptions, snapshots taken)."""
+    engine = SMALL | (HOST if mode == "swap" else {})
+    llm = LLM(model, **engine)
+    eng, pc = llm.engine, llm.engine.prefix_cache
+    prefixes = [tokens(50 + k, 60) for k in range(2)]
+    work = {}
+    for i, (k, cut, tail, max_tokens, arrive, abort_at) in enumerate(data):
+        work[f"r{i}"] = (prefixes[k][:cut] + tokens(100 + i, tail), max_tokens, arrive, abort_at)
+    seqs, step = {}, 0
+    last_arrival = max(arrive for _, _, arrive, _ in work.values())
+    while step <= last_arrival or eng.has_unfinished():
+        for rid, (prompt, max_tokens, arrive, _) in work.items():
+            if arrive == step:
+                seqs[rid] = eng.add_request(rid, prompt, params(max_tokens))
+        for rid, (_, _, arrive, abort_at) in work.items():
+            if abort_at is not None and arrive + abort_at == step:
+                eng.abort(rid)
+        eng.step()
+        live = [s for s in seqs.values() if not s.is_finished]
+        pc.check(_held(live), [s.prefix for s in live])  # reference counts = what sequences hold; no leaks
+        step += 1
+        assert step < 500, "the engine did not finish"
+    pc.check({}, [])
+    assert eng.blocks.num_used == 0 and eng.slots.num_used == 0
+    ref = LLM(model, **ENGINE)
+    for rid, (prompt, max_tokens, _, _) in work.items():
+        key = (tuple(prompt), max_tokens)
+        if key not in _REFERENCE:
+            _REFERENCE[key] = ref.generate([prompt], params(max_tokens))[0]
+        want, seq = _REFERENCE[key], seqs[rid]
+        if seq.finish_reason == "abort":
+            assert seq.output_ids == want.token_ids[: len(seq.output_ids)], f"{rid}: aborted output diverged"
+            continue
+        assert seq.finish_reason == "length", f"{rid}: {seq.finish_reason} {seq.error}"
+        assert seq.output_ids == want.token_ids, f"{rid} ({mode}): {seq.output_ids} != no cache {want.token_ids}"
+        for pos, (g, w) in enumerate(zip(seq.logprobs, want.logprobs, strict=True)):
+            err = np.abs(np.array(list(g.values())) - np.array(list(w.values()))).max()
+            # 1e-4: the engine without the cache moves one such request's logprobs by 1.7e-5 between batch mixes
+            # (other chunk splits of its prompt); a stale or foreign state moves them by 1e-3 and more
+            assert list(g) == list(w) and err <= 1e-4, f"{rid}: position {pos}: logprobs off by {err:.2e}"
+    return eng.stats()["prefix_cache_hits"], eng.num_preemptions, pc.num_snapshots_taken
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.lists(request_st, min_size=3, max_size=7))
+def test_random_interleavings(gdn, mode, data):
+    """Requests drawn from two shared prefixes (cut at random lengths, with random tails), arriving at random
+    steps, some aborted at a random step, on a pool small enough to preempt (recomputed, or swapped to the host
+    tier) and with two snapshot slots (evicted): after every step the reference counts equal what sequences
+    hold and the cache's invariants hold (`PrefixCache.check`: nothing leaked or doubled); at the end nothing is
+    held, every finished request equals its run without the cache, and every aborted one is a prefix of it."""
+    _drive(gdn, mode, data)
+
+
+FIXED = [(0, 60, 10, 12, 0, None), (1, 50, 14, 12, 0, None), (0, 60, 5, 8, 3, None), (0, 58, 9, 6, 8, None),
+         (1, 50, 3, 6, 9, 2), (0, 60, 12, 8, 14, None), (1, 52, 6, 10, 16, None), (0, 60, 2, 3, 40, None),
+         (1, 52, 4, 3, 41, None), (0, 60, 2, 3, 100, None), (1, 52, 4, 3, 101, None)]  # the last two: after the rest
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_fixed_interleaving_hits_preempts_and_evicts(gdn, mode):
+    """One workload of the property test that is known to do all of it: hits, preemptions, and more snapshots
+    taken than the pool holds (evictions), so the random test's checks cover them at least once."""
+    hits, preemptions, snapshots = _drive(gdn, mode, FIXED)
+    assert hits > 0 and preemptions > 0 and snapshots > SMALL["prefix_snapshot_slots"], (hits, preemptions, snapshots)
