@@ -323,6 +323,39 @@ def test_openai_client_response_format_and_structured_outputs(served):
             assert c.finish_reason == "stop" and check(c.text), (body, c.text)
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+              "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                               "days": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+              "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+              "additionalProperties": False}}}]
+
+
+def test_tool_choice_required_and_named_are_constrained(served):
+    """tool_choice "required" and a named function on the real engine (random weights, temperature 1): every
+    answer is a tool call of a given tool whose arguments validate against that tool's schema, through the
+    `openai` client. Checked to fail: with `sampling_fields` dropped from the tool plan in `_generate`, the
+    outputs are noise (required: returned as text with no tool_calls; named: arguments that do not parse)."""
+    import openai
+
+    _, url = served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    for seed in SEEDS:
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=choice,
+                                               parallel_tool_calls=False, max_tokens=90, temperature=1.0, seed=seed)
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls and c.message.content is None, (choice, c)
+            calls = [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
+            assert len(calls) == 1, calls
+            if choice != "required":
+                assert calls[0][0] == "get_time"
+            validate(calls[0][1], schemas[calls[0][0]])
+
+
 def test_refusals_name_the_field_and_nothing_compiles(served):
     """Bad schema / regex / grammar, two constraints at once, unknown options, an unknown response_format type:
     400 naming the field. Then the warmed-up engine has compiled nothing since it was ready. Checked to fail:

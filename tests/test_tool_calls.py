@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import json
-import sys
 import threading
 import time
 
@@ -26,7 +25,7 @@ from jhybrid.server import AsyncEngine, BackgroundServer, ServerConfig, create_a
 from jhybrid.server.engine_core import Delta, Outputs
 from jhybrid.server.protocol import APIError
 from jhybrid.server.tool_parsers import PARSERS, collect, convert_value
-from jhybrid.server.tools import ConstrainedCalls, named_schema, required_schema, structured_output_fields
+from jhybrid.server.tools import ConstrainedCalls, named_schema, required_schema
 from tests import tool_templates
 from tests.example_ckpt import merge_json, write_example_checkpoint
 
@@ -169,19 +168,6 @@ def test_constrained_output_as_tool_calls():
     deltas = named.feed('{"city": ') + named.feed('"Oslo"}') + named.finish()
     assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
     assert _calls(deltas) == (None, [("get_weather", {"city": "Oslo"})])
-
-
-def test_structured_output_switch(monkeypatch):
-    """fails without the ImportError branch (the request would fail later, less clearly) or the field name."""
-    monkeypatch.setitem(sys.modules, "jhybrid.engine.structured_output", None)  # import fails, as on main today
-    with pytest.raises(APIError, match="needs structured output, which this server does not have yet") as e:
-        structured_output_fields({"type": "object"}, '"required"')
-    assert e.value.status == 400 and e.value.param == "tool_choice"
-    fake = type(sys)("jhybrid.engine.structured_output")
-    fake.StructuredOutputsParams = lambda json: ("constrained to", json)
-    monkeypatch.setitem(sys.modules, "jhybrid.engine.structured_output", fake)
-    assert structured_output_fields({"type": "object"}, '"required"') == \
-        {"structured_outputs": ("constrained to", {"type": "object"})}
 
 
 # ----------------------------------------------------------------------------------------------- the server
@@ -387,9 +373,11 @@ def _post(url, **body):
     return httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, **body}, timeout=30)
 
 
-def test_tool_choice_none_and_refusals(server, ckpt, monkeypatch):
+def test_tool_choice_none_and_refusals(server, ckpt):
     """fails without: the flag check (auto on a server without --enable-auto-tool-choice would answer text), the
-    structured-output switch in the route, tool validation (a malformed tool would reach the template)."""
+    refusal of a second constraint beside "required" / a named function (the tools' schema silently replaced
+    response_format: checked by removing it), tool validation (a malformed tool would reach the template).
+    The constrained output itself is tested on a real engine in tests/test_structured_output.py."""
     backend, url = server
     raw = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     backend.replies.append([raw])
@@ -401,11 +389,11 @@ def test_tool_choice_none_and_refusals(server, ckpt, monkeypatch):
     for body in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):  # auto is the default with tools
         r = _post(url["plain"], **body)
         assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"], r.text
-    monkeypatch.setitem(sys.modules, "jhybrid.engine.structured_output", None)
     for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
-        r = _post(url["hermes"], tools=TOOLS, tool_choice=choice)
-        assert r.status_code == 400 and "needs structured output" in r.json()["error"]["message"], r.text
-        assert r.json()["error"]["param"] == "tool_choice"
+        for field, value in (("response_format", {"type": "json_object"}), ("guided_regex", "a+")):
+            r = _post(url["hermes"], tools=TOOLS, tool_choice=choice, **{field: value})
+            assert r.status_code == 400 and "already constrains the output" in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == field
     bad = [
         ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
         ({"tools": [{"type": "code_interpreter"}]}, "tools.0.type"),

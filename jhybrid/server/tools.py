@@ -6,7 +6,7 @@
 - `"required"` and a named function (`{"type": "function", "function": {"name": N}}`): enforced by structured
   output, the model constrained to `required_schema` (a JSON array of `{"name", "parameters"}`, at least one,
   at most one with `parallel_tool_calls: false`) or to `N`'s parameters schema, and the output read by
-  `ConstrainedCalls`. `structured_output_fields` is the one place that asks the engine for it.
+  `ConstrainedCalls`. Such a request cannot also carry `response_format` / `structured_outputs` (400).
 
     plan = tool_plan(req, enable_auto=True, parser="hermes")   # None: no parsing
     stream = plan.new_stream()                                 # per choice: feed(text) / finish() -> deltas
@@ -24,19 +24,13 @@ from jhybrid.server.tool_parsers import PARSERS, new_call_id
 
 log = logging.getLogger("jhybrid.server")
 
-NO_STRUCTURED_OUTPUT = ("tool_choice {choice} needs structured output, which this server does not have yet; use "
-                        'tool_choice "auto" (with --enable-auto-tool-choice) or "none"')
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
-def structured_output_fields(schema: dict[str, Any], choice: str) -> dict[str, Any]:
-    """The SamplingParams fields that constrain the output to `schema` (400 while the engine has no structured
-    output: wiring it is this function alone)."""
-    try:
-        from jhybrid.engine.structured_output import StructuredOutputsParams
-    except ImportError:
-        raise APIError(400, NO_STRUCTURED_OUTPUT.format(choice=choice), param="tool_choice",
-                       code="unsupported_parameter") from None
+def structured_output_fields(schema: dict[str, Any]) -> dict[str, Any]:
+    """The SamplingParams fields that constrain the output to `schema`."""
+    from jhybrid.engine.structured_output import StructuredOutputsParams
+
     return {"structured_outputs": StructuredOutputsParams(json=schema)}
 
 
@@ -140,11 +134,17 @@ def tool_plan(req: ChatCompletionRequest, *, enable_auto: bool, parser: str | No
                            "--enable-auto-tool-choice and --tool-call-parser NAME; or send tool_choice \"none\"",
                            param="tool_choice", code="unsupported_parameter")
         return ToolPlan("auto", tools, parser=parser, parallel=req.parallel_tool_calls)
+    if req.structured_outputs_params() is not None:
+        field = next(name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                                       "guided_choice", "guided_grammar")
+                     if getattr(req, name) not in (None, {"type": "text"}))
+        raise APIError(400, f"{field}: tool_choice {json.dumps(choice)} already constrains the output to tool calls; "
+                       "send one or the other", param=field, code="invalid_value")
     if choice == "required":
-        fields = structured_output_fields(required_schema(tools, parallel=req.parallel_tool_calls), '"required"')
+        fields = structured_output_fields(required_schema(tools, parallel=req.parallel_tool_calls))
         return ToolPlan("required", tools, parallel=req.parallel_tool_calls, sampling_fields=fields)
     name = choice["function"]["name"]
-    fields = structured_output_fields(named_schema(tools, name), f"naming the function {name!r}")
+    fields = structured_output_fields(named_schema(tools, name))
     return ToolPlan("named", tools, name=name, sampling_fields=fields)
 
 
