@@ -12,9 +12,11 @@ The engines have tests/test_server.py's shapes (8 rows, 16-token steps), so the 
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
+import time
 
 import httpx
 import jax
@@ -354,6 +356,30 @@ def test_tool_choice_required_and_named_are_constrained(served):
             if choice != "required":
                 assert calls[0][0] == "get_time"
             validate(calls[0][1], schemas[calls[0][0]])
+
+
+def test_grammar_checks_do_not_hold_up_other_requests(served, monkeypatch):
+    """A request's constraint is built and checked on a worker thread (the first one imports xgrammar and torch,
+    ~17 s here): while one takes 1.5 s (`to_grammar` slowed by hand), the event loop answers /v1/models at once.
+    Checked to fail: with `_constraint` calling `req.structured_outputs_params()` on the event loop, /v1/models
+    waited ~1.2 s."""
+    _, url = served
+    original = StructuredOutputsParams.to_grammar
+
+    def slow(self):
+        time.sleep(1.5)
+        return original(self)
+
+    monkeypatch.setattr(StructuredOutputsParams, "to_grammar", slow)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(post, url, prompt=PROMPT, max_tokens=8, structured_outputs={"regex": "[ab]+"})
+        time.sleep(0.3)
+        start = time.perf_counter()
+        r = httpx.get(url + "/v1/models", timeout=10)
+        waited = time.perf_counter() - start
+        assert r.status_code == 200 and waited < 0.6, f"/v1/models waited {waited:.2f} s behind a grammar check"
+        done = pending.result()
+        assert done.status_code == 200 and re.fullmatch("[ab]+", done.json()["choices"][0]["text"]), done.text
 
 
 def test_refusals_name_the_field_and_nothing_compiles(served):

@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -104,12 +105,21 @@ class ServerConfig:
             raise ValueError(f"body_timeout must be positive (or None), got {self.body_timeout=}")
 
 
+def _import_grammar_library() -> None:
+    try:
+        import xgrammar  # noqa: F401  (brings torch: seconds, off the request path)
+    except Exception as e:  # structured requests will name the problem
+        log.warning("structured output is unavailable: importing xgrammar failed: %s", e)
+
+
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The app; it starts `engine` on startup if it is not running. Stopping the engine is the caller's job."""
     from jhybrid import __version__
 
     async def lifespan(app):
         engine.start()
+        if engine.tokenizer is not None:  # structured output's library, imported before a request needs it
+            threading.Thread(target=_import_grammar_library, name="jhybrid-import-xgrammar", daemon=True).start()
         yield
 
     app = FastAPI(title="jhybrid", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -355,7 +365,7 @@ class _Serving:
                            param="stop_token_ids", code="invalid_value")
         return bias, stop_ids
 
-    def _sampling_fields(self, req, chat: bool) -> dict[str, Any]:
+    def _sampling_fields(self, req, chat: bool, structured=None) -> dict[str, Any]:
         """The request's SamplingParams fields but max_tokens and seed; a field the request leaves out takes the
         checkpoint's generation_config.json default (`generation_defaults`), else the engine's."""
         bias, stop_ids = self._token_fields(req)
@@ -388,11 +398,7 @@ class _Serving:
             fields["allowed_token_ids"] = tuple(req.allowed_token_ids)
         if req.bad_words:
             fields["bad_words"] = tuple(req.bad_words)
-        structured = req.structured_outputs_params()
         if structured is not None:
-            if self.engine.tokenizer is None:
-                raise APIError(400, "structured output needs the model's tokenizer; this model has none",
-                               param="response_format", code="invalid_value")
             fields["structured_outputs"] = structured
         fields.update(stop=req.stop_list, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
                       skip_special_tokens=req.skip_special_tokens, min_tokens=req.min_tokens,
@@ -510,11 +516,31 @@ class _Serving:
                            f"{self.engine.max_queued_tokens}", param="prompt", code="too_many_tokens")
         return best_of
 
+    async def _constraint(self, req, tools: ToolPlan | None):
+        """The request's StructuredOutputsParams (None: free text): the tool plan's schema or the request's
+        constraint. Built on a worker thread: the first one imports xgrammar (and torch, ~17 s on a 2-core CPU)
+        and each checks its grammar with the library, which must not hold up the event loop's other requests."""
+        field = "tools" if tools is not None and tools.schema is not None else req.structured_output_field()
+        if field is None:
+            return None
+        if self.engine.tokenizer is None:
+            raise APIError(400, "structured output needs the model's tokenizer; this model has none", param=field,
+                           code="invalid_value")
+        if field != "tools":
+            return await asyncio.to_thread(req.structured_outputs_params)
+        from jhybrid.engine.structured_output import StructuredOutputsParams
+
+        try:
+            return await asyncio.to_thread(StructuredOutputsParams, json=tools.schema)
+        except ValueError as e:
+            raise APIError(400, f"tools: a function's parameters are not a usable JSON schema ({e})", param="tools",
+                           code="invalid_value") from None
+
     async def _generate(self, request, req, model, prefix, ids_list, max_tokens, echo, *, chat: bool,
                         tools: ToolPlan | None = None):
         n, best_of = req.n, self._count(req, ids_list)
         prompts = [ids for ids in ids_list for _ in range(best_of)]
-        fields = {**self._sampling_fields(req, chat), **(tools.sampling_fields if tools else {})}
+        fields = self._sampling_fields(req, chat, await self._constraint(req, tools))
         params = [self._params(fields, req, max_tokens[k // best_of], k % best_of) for k in range(len(prompts))]
         self._check_bans(params[0])
         response_id = f"{prefix}-{uuid.uuid4().hex}"

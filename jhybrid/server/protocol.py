@@ -154,6 +154,13 @@ class _GenerationRequest(BaseModel):
             raise ValueError(f"type must be one of 'text', 'json_object', 'json_schema'; got {v.get('type')!r}")
         return v
 
+    def structured_output_field(self) -> str | None:
+        """The first field that asks for structured output (None: free text); cheap, the constraint unchecked."""
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
+        return next((name for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                                       "guided_grammar") if getattr(self, name) is not None), None)
+
     def structured_outputs_params(self):
         """The request's `StructuredOutputsParams` (None: free text); APIError 400 naming the field when the
         constraint is malformed, invalid (schema, regex, grammar) or given more than once."""

@@ -27,13 +27,6 @@ log = logging.getLogger("jhybrid.server")
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
-def structured_output_fields(schema: dict[str, Any]) -> dict[str, Any]:
-    """The SamplingParams fields that constrain the output to `schema`."""
-    from jhybrid.engine.structured_output import StructuredOutputsParams
-
-    return {"structured_outputs": StructuredOutputsParams(json=schema)}
-
-
 def parameters_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     """A tool's parameters schema (an object with no properties when the tool has none)."""
     return parameters if parameters is not None else EMPTY_PARAMETERS
@@ -109,7 +102,7 @@ class ToolPlan:
     parser: str | None = None
     name: str | None = None
     parallel: bool = True
-    sampling_fields: dict[str, Any] = dataclasses.field(default_factory=dict)
+    schema: dict[str, Any] | None = None  # "required" / "named": the JSON schema the output is constrained to
 
     def new_stream(self):
         if self.mode == "auto":
@@ -134,19 +127,14 @@ def tool_plan(req: ChatCompletionRequest, *, enable_auto: bool, parser: str | No
                            "--enable-auto-tool-choice and --tool-call-parser NAME; or send tool_choice \"none\"",
                            param="tool_choice", code="unsupported_parameter")
         return ToolPlan("auto", tools, parser=parser, parallel=req.parallel_tool_calls)
-    if req.structured_outputs_params() is not None:
-        field = next(name for name in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                                       "guided_choice", "guided_grammar")
-                     if getattr(req, name) not in (None, {"type": "text"}))
+    if (field := req.structured_output_field()) is not None:
         raise APIError(400, f"{field}: tool_choice {json.dumps(choice)} already constrains the output to tool calls; "
                        "send one or the other", param=field, code="invalid_value")
     if choice == "required":
-        fields = structured_output_fields(required_schema(tools, parallel=req.parallel_tool_calls))
-        return ToolPlan("required", tools, parallel=req.parallel_tool_calls, sampling_fields=fields)
+        return ToolPlan("required", tools, parallel=req.parallel_tool_calls,
+                        schema=required_schema(tools, parallel=req.parallel_tool_calls))
     name = choice["function"]["name"]
-    fields = structured_output_fields(named_schema(tools, name))
-    return ToolPlan("named", tools, name=name, sampling_fields=fields)
+    return ToolPlan("named", tools, name=name, schema=named_schema(tools, name))
 
 
-__all__ = ["ConstrainedCalls", "ToolPlan", "named_schema", "required_schema", "structured_output_fields",
-           "template_tools", "tool_plan"]
+__all__ = ["ConstrainedCalls", "ToolPlan", "named_schema", "required_schema", "template_tools", "tool_plan"]
