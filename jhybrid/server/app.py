@@ -30,7 +30,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -105,21 +104,12 @@ class ServerConfig:
             raise ValueError(f"body_timeout must be positive (or None), got {self.body_timeout=}")
 
 
-def _import_grammar_library() -> None:
-    try:
-        import xgrammar  # noqa: F401  (brings torch: seconds, off the request path)
-    except Exception as e:  # structured requests will name the problem
-        log.warning("structured output is unavailable: importing xgrammar failed: %s", e)
-
-
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The app; it starts `engine` on startup if it is not running. Stopping the engine is the caller's job."""
     from jhybrid import __version__
 
     async def lifespan(app):
         engine.start()
-        if engine.tokenizer is not None:  # structured output's library, imported before a request needs it
-            threading.Thread(target=_import_grammar_library, name="jhybrid-import-xgrammar", daemon=True).start()
         yield
 
     app = FastAPI(title="jhybrid", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
