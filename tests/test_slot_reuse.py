@@ -61,13 +61,14 @@ def params(max_tokens: int) -> SamplingParams:
 
 
 def assert_same(label: str, got_ids, got_lps, want_ids, want_lps) -> None:
-    """Same tokens; at every position the same top-2 ids with log-probabilities within 1e-5 (a dirty slot
-    moves them by 7e-4 and more; the same request in another batch or chunking by ~1e-6)."""
+    """Same tokens; at every position the same top-2 ids with log-probabilities within 5e-5 (a dirty slot
+    moves them by 7e-4 and more; the same request in another batch or chunking by ~1e-6 on an Intel Xeon and
+    up to 1.7e-5 on an AMD EPYC without AVX-512, where XLA's CPU code reduces in another order)."""
     assert got_ids == want_ids, f"{label}: tokens {got_ids} != alone {want_ids}"
     for pos, (got, want) in enumerate(zip(got_lps, want_lps, strict=True)):
         assert list(got) == list(want), f"{label}: position {pos}: top-2 ids {list(got)} != alone {list(want)}"
         err = np.abs(np.array(list(got.values())) - np.array(list(want.values()))).max()
-        assert err <= 1e-5, f"{label}: position {pos}: log-probabilities off by {err:.2e} from alone"
+        assert err <= 5e-5, f"{label}: position {pos}: log-probabilities off by {err:.2e} from alone"
 
 
 def alone(model, prompt_ids: list[int], sp: SamplingParams, engine: dict):
