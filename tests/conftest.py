@@ -6,9 +6,17 @@ offload tests run is built once per session (`tiny`), and their engines share on
 a test needs no other (the per-family tests likewise share `FAMILY_ENGINE`); `alone` runs each of `prompts_1_to_300()` by itself once, the reference those tests
 compare batched, preempted and swapped runs with.
 
+Across processes (the two xdist workers, and the servers, engine processes and tensor-parallel workers the
+tests start) programs are shared through JAX's persistent compilation cache, in one folder per test run
+(`pytest_configure`; the environment variables reach the subprocesses).
+
 Tiers: `pytest -m "not slow"` leaves out the tests marked `slow` (every family beyond one of each layer kind,
 the subprocess runs, the kernel variants beyond the default one, ...); the README's command runs everything.
 """
+
+import os
+import tempfile
+import uuid
 
 import numpy as np
 import pytest
@@ -20,6 +28,18 @@ except ImportError:  # torch is only needed by the HF-reference tests
 
 if torch is not None:
     torch.set_num_threads(2)
+
+def pytest_configure(config):
+    """One persistent compilation cache per test run, shared by its xdist workers and their subprocesses."""
+    run = getattr(config, "workerinput", {}).get("testrunuid") or os.environ.get("JHYBRID_TEST_RUN") or uuid.uuid4().hex
+    os.environ["JHYBRID_TEST_RUN"] = run
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"jhybrid-test-jax-cache-{run}")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # 4 running sequences of up to 310 tokens need up to 80 blocks of 16: 45 force preemption; 128-token steps

@@ -107,6 +107,7 @@ def test_generate_missing_model_dir_is_a_clear_error(tmp_path, capsys):
 def test_serve_passes_host_tier_options(monkeypatch):
     import jhybrid.server
 
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)  # set by conftest for the test run
     seen = {}
     monkeypatch.setattr(jhybrid.server, "serve", lambda model, **kw: seen.update(kw, model=model))
     assert main(["serve", "--model", "m", "--host-kv-memory-gb", "2.5", "--preemption-mode", "swap"]) == 0

@@ -125,7 +125,8 @@ ENGINE = dict(dtype=None, max_num_seqs=3, max_model_len=96, num_kv_blocks=24, ma
 CACHED = ENGINE | dict(enable_prefix_caching=True, prefix_snapshot_slots=4)
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=[f if f == "gated_deltanet" else pytest.param(f, marks=pytest.mark.slow)
+                                        for f in FAMILIES])  # the fast tier: one family
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     FAMILIES[request.param](path)
@@ -307,6 +308,7 @@ def _drive(model, mode: str, data) -> tuple[int, int, int]:
     return eng.stats()["prefix_cache_hits"], eng.num_preemptions, pc.num_snapshots_taken
 
 
+@pytest.mark.slow  # the fast tier keeps test_fixed_interleaving_hits_preempts_and_evicts
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.lists(request_st, min_size=3, max_size=7))

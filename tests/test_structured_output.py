@@ -16,6 +16,7 @@ import concurrent.futures
 import json
 import os
 import re
+import sys
 import time
 
 import httpx
@@ -380,6 +381,21 @@ def test_grammar_checks_do_not_hold_up_other_requests(served, monkeypatch):
         assert r.status_code == 200 and waited < 0.6, f"/v1/models waited {waited:.2f} s behind a grammar check"
         done = pending.result()
         assert done.status_code == 200 and re.fullmatch("[ab]+", done.json()["choices"][0]["text"]), done.text
+
+
+def test_without_xgrammar_a_400_names_the_extra(served, monkeypatch):
+    """xgrammar is the `structured` extra (it brings PyTorch): without it, a structured request (or a tool_choice
+    that needs one) is a 400 saying what to install, and the server goes on. Checked to fail: without the
+    ImportError branch of `_constraint` the request answered 500."""
+    _, url = served
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
+    r = post(url, prompt=PROMPT, max_tokens=4, structured_outputs={"regex": "[ab]+x"})
+    assert r.status_code == 400 and "jhybrid[structured]" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "structured_outputs"
+    r = post(url, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=4, tools=TOOLS,
+             tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    assert post(url, prompt=PROMPT, max_tokens=2).status_code == 200
 
 
 def test_refusals_name_the_field_and_nothing_compiles(served):

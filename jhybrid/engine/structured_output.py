@@ -142,8 +142,9 @@ def _library_message(e: Exception) -> str:
 def _xgrammar():
     try:
         import xgrammar
-    except ImportError as e:  # a dependency of the package: a broken install
-        raise ImportError(f"structured output needs the xgrammar package (pip install xgrammar): {e}") from e
+    except ImportError as e:  # the `structured` extra (it brings PyTorch: not a dependency of generation)
+        raise ImportError("structured output needs the xgrammar package: pip install 'jhybrid[structured]' (or "
+                          f"pip install xgrammar): {e}") from e
     return xgrammar
 
 

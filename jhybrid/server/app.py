@@ -516,12 +516,15 @@ class _Serving:
         if self.engine.tokenizer is None:
             raise APIError(400, "structured output needs the model's tokenizer; this model has none", param=field,
                            code="invalid_value")
-        if field != "tools":
-            return await asyncio.to_thread(req.structured_outputs_params)
         from jhybrid.engine.structured_output import StructuredOutputsParams
 
         try:
+            if field != "tools":
+                return await asyncio.to_thread(req.structured_outputs_params)
             return await asyncio.to_thread(StructuredOutputsParams, json=tools.schema)
+        except ImportError as e:  # xgrammar is an extra
+            field = "tool_choice" if field == "tools" else field
+            raise APIError(400, f"{field}: {e}", param=field, code="unsupported_parameter") from None
         except ValueError as e:
             raise APIError(400, f"tools: a function's parameters are not a usable JSON schema ({e})", param="tools",
                            code="invalid_value") from None
