@@ -99,6 +99,24 @@ def test_eviction_of_a_parent_frees_its_descendants():
     assert pc.blocks.num_free == 2 and not pc.blocks.evictable
 
 
+def test_cut_ends_chunks_at_snapshot_points_and_block_boundaries():
+    """The hand-worked chunk ends of `cut` (block size 4): the next snapshot point inside the chunk (the last
+    boundary before the last token, the branch, the interval), else a budget-cut chunk ends on a block boundary;
+    the final chunk is not cut. Checked to fail without the alignment (a 38-token budget gave 38, not 36)."""
+    pc = _cache()
+    assert pc.cut(100, 0, 40) == 40  # 40 is a boundary
+    assert pc.cut(100, 0, 38) == 36  # the budget's end, aligned down
+    assert pc.cut(100, 2, 3) == 2  # to the boundary at 4
+    assert pc.cut(100, 1, 2) == 2  # no boundary inside: as is
+    assert pc.cut(10, 0, 10) == 8  # the last boundary before token 9
+    assert pc.cut(10, 8, 2) == 2  # the tail is fed whole
+    assert pc.cut(100, 0, 40, branch=12) == 12
+    assert _cache(snapshot_interval=5).cut(100, 0, 40) == 20 and _cache(snapshot_interval=5).cut(100, 20, 40) == 20
+    assert pc.wants_snapshot(100, 100, 0, 36) is True and pc.wants_snapshot(100, 100, 0, 38) is False
+    assert pc.wants_snapshot(101, 100, 99, 100) is True  # the prompt's last token, on a boundary
+    assert pc.wants_snapshot(104, 100, 103, 104) == "rolling"  # a decode row that reaches a boundary
+
+
 def test_snapshot_pool_is_lru_and_skips_pinned():
     pc = _cache(num_blocks=17, snapshots=range(4, 6))  # two snapshot slots
     seqs = [[k * 100 + i for i in range(8)] for k in range(3)]
@@ -199,16 +217,20 @@ def test_next_turn_resumes_from_the_finished_sequence(model):
 
 
 def test_shared_system_prompt_snapshots_at_the_branch(model):
-    """Prompts that share a 40-token "system prompt" and go on differently: the first snapshots only at its own
-    last boundary (48, past the shared part), so the second matches KV to 32 but has no snapshot there: it
-    recomputes and leaves one at 32 (the branch point); the third hits at 32."""
+    """Prompts that share a 56-token "system prompt" (three full blocks) and go on differently. The first, fed in
+    32-token chunks, snapshots at each chunk's end (32) and at its last boundary (64, past the shared part); the
+    second matches KV to 48 but its deepest snapshot is at 32: it reuses 32, recomputes to 48 and leaves a
+    snapshot there (the branch point); the third hits at 48. Checked to fail: with `wants_snapshot` not
+    snapshotting chunk ends, the second reused 0; with `branch` not cut, the third reused 32."""
     name, loaded = model
-    system = tokens(20, 40)
+    system = tokens(20, 56)
     prompts = [system + tokens(21 + i, 20) for i in range(3)]
     llm = LLM(loaded, **CACHED)
     outs = [llm.generate([p], params())[0] for p in prompts]
-    assert [o.num_cached_tokens for o in outs] == [0, 0, 32], f"{name}: {[o.num_cached_tokens for o in outs]}"
-    assert_exact(f"{name} system prompt", outs[2], LLM(loaded, **ENGINE).generate([prompts[2]], params())[0])
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 48], f"{name}: {[o.num_cached_tokens for o in outs]}"
+    ref = LLM(loaded, **ENGINE)
+    for i in (1, 2):
+        assert_exact(f"{name} system prompt {i}", outs[i], ref.generate([prompts[i]], params())[0])
 
 
 def test_batch_sharing_blocks_at_once(model):

@@ -8,7 +8,9 @@ hit is the deepest point p where both exist: the KV blocks of positions [0, p) a
 
 The decision (exact, no kernel change): snapshot points are block boundaries. With the cache on, the
 scheduler cuts a prompt's prefill chunk at the last block boundary strictly inside the prompt (and, with
-`snapshot_interval = N`, at every N-th boundary of a long prompt), so that some step ends there; right
+`snapshot_interval = N`, at every N-th boundary of a long prompt), so that some step ends there, and ends
+every chunk that the step's token budget cuts short on a block boundary (a few tokens less in that step), so a
+long prompt also leaves a snapshot at the end of each of its chunks, at no extra step; right
 after that step the sequence's state slot is copied into a snapshot slot (one device-side copy of the slot's
 rows in every linear layer, conv and recurrent state: `jhybrid.cache.state.copy_slots`). A prompt whose
 length is a multiple of the block size also snapshots at its end (no cut needed), and a decoding sequence
@@ -239,7 +241,9 @@ class PrefixCache:
     def cut(self, num_tokens: int, start: int, n: int, branch: int = 0) -> int:
         """`n` or fewer tokens from `start`, so that the chunk ends at the next snapshot point inside
         `(start, start + n)` (the last block boundary before the sequence's last token; every
-        `snapshot_interval`-th boundary; `branch`)."""
+        `snapshot_interval`-th boundary; `branch`); and a chunk that the step's budget ends before the sequence's
+        last token ends on a block boundary (at most `block_size - 1` tokens fewer), so that its state is
+        snapshotted too: a long prompt leaves a snapshot every chunk, for free."""
         if not self.has_state:
             return n
         bs = self.block_size
@@ -251,19 +255,21 @@ class PrefixCache:
             if nxt < last:
                 points.append(nxt)
         end = min(points, default=start + n)
-        return min(n, end - start) if end > start else n
+        n = min(n, end - start) if end > start else n
+        aligned = (start + n) // bs * bs
+        if start + n < last and aligned > start:
+            n = aligned - start
+        return n
 
-    def wants_snapshot(self, num_tokens: int, num_prompt: int, start: int, end: int, branch: int = 0) -> bool | str:
+    def wants_snapshot(self, num_tokens: int, num_prompt: int, start: int, end: int) -> bool | str:
         """Whether the state after a row `[start, end)` is snapshotted: "rolling" for a decode row (it feeds
-        a generated token), True at a prefill snapshot point, else False."""
-        bs = self.block_size
-        if not self.has_state or end % bs or end == 0:
+        a generated token) that reaches a block boundary, True for any other row that ends on one (a snapshot
+        point of `cut`, or the end of a chunk, which `cut` aligns), else False."""
+        if not self.has_state or end % self.block_size or end == 0:
             return False
         if end - start == 1 and start >= num_prompt:
             return "rolling"
-        last = (num_tokens - 1) // bs * bs
-        step = self.snapshot_interval * bs
-        return end in (last, num_tokens, branch) or bool(step and end % step == 0)
+        return True
 
     # ----------------------------------------------------------------- registration
     def register(self, cursor: PrefixCursor, token_ids: list[int], block_table: list[int], upto: int) -> None:

@@ -371,8 +371,7 @@ class Scheduler:
         for row in rows:
             seq, end = row.seq, row.start + row.num_tokens
             self.prefix.register(seq.prefix, seq.token_ids, seq.block_table, min(end, len(seq.token_ids)))
-            want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), row.start, end,
-                                              seq.prefix.branch)
+            want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), row.start, end)
             if want:
                 slot = self.prefix.snapshot(seq.prefix, end // bs, rolling=want == "rolling")
                 if slot is not None:
