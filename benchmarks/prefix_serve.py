@@ -1,0 +1,228 @@
+"""Prefix caching under serving (issue 21's "Must show" on the H200): a shared-prefix workload and a multi-turn
+chat, each against `jhybrid serve`'s app with the cache off and on, in one run.
+
+    PYTHONPATH=. python -m benchmarks.prefix_serve [--json out.json]               # the issue's sizes
+    PYTHONPATH=. python -m benchmarks.prefix_serve --tiny --json /tmp/ps.json      # CPU smoke test
+
+The model is the 2.2 B Qwen3-Next-shaped dense hybrid of benchmarks/generate.py (Gated DeltaNet + full
+attention, its 151,936-token vocabulary, random bf16 weights made on the device); prompts are token ids, so no
+tokenizer is involved. The server is the real app (`create_app` over an `AsyncEngine` on a thread, HTTP over
+loopback, streamed `/v1/completions`, greedy, EOS ignored), built once with `--enable-prefix-caching` off and
+once on (each warmed up: nothing compiles on the request path), the same request list sent to both.
+
+- **shared prefix**: `--groups` groups of `--per-group` requests; a group's requests share a `--system`-token
+  system prompt and each has its own `--question`-token question; `--max-tokens` new tokens; requests are sent
+  group after group, at most `--concurrency` in flight.
+- **multi-turn**: `--conversations` chats of `--turns` turns run side by side (one request in flight per
+  chat); each turn's prompt is the whole history (every earlier question and answer) plus a new
+  `--question`-token question.
+
+Reported per workload and setting: TTFT P50 / P99 (from the request's start to its first streamed token),
+input tokens/s (prompt tokens sent over the wall time), the hit rate (the server's
+`usage.prompt_tokens_details.cached_tokens` over prompt tokens), and for multi-turn the prompt tokens the
+server computed per turn (prompt - cached) against the turn's new tokens; programs compiled after ready
+(expected 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import time
+
+import numpy as np
+
+from benchmarks.decode_step import random_params
+from benchmarks.generate import HF_CONFIG
+from benchmarks.serve_load import _read_events, percentiles
+
+
+async def stream(host: str, port: int, body: dict, timeout: float) -> dict:
+    """One streamed completion: ttft (s), the output token count and the usage's cached tokens."""
+    start = time.perf_counter()
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n")
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(head.encode() + payload)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await asyncio.wait_for(reader.readline(), timeout)) not in (b"\r\n", b""):
+            key, _, value = line.decode().partition(":")
+            headers[key.strip().lower()] = value.strip()
+        out = {"ok": status == 200, "ttft": float("nan"), "tokens": [], "cached": 0, "prompt": 0, "error": ""}
+        async for data in _read_events(reader, "chunked" in headers.get("transfer-encoding", "")):
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if status != 200 or "error" in event:
+                out.update(ok=False, error=str(event.get("error", event))[:200])
+                break
+            if event.get("usage"):
+                usage = event["usage"]
+                out["prompt"] = usage["prompt_tokens"]
+                out["cached"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            for choice in event.get("choices", []):
+                tokens = (choice.get("logprobs") or {}).get("tokens") or []
+                if tokens and out["ttft"] != out["ttft"]:
+                    out["ttft"] = time.perf_counter() - start
+                out["tokens"] += [int(t.removeprefix("token_id:")) for t in tokens]
+        return out
+    finally:
+        writer.close()
+
+
+def body(model: str, prompt: list[int], max_tokens: int) -> dict:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0}  # logprobs: the output's token ids
+
+
+async def shared_prefix(host, port, model, a, vocab) -> tuple[list[dict], float]:
+    rng = np.random.default_rng(0)
+    prompts = []
+    for _ in range(a.groups):
+        system = rng.integers(0, vocab, a.system).tolist()
+        prompts += [system + rng.integers(0, vocab, a.question).tolist() for _ in range(a.per_group)]
+    gate = asyncio.Semaphore(a.concurrency)
+
+    async def one(p):
+        async with gate:
+            return await stream(host, port, body(model, p, a.max_tokens), a.timeout)
+
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    for r, p in zip(results, prompts):
+        r["prompt"] = r["prompt"] or len(p)
+    return results, time.perf_counter() - t0
+
+
+async def multi_turn(host, port, model, a, vocab) -> tuple[list[dict], float]:
+    """The history grows by each turn's question and the model's answer (its token ids, from the streamed
+    logprobs: the model has no tokenizer, so they read "token_id:N")."""
+    rng = np.random.default_rng(1)
+    questions = [[rng.integers(0, vocab, a.question).tolist() for _ in range(a.turns)] for _ in range(a.conversations)]
+
+    async def chat(c):
+        history, out = [], []
+        for t in range(a.turns):
+            prompt = history + questions[c][t]
+            r = await stream(host, port, body(model, prompt, a.max_tokens), a.timeout)
+            r.update(turn=t, new=len(questions[c][t]), prompt=r["prompt"] or len(prompt))
+            out.append(r)
+            history = prompt + r["tokens"]
+        return out
+
+    t0 = time.perf_counter()
+    results = [r for rs in await asyncio.gather(*(chat(c) for c in range(a.conversations))) for r in rs]
+    return results, time.perf_counter() - t0
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    ok = [r for r in results if r["ok"]]
+    prompt = sum(r["prompt"] for r in ok)
+    s = {"requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
+         "ttft_s": percentiles([r["ttft"] for r in ok]), "input_tokens_per_s": prompt / wall,
+         "hit_rate": sum(r["cached"] for r in ok) / max(prompt, 1),
+         "first_errors": [r["error"] for r in results if not r["ok"]][:3]}
+    if ok and "turn" in ok[0]:
+        turns = sorted({r["turn"] for r in ok})
+        s["computed_per_turn"] = [float(np.mean([r["prompt"] - r["cached"] for r in ok if r["turn"] == t])) for t in turns]
+        s["prompt_per_turn"] = [float(np.mean([r["prompt"] for r in ok if r["turn"] == t])) for t in turns]
+        s["new_per_turn"] = [float(np.mean([r["new"] for r in ok if r["turn"] == t])) for t in turns]
+    return s
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=50)
+    parser.add_argument("--per-group", type=int, default=10)
+    parser.add_argument("--system", type=int, default=10240, help="system prompt tokens")
+    parser.add_argument("--question", type=int, default=256, help="question tokens (per request / turn)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=5)
+    parser.add_argument("--conversations", type=int, default=5)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    parser.add_argument("--only", choices=["shared", "multi"], help="one workload")
+    parser.add_argument("--json")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and small sizes (CPU smoke test)")
+    a = parser.parse_args(argv)
+
+    import jax
+
+    from jhybrid.config import ModelConfig
+    from jhybrid.engine.llm_engine import LLMEngine
+    from jhybrid.engine.engine_config import EngineConfig
+    from jhybrid.model_loader import LoadedModel
+    from jhybrid.server import BackgroundServer, ServerConfig, create_app
+    from jhybrid.server.async_engine import AsyncEngine
+
+    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
+    if a.tiny:
+        from benchmarks.serve_gpu import TINY_CONFIG
+
+        hf.update(TINY_CONFIG, vocab_size=4096)
+        a.groups, a.per_group, a.system, a.question, a.max_tokens = 2, 4, 200, 24, 8
+        a.conversations, a.turns, a.max_num_batched_tokens = 2, 3, 128
+    cfg = ModelConfig.from_hf(hf)
+    model = LoadedModel(cfg=cfg, params=random_params(cfg))
+    longest = max(a.system + a.question, a.turns * (a.question + a.max_tokens)) + a.max_tokens
+    max_len = 1 << (longest - 1).bit_length()
+    rows = max(a.concurrency, a.conversations)
+    res = {"device": str(jax.devices()[0].device_kind), "args": vars(a), "runs": {}}
+    workloads = {"shared": shared_prefix, "multi": multi_turn}
+    if a.only:
+        workloads = {a.only: workloads[a.only]}
+    for cached in (False, True):
+        setting = "on" if cached else "off"
+        t0 = time.perf_counter()
+        config = EngineConfig(dtype=None, max_num_seqs=rows, max_model_len=max_len, warmup=True,
+                              max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=0.6,
+                              enable_prefix_caching=cached)
+        engine = AsyncEngine(LLMEngine(model, config), model_name="m")
+        server = BackgroundServer(create_app(engine, ServerConfig(model_names=("m",)))).start()
+        print(f"server (prefix caching {setting}) ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        host, port = server.url.removeprefix("http://").split(":")
+        try:
+            for name, run in workloads.items():
+                results, wall = asyncio.run(run(host, int(port), "m", a, cfg.vocab_size))
+                s = res["runs"][f"{name} / {setting}"] = summarize(results, wall)
+                print(f"  {name:7s} {wall:8.2f} s  TTFT p50 {s['ttft_s']['p50'] * 1e3:9.1f} ms  p99 "
+                      f"{s['ttft_s']['p99'] * 1e3:9.1f} ms  hit rate {s['hit_rate']:6.1%}  errors {s['errors']}",
+                      flush=True)
+            res[f"compiled_after_ready_{setting}"] = engine.engine.stats()["programs_compiled_after_ready"]
+        finally:
+            server.stop()
+            engine.shutdown()
+            del engine, server
+            gc.collect()
+
+    print(f"\n{res['device']}; programs compiled after ready: off {res['compiled_after_ready_off']}, "
+          f"on {res['compiled_after_ready_on']}")
+    print(f"{'workload':10s} {'cache':>5s} {'TTFT p50 ms':>12s} {'TTFT p99 ms':>12s} {'input tok/s':>12s} "
+          f"{'hit rate':>9s} {'errors':>6s}")
+    for key, s in res["runs"].items():
+        name, setting = key.split(" / ")
+        print(f"{name:10s} {setting:>5s} {s['ttft_s']['p50'] * 1e3:12.1f} {s['ttft_s']['p99'] * 1e3:12.1f} "
+              f"{s['input_tokens_per_s']:12.0f} {s['hit_rate']:9.1%} {s['errors']:6d}")
+    for name in workloads:
+        off, on = res["runs"][f"{name} / off"], res["runs"][f"{name} / on"]
+        print(f"{name}: TTFT p50 {off['ttft_s']['p50'] / on['ttft_s']['p50']:.2f}x lower with the cache")
+    if "multi / on" in res["runs"]:
+        on = res["runs"]["multi / on"]
+        print("multi-turn, per turn (cache on): prompt tokens " + ", ".join(f"{x:.0f}" for x in on["prompt_per_turn"]))
+        print("                                 computed      " + ", ".join(f"{x:.0f}" for x in on["computed_per_turn"]))
+        print("                                 new           " + ", ".join(f"{x:.0f}" for x in on["new_per_turn"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0 if all(s["errors"] == 0 for s in res["runs"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
