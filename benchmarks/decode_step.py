@@ -41,6 +41,21 @@ def random_params(cfg: ModelConfig, seed: int = 0):
     return pack_params(unflatten(flat, cfg))
 
 
+def random_model(tiny: bool = False, tokenizer=None):
+    """The 2.2 B Qwen3-Next-shaped dense hybrid of benchmarks/generate.py (bf16, its full vocabulary) as a
+    `LoadedModel` with random weights made on the device; `tiny`: benchmarks/serve_gpu.py's toy config with
+    vocab 4096 (CPU smoke tests of the scripts)."""
+    from jhybrid.model_loader import LoadedModel
+
+    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
+    if tiny:
+        from benchmarks.serve_gpu import TINY_CONFIG
+
+        hf.update(TINY_CONFIG, vocab_size=4096)
+    cfg = ModelConfig.from_hf(hf)
+    return LoadedModel(cfg=cfg, params=random_params(cfg), tokenizer=tokenizer)
+
+
 def count_kernels(hlo_text: str) -> dict[str, int]:
     entry = hlo_text[hlo_text.index("ENTRY") :]
     return {

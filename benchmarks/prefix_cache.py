@@ -28,8 +28,7 @@ import time
 
 import numpy as np
 
-from benchmarks.decode_step import random_params
-from benchmarks.generate import HF_CONFIG
+from benchmarks.decode_step import random_model
 
 
 def workloads(vocab: int, system: int, requests: int):
@@ -71,17 +70,11 @@ def main(argv=None) -> int:
     import jax
 
     import jhybrid
-    from jhybrid.config import ModelConfig
-    from jhybrid.model_loader import LoadedModel
 
-    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
     if args.tiny:
-        from benchmarks.serve_gpu import TINY_CONFIG
-
-        hf.update(TINY_CONFIG, vocab_size=4096)
         args.system, args.requests = min(args.system, 200), min(args.requests, 4)
-    cfg = ModelConfig.from_hf(hf)
-    model = LoadedModel(cfg=cfg, params=random_params(cfg))
+    model = random_model(args.tiny)
+    cfg = model.cfg
     shapes = dict(dtype=None, max_num_seqs=args.requests, max_model_len=4096, max_num_batched_tokens=4096,
                   gpu_memory_utilization=0.5, warmup=True)
     res = {"device": str(jax.devices()[0].device_kind), "system": args.system, "requests": args.requests, "runs": {}}

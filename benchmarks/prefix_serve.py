@@ -34,46 +34,16 @@ import time
 
 import numpy as np
 
-from benchmarks.decode_step import random_params
-from benchmarks.generate import HF_CONFIG
-from benchmarks.serve_load import _read_events, percentiles
+from benchmarks.decode_step import random_model
+from benchmarks.serve_load import one_request, percentiles
 
 
 async def stream(host: str, port: int, body: dict, timeout: float) -> dict:
-    """One streamed completion: ttft (s), the output token count and the usage's cached tokens."""
-    start = time.perf_counter()
-    payload = json.dumps(body).encode()
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n")
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(head.encode() + payload)
-        await writer.drain()
-        status = int((await reader.readline()).split()[1])
-        headers = {}
-        while (line := await asyncio.wait_for(reader.readline(), timeout)) not in (b"\r\n", b""):
-            key, _, value = line.decode().partition(":")
-            headers[key.strip().lower()] = value.strip()
-        out = {"ok": status == 200, "ttft": float("nan"), "tokens": [], "cached": 0, "prompt": 0, "error": ""}
-        async for data in _read_events(reader, "chunked" in headers.get("transfer-encoding", "")):
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if status != 200 or "error" in event:
-                out.update(ok=False, error=str(event.get("error", event))[:200])
-                break
-            if event.get("usage"):
-                usage = event["usage"]
-                out["prompt"] = usage["prompt_tokens"]
-                out["cached"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            for choice in event.get("choices", []):
-                tokens = (choice.get("logprobs") or {}).get("tokens") or []
-                if tokens and out["ttft"] != out["ttft"]:
-                    out["ttft"] = time.perf_counter() - start
-                out["tokens"] += [int(t.removeprefix("token_id:")) for t in tokens]
-        return out
-    finally:
-        writer.close()
+    """One streamed completion (benchmarks.serve_load's client): ttft (s), output token ids, prompt and cached
+    tokens."""
+    r = await one_request(host, port, "/v1/completions", body, None, timeout)
+    return {"ok": r.ok, "ttft": r.ttft, "tokens": r.token_ids, "cached": r.num_cached_tokens,
+            "prompt": r.num_prompt_tokens, "error": r.error}
 
 
 def body(model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -155,22 +125,16 @@ def main(argv=None) -> int:
 
     import jax
 
-    from jhybrid.config import ModelConfig
     from jhybrid.engine.llm_engine import LLMEngine
     from jhybrid.engine.engine_config import EngineConfig
-    from jhybrid.model_loader import LoadedModel
     from jhybrid.server import BackgroundServer, ServerConfig, create_app
     from jhybrid.server.async_engine import AsyncEngine
 
-    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
     if a.tiny:
-        from benchmarks.serve_gpu import TINY_CONFIG
-
-        hf.update(TINY_CONFIG, vocab_size=4096)
         a.groups, a.per_group, a.system, a.question, a.max_tokens = 2, 4, 200, 24, 8
         a.conversations, a.turns, a.max_num_batched_tokens = 2, 3, 128
-    cfg = ModelConfig.from_hf(hf)
-    model = LoadedModel(cfg=cfg, params=random_params(cfg))
+    model = random_model(a.tiny)
+    cfg = model.cfg
     longest = max(a.system + a.question, a.turns * (a.question + a.max_tokens)) + a.max_tokens
     max_len = 1 << (longest - 1).bit_length()
     rows = max(a.concurrency, a.conversations)

@@ -30,8 +30,7 @@ import os
 
 import numpy as np
 
-from benchmarks.decode_step import decode_step_times, random_params
-from benchmarks.generate import HF_CONFIG
+from benchmarks.decode_step import decode_step_times, random_model
 
 
 def settings(vocab: int) -> dict:
@@ -79,17 +78,10 @@ def main(argv=None) -> int:
 
     import jhybrid
     from jhybrid.assets import default_model_path
-    from jhybrid.config import ModelConfig
-    from jhybrid.model_loader import LoadedModel
     from jhybrid.tokenizer import load_tokenizer
 
-    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
-    if args.tiny:
-        from benchmarks.serve_gpu import TINY_CONFIG
-
-        hf.update(TINY_CONFIG, vocab_size=4096)
-    cfg = ModelConfig.from_hf(hf)
-    model = LoadedModel(cfg=cfg, params=random_params(cfg), tokenizer=load_tokenizer(default_model_path()))
+    model = random_model(args.tiny, tokenizer=load_tokenizer(default_model_path()))
+    cfg = model.cfg
     llm = jhybrid.LLM(model, dtype=None, max_num_seqs=args.batch, max_model_len=512, max_num_batched_tokens=2048,
                       warmup=True)
     eng = llm.engine

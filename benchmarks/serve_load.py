@@ -43,6 +43,9 @@ class Result:
     e2e: float = float("nan")
     num_output_tokens: int = 0
     error: str = ""
+    num_prompt_tokens: int = 0  # from the final usage event (stream_options.include_usage)
+    num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (prefix caching)
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # with logprobs, on a server without tokenizer
 
 
 async def _read_events(reader: asyncio.StreamReader, chunked: bool):
@@ -98,11 +101,14 @@ async def one_request(host: str, port: int, path: str, body: dict, api_key: str 
                 event = json.loads(data)
                 if "error" in event:
                     return Result(False, error=event["error"].get("message", "error event"))
-                if event.get("usage"):
-                    res.num_output_tokens = event["usage"]["completion_tokens"]
+                if usage := event.get("usage"):
+                    res.num_output_tokens, res.num_prompt_tokens = usage["completion_tokens"], usage["prompt_tokens"]
+                    res.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 for choice in event.get("choices", []):
                     text = choice.get("text") or (choice.get("delta") or {}).get("content")
-                    if text:
+                    tokens = (choice.get("logprobs") or {}).get("tokens") or []  # completions' logprobs
+                    res.token_ids += [int(t[9:]) for t in tokens if t.startswith("token_id:")]
+                    if text or tokens:
                         now = time.perf_counter()
                         if last is None:
                             res.ttft = now - start
