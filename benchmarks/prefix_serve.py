@@ -97,7 +97,8 @@ def summarize(results: list[dict], wall: float) -> dict:
     s = {"requests": len(results), "errors": len(results) - len(ok), "wall_s": wall,
          "ttft_s": percentiles([r["ttft"] for r in ok]), "input_tokens_per_s": prompt / wall,
          "hit_rate": sum(r["cached"] for r in ok) / max(prompt, 1),
-         "first_errors": [r["error"] for r in results if not r["ok"]][:3]}
+         "first_errors": [r["error"] for r in results if not r["ok"]][:3],
+         "per_request": [[round(r["ttft"] * 1e3, 2), r["cached"], r["prompt"]] for r in ok]}  # TTFT ms, cached, prompt
     if ok and "turn" in ok[0]:
         turns = sorted({r["turn"] for r in ok})
         s["computed_per_turn"] = [float(np.mean([r["prompt"] - r["cached"] for r in ok if r["turn"] == t])) for t in turns]
@@ -133,10 +134,10 @@ def main(argv=None) -> int:
     if a.tiny:
         a.groups, a.per_group, a.system, a.question, a.max_tokens = 2, 4, 200, 24, 8
         a.conversations, a.turns, a.max_num_batched_tokens = 2, 3, 128
-    model = random_model(a.tiny)
-    cfg = model.cfg
     longest = max(a.system + a.question, a.turns * (a.question + a.max_tokens)) + a.max_tokens
     max_len = 1 << (longest - 1).bit_length()
+    model = random_model(a.tiny, max_position_embeddings=max_len)
+    cfg = model.cfg
     rows = max(a.concurrency, a.conversations)
     res = {"device": str(jax.devices()[0].device_kind), "args": vars(a), "runs": {}}
     workloads = {"shared": shared_prefix, "multi": multi_turn}
@@ -159,7 +160,10 @@ def main(argv=None) -> int:
                 print(f"  {name:7s} {wall:8.2f} s  TTFT p50 {s['ttft_s']['p50'] * 1e3:9.1f} ms  p99 "
                       f"{s['ttft_s']['p99'] * 1e3:9.1f} ms  hit rate {s['hit_rate']:6.1%}  errors {s['errors']}",
                       flush=True)
-            res[f"compiled_after_ready_{setting}"] = engine.engine.stats()["programs_compiled_after_ready"]
+            stats = engine.engine.stats()
+            res[f"compiled_after_ready_{setting}"] = stats["programs_compiled_after_ready"]
+            res[f"engine_stats_{setting}"] = {k: v for k, v in stats.items() if k.startswith(("prefix", "kv_blocks"))
+                                              or k in ("num_steps", "num_preemptions")}
         finally:
             server.stop()
             engine.shutdown()

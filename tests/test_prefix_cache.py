@@ -117,6 +117,31 @@ def test_cut_ends_chunks_at_snapshot_points_and_block_boundaries():
     assert pc.wants_snapshot(104, 100, 103, 104) == "rolling"  # a decode row that reaches a boundary
 
 
+def test_planner_sizes_the_snapshot_pool_and_lets_cached_blocks_fill_the_budget():
+    """With prefix caching and no pool size given, the planner gives snapshots a tenth of the budget (at least
+    2 * max_num_seqs + 2: each running sequence may hold a decode snapshot and a pending one), and the KV pool is
+    not capped at what `max_num_seqs` sequences use (cached blocks of finished ones live in the rest). Found on
+    the H200 with the old default (`max_num_seqs` snapshots): five decoding requests' snapshots pushed the
+    shared system prompt's out."""
+    from jhybrid.cache.planner import plan_cache
+    from jhybrid.config import ModelConfig
+    from tests.hf_models import _COMMON, _LINEAR
+
+    cfg = ModelConfig.from_hf(dict(_COMMON, **_LINEAR, model_type="qwen3_5_text"))
+    kw = dict(max_num_seqs=4, max_model_len=64, block_size=BS, kv_dtype="float32", free_bytes=1 << 30,
+              memory_fraction=1.0, activation_reserve=0.0)
+    per = cfg.state_bytes_per_sequence()
+    kv_block = BS * cfg.kv_bytes_per_token(4)
+    off = plan_cache(cfg, **kw)
+    on = plan_cache(cfg, **kw, num_snapshot_slots=None, prefix_caching=True)
+    assert off.num_blocks == 4 * 4 + 1 and off.num_snapshot_slots == 0
+    assert on.num_snapshot_slots == max(10, int(0.1 * (1 << 30) // per))
+    assert on.num_blocks == int(((1 << 30) - (5 + on.num_snapshot_slots) * per) // kv_block)
+    fixed = plan_cache(cfg, **(kw | dict(free_bytes=None)), num_kv_blocks=40, num_snapshot_slots=None,
+                       prefix_caching=True)
+    assert fixed.num_blocks == 40 and fixed.num_snapshot_slots == 10
+
+
 def test_snapshot_pool_is_lru_and_skips_pinned():
     pc = _cache(num_blocks=17, snapshots=range(4, 6))  # two snapshot slots
     seqs = [[k * 100 + i for i in range(8)] for k in range(3)]
@@ -246,6 +271,25 @@ def test_batch_sharing_blocks_at_once(model):
     ref = LLM(loaded, **ENGINE)
     for i, (p, out) in enumerate(zip(prompts, outs)):
         assert_exact(f"{name} batch row {i}", out, ref.generate([p], params())[0])
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(model):
+    """Three prompts with one 56-token system prompt, sent together to an empty cache, with a budget that would
+    admit all three in the first step: the second and third wait for the first to pass the shared part (its
+    chunk cut at 48, the last shared boundary, and snapshotted there), then resume there. Checked to fail:
+    without `Scheduler._defer` they computed the system prompt three times (cached [0, 0, 0]); without the
+    first step's row cut at the shared boundary, the second one recomputed it (its chunk ended at 64; [0, 0, 48])."""
+    name, loaded = model
+    system = tokens(30, 56)
+    prompts = [system + tokens(31 + i, 20) for i in range(3)]
+    llm = LLM(loaded, **(CACHED | dict(max_num_batched_tokens=256)))
+    outs = llm.generate(prompts, params())
+    assert [o.num_cached_tokens for o in outs] == [0, 48, 48], f"{name}: {[o.num_cached_tokens for o in outs]}"
+    ref = LLM(loaded, **ENGINE)
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        assert_exact(f"{name} together {i}", out, ref.generate([p], params())[0])
+    stats = llm.engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["state_slots_used"] == 0
 
 
 def test_cache_off_reports_nothing(model):

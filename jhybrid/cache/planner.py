@@ -48,10 +48,16 @@ def plan_cache(
     memory_fraction: float = 0.9,
     free_bytes: int | None = None,
     activation_reserve: float = 0.1,
-    num_snapshot_slots: int = 0,
+    num_snapshot_slots: int | None = 0,
+    prefix_caching: bool = False,
 ) -> CacheConfig:
     """The cache sizes. `num_kv_blocks` fixes the pool; otherwise it fills what the budget leaves after the state
     slots and the `num_snapshot_slots` prefix-cache snapshots (each the size of a state slot).
+
+    `num_snapshot_slots=None` (prefix caching of a model with linear layers, no size given): a tenth of the
+    budget, and at least `2 * max_num_seqs + 2` (each running sequence may hold a decode snapshot and a pending
+    one, which must not push every prompt's snapshot out). `prefix_caching`: the KV pool is not capped at what
+    `max_num_seqs` sequences can use, since cached blocks of finished sequences live in the rest.
 
     Raises ValueError when the budget cannot hold the slots plus one `max_model_len` sequence of KV.
     """
@@ -62,15 +68,21 @@ def plan_cache(
     min_blocks = blocks_per_seq + 1  # one full-length sequence plus the null page
     kv_itemsize = jax.numpy.dtype(kv_dtype).itemsize
     block_bytes = block_size * cfg.kv_bytes_per_token(kv_itemsize)
+    least_snapshots = 2 * max_num_seqs + 2
     if num_kv_blocks is None:
         if cfg.num_full_layers == 0:
             num_kv_blocks = min_blocks
+            num_snapshot_slots = least_snapshots if num_snapshot_slots is None else num_snapshot_slots
         else:
             free = device_memory_bytes() if free_bytes is None else free_bytes
             budget = free * memory_fraction * (1.0 - activation_reserve)
+            if num_snapshot_slots is None:
+                per = max(cfg.state_bytes_per_sequence(), 1)
+                num_snapshot_slots = max(least_snapshots, int(0.1 * budget // per))
             state_bytes = (num_slots + num_snapshot_slots) * cfg.state_bytes_per_sequence()
             num_kv_blocks = int((budget - state_bytes) // block_bytes)
-            num_kv_blocks = min(num_kv_blocks, max_num_seqs * blocks_per_seq + 1)  # more is never used
+            if not prefix_caching:
+                num_kv_blocks = min(num_kv_blocks, max_num_seqs * blocks_per_seq + 1)  # more is never used
             if num_kv_blocks < min_blocks:
                 raise ValueError(
                     f"memory budget {budget / 2**30:.2f} GiB holds {num_slots} state slots and {num_snapshot_slots} "
@@ -80,5 +92,7 @@ def plan_cache(
                 )
     elif num_kv_blocks < min_blocks:
         raise ValueError(f"{num_kv_blocks=} cannot hold one {max_model_len=} sequence: need >= {min_blocks}")
+    if num_snapshot_slots is None:  # a fixed pool: no budget to take a share of
+        num_snapshot_slots = least_snapshots
     return CacheConfig(num_blocks=num_kv_blocks, block_size=block_size, num_slots=num_slots, kv_dtype=kv_dtype,
                        num_snapshot_slots=num_snapshot_slots)

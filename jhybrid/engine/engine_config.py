@@ -99,7 +99,8 @@ class EngineConfig:
         "usage.prompt_tokens_details.cached_tokens", group="prefix caching")
     prefix_snapshot_slots: int | None = _option(
         None, "with --enable-prefix-caching: state snapshots kept on the device (each the size of one sequence's "
-        "linear state; counted by the memory planner)", metavar="N", none="max_num_seqs", group="prefix caching")
+        "linear state; counted by the memory planner)", metavar="N",
+        none="a tenth of the cache memory, at least 2 * max_num_seqs + 2", group="prefix caching")
     prefix_snapshot_interval: int = _option(
         0, "with --enable-prefix-caching: also snapshot the state every N blocks of a long prompt (each costs a "
         "step boundary and a snapshot slot); 0: only at a prompt's last block boundary", metavar="N",

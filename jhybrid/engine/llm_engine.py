@@ -98,11 +98,11 @@ class LLMEngine:
         kv_dtype = np.dtype(model.params["embed"].dtype).name
         num_snapshots = 0
         if config.enable_prefix_caching and cfg.num_linear_layers:
-            num_snapshots = config.prefix_snapshot_slots or max_num_seqs
+            num_snapshots = config.prefix_snapshot_slots  # None: the planner's share of the budget
         self.cache = plan_cache(cfg, max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
                                 kv_dtype=kv_dtype, num_kv_blocks=config.num_kv_blocks,
                                 memory_fraction=config.memory_fraction, free_bytes=_tp_free_bytes(tensor_parallel_size),
-                                num_snapshot_slots=num_snapshots)
+                                num_snapshot_slots=num_snapshots, prefix_caching=config.enable_prefix_caching)
         self.prefix_cache = None
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.cache.num_blocks, block_size, self.cache.snapshot_slots,
@@ -147,7 +147,7 @@ class LLMEngine:
         self.timing = dict(num_steps=0, host_schedule_seconds=0.0, host_prepare_seconds=0.0,
                            host_postprocess_seconds=0.0, device_wait_seconds=0.0)
         log.info("KV pool: %d blocks of %d tokens; %d state slots%s", self.cache.num_blocks - 1, block_size,
-                 self.cache.num_slots - 1, f"; prefix caching with {num_snapshots} state snapshots"
+                 self.cache.num_slots - 1, f"; prefix caching with {self.cache.num_snapshot_slots} state snapshots"
                  if self.prefix_cache is not None else "")
         if config.warmup:
             self.warmup()

@@ -300,13 +300,21 @@ class Scheduler:
                 preempted.append(seq)
             else:  # the engine sizes the pool for one max_model_len sequence, so this cannot happen
                 raise AssertionError(f"{seq} does not fit in the KV pool alone")
-        # 2. admit waiting sequences
+        # 2. admit waiting sequences (with the prefix cache on, one whose prompt shares more with a prompt still
+        # being prefilled than the cache holds waits for it, and the ones behind it go first)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted this step with a token still on the device
                 break
             if not self.slots.can_allocate(1):
                 break
+            if len(deferred) < self.max_num_seqs:  # (a bounded scan per step)
+                freed = self._defer(seq, rows)
+                if freed is not None:
+                    deferred.append(self.waiting.popleft())
+                    budget += freed
+                    continue
             hit = self._lookup(seq)
             start = seq.num_computed  # > 0 for a swapped-out sequence, which resumes there, or a prefix hit
             n = min(seq.num_uncomputed, budget)
@@ -337,6 +345,7 @@ class Scheduler:
             self.running.append(seq)
             rows.append(ScheduledRow(seq, start, n, start + n == seq.num_tokens))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))
         # the host advances its view now: fed tokens are computed, sampled ones pending
         for row in rows:
             row.seq.num_computed += row.num_tokens
@@ -362,6 +371,42 @@ class Scheduler:
             seq.num_computed = hit.num_tokens
             self.prefix.start_from(seq.prefix, hit)
         return hit
+
+    def _defer(self, seq: Sequence, rows: list[ScheduledRow]) -> int | None:
+        """Whether a waiting sequence should wait for a running one that is still prefilling a prefix they share
+        (several requests with one system prompt that arrive together): admitted now, each would compute the
+        shared part itself; a step or a few later it is a hit. It waits (an int: the tokens of `rows` given back)
+        when a running sequence has not yet computed, at the start of this step, a shared prefix at least one
+        block deeper than the cache's hit for `seq`; that sequence's chunk then ends where the prompts part
+        (this step's row is cut there, later chunks by `PrefixCursor.branch`), so that a snapshot is taken there.
+        A sequence waits only while another makes progress on its prefill, so it cannot wait forever. None: no
+        reason to wait."""
+        if (self.prefix is None or seq.num_computed or seq.seq_id in self.swapped
+                or seq.params.prompt_logprobs is not None):
+            return None
+        bs = self.blocks.block_size
+        limit = (len(seq.prompt_ids) - 1) // bs * bs  # a hit leaves the last token to feed
+        freed, hit = None, None
+        for other in self.running:
+            start = other.num_computed  # where this step's row begins (the host advances it at the end)
+            if start >= len(other.prompt_ids) or start + bs > limit:  # done with its prompt, or nothing to gain
+                continue
+            shared = _shared_prefix(seq.prompt_ids, other.prompt_ids, limit) // bs * bs
+            if shared <= start:
+                continue
+            if hit is None:
+                found, _ = self.prefix.lookup(seq.token_ids)
+                hit = found.num_tokens if found is not None else 0
+            if shared < hit + bs:
+                continue
+            freed = freed or 0
+            if not start < other.prefix.branch <= shared:
+                other.prefix.branch = shared
+            for i, row in enumerate(rows):
+                if row.seq is other and row.start < shared < row.start + row.num_tokens:
+                    rows[i] = ScheduledRow(other, row.start, shared - row.start, False)
+                    freed += row.start + row.num_tokens - shared
+        return freed
 
     def _register(self, rows: list[ScheduledRow]) -> list[tuple[int, int]]:
         """Registers the rows' full blocks (ids known on the host) and picks the rows whose state is snapshotted
@@ -456,3 +501,17 @@ class Scheduler:
 def _num_blocks(seq: Sequence) -> int:
     """KV blocks the sequence holds, in both tiers."""
     return len(seq.host_blocks) + len(seq.block_table)
+
+
+def _shared_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the common prefix of `a` and `b`, at most `limit` (compared a slice at a time, in C)."""
+    n = min(len(a), len(b), limit)
+    i, step = 0, 256
+    while i < n:
+        j = min(i + step, n)
+        if a[i:j] != b[i:j]:
+            while a[i] == b[i]:
+                i += 1
+            return i
+        i = j
+    return n
