@@ -245,6 +245,34 @@ def test_min_tokens_holds_stop_tokens_while_the_grammar_can_go_on(offline):
         assert out.finish_reason == "stop" and out.text in CHOICES, out
 
 
+def test_batch_fill_equals_row_by_row(offline):
+    """`fill_bitmask` (the library's threaded batch fill, what a step with several constrained rows uses) writes the
+    same rows as `Matcher.fill` one by one, with matchers in different states, the JSON control-byte mask and
+    `hold_stop`; rows it is not given stay all-allowed. Checked to fail with `_finish` skipped in the batch path
+    (the JSON rows kept tokens with control bytes)."""
+    from jhybrid.engine.structured_output import fill_bitmask, new_bitmask
+
+    grammars = offline.engine._grammar_cache()
+    tok = offline.engine.tokenizer
+    rows = [(StructuredOutputsParams(json=SCHEMA), '{"name": "a'), (StructuredOutputsParams(regex="[a-c]+x"), "ab"),
+            (StructuredOutputsParams(choice=CHOICES), ""), (StructuredOutputsParams(json_object=True), "{")]
+    matchers = []
+    for so, prefix in rows:
+        m = grammars.matcher(so)
+        for t in tok.encode(prefix):
+            assert m.accept(t), (so, prefix, t)
+        matchers.append(m)
+    vocab = offline.engine.model.cfg.vocab_size
+    for hold in (False, True):
+        want, got = new_bitmask(6, vocab), new_bitmask(6, vocab)
+        spec = [(i + 1, m, hold) for i, m in enumerate(matchers)]
+        for row, m, h in spec:
+            m.fill(want, row, h)
+        fill_bitmask(got, spec)
+        np.testing.assert_array_equal(got, want)
+        assert (got[0] == -1).all() and (got[5] == -1).all() and not (got[1:5] == -1).all()
+
+
 def test_recompute_and_abort_keep_the_matcher_right(offline):
     """Every running sequence sent back for recompute mid-generation (the engine's failed-step recovery drops the
     step in flight, its tokens unread) resumes its matcher where its tokens are: the outputs equal those of an

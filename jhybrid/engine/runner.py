@@ -48,7 +48,7 @@ from jhybrid.config import ModelConfig
 from jhybrid.engine.sampling import (FLAG_PENALTIES, MAX_BAN_TOKENS, SamplingArrays, SamplingParams, SlotTables,
                                      TokenHistory, prompt_logprobs, record_fed_tokens, sample)
 from jhybrid.engine.slot_tables import SlotTableKeeper, recent_window
-from jhybrid.engine.structured_output import bitmask_width, new_bitmask
+from jhybrid.engine.structured_output import bitmask_width, fill_bitmask, new_bitmask
 from jhybrid.engine.scheduler import SchedulerOutput
 from jhybrid.models.batch import Batch
 from jhybrid.models.hybrid import forward, lm_head
@@ -447,11 +447,11 @@ class ModelRunner:
                 self._all_allowed[num_rows] = mask
             return mask, False
         mask = new_bitmask(num_rows, self.cfg.vocab_size)
-        for i, matcher in masked:
+        for i, _ in masked:
             r = rows[i]
             if r.start + r.num_tokens != len(r.seq.token_ids):
                 raise AssertionError(f"{r.seq}: a constrained row needs every token on the host before its mask")
-            matcher.fill(mask, i, hold_stop=len(r.seq.output_ids) < r.seq.params.min_tokens)
+        fill_bitmask(mask, [(i, m, len(rows[i].seq.output_ids) < rows[i].seq.params.min_tokens) for i, m in masked])
         return mask, True
 
     # ----------------------------------------------------------------- programs

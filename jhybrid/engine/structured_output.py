@@ -175,6 +175,9 @@ class Matcher:
         import torch
 
         self._m.fill_next_token_bitmask(torch.from_numpy(bitmask), row)
+        self._finish(bitmask, row, hold_stop)
+
+    def _finish(self, bitmask: np.ndarray, row: int, hold_stop: bool) -> None:
         if self._keep is not None:
             bitmask[row] &= self._keep
         if hold_stop and len(self._stops):
@@ -187,6 +190,28 @@ class Matcher:
     def terminated(self) -> bool:
         """The grammar is complete and accepted a stop token: nothing more can follow."""
         return bool(self._m.is_terminated())
+
+
+_batch_filler = None
+
+
+def fill_bitmask(bitmask: np.ndarray, rows: Sequence[tuple[int, Matcher, bool]]) -> None:
+    """`Matcher.fill` for many rows at once, `(row, matcher, hold_stop)` each: the grammar library fills them on
+    its own threads (C++, without the GIL; half the host's cores), so a step's mask costs about one row's time
+    per thread rather than one per row (64 constrained rows took ~32 ms on the H200's host one by one)."""
+    global _batch_filler
+    if len(rows) == 1:
+        row, matcher, hold = rows[0]
+        matcher.fill(bitmask, row, hold)
+        return
+    import torch
+
+    if _batch_filler is None:
+        _batch_filler = _xgrammar().BatchGrammarMatcher("auto")
+    _batch_filler.batch_fill_next_token_bitmask([m._m for _, m, _ in rows], torch.from_numpy(bitmask),
+                                                [row for row, _, _ in rows])
+    for row, matcher, hold in rows:
+        matcher._finish(bitmask, row, hold)
 
 
 class GrammarCache:
