@@ -32,8 +32,11 @@ def main(argv=None):
     p.add_argument("--programs", default="mixed:64:4,decode:4:4",
                    help="kind:tokens:rows[:decodes], comma-separated. With a fourth field the step runs real rows "
                         "(each its own state slot and KV pages): that many one-token (decode) rows, and a prompt "
-                        "row with the rest of the tokens (mixed), as a server's step beside running decodes")
+                        "row with the rest of the tokens (mixed), as a server's step beside running decodes; "
+                        "a suffix @N puts N tokens of context before every real row (long-context steps)")
     p.add_argument("--tiny", action="store_true", help="a small model (CPU check of the script)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="the engine's max_model_len (raise it for programs with a long @context)")
     p.add_argument("--hlo", action="store_true",
                    help="also write each program's optimized HLO to DIR/<program>.hlo.txt (to look up a fusion by name)")
     args = p.parse_args(argv)
@@ -45,15 +48,18 @@ def main(argv=None):
     from jhybrid.model_loader import LoadedModel
     from jhybrid.engine.llm_engine import LLMEngine
 
-    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16", vocab_size=args.vocab)
+    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16", vocab_size=args.vocab,
+              max_position_embeddings=max(HF_CONFIG["max_position_embeddings"], args.max_model_len))
     if args.tiny:
         hf.update(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
     cfg = ModelConfig.from_hf(hf)
-    eng = LLMEngine(LoadedModel(cfg=cfg, params=random_params(cfg)), max_num_seqs=64, max_model_len=2048)
+    eng = LLMEngine(LoadedModel(cfg=cfg, params=random_params(cfg)), max_num_seqs=64, max_model_len=args.max_model_len)
     runner = eng.runner
     keys, runs = [], {}
     for spec in args.programs.split(","):
+        spec, _, context = spec.partition("@")
+        context = int(context or 0)
         kind, tokens, rows, *decodes = spec.split(":")
         key = (kind == "decode", int(tokens), int(rows))
         keys.append(key)
@@ -61,7 +67,9 @@ def main(argv=None):
         if decodes:
             sizes = [1] * int(decodes[0]) + ([] if key[0] else [key[1] - int(decodes[0])])
             name += " real %d+%s" % (int(decodes[0]), sizes[-1] if not key[0] else 0)
-            runs[name] = lambda sizes=sizes: run_real_rows(runner, sizes)
+            if context:
+                name += " @%d" % context
+            runs[name] = lambda sizes=sizes, context=context: run_real_rows(runner, sizes, context)
         else:
             runs[name] = lambda key=key: runner.warm(key)
     runner.compile_all(sorted(set(keys)))
@@ -111,16 +119,17 @@ def main(argv=None):
         json.dump(results, f, indent=1)
 
 
-def run_real_rows(runner, sizes: list[int]) -> None:
-    """One step of rows of `sizes` tokens, each in its own state slot (1, 2, ...) and its own KV pages (one-token
-    rows continue a one-token context); waits for it. The slots' state is whatever earlier runs left."""
+def run_real_rows(runner, sizes: list[int], context: int = 0) -> None:
+    """One step of rows of `sizes` tokens, each in its own state slot (1, 2, ...) and its own KV pages, after
+    `context` tokens already in the cache (0: one-token rows continue a one-token context, longer rows start the
+    sequence); waits for it. The slots' state and the pages' contents are whatever earlier runs left."""
     from jhybrid.engine.sampling import SamplingParams
     from jhybrid.engine.scheduler import ScheduledRow, SchedulerOutput
     from jhybrid.engine.sequence import Sequence
 
     bs, page, rows = runner.cache.block_size, 1, []
     for i, k in enumerate(sizes):
-        length = k + 1 if k == 1 else k
+        length = context + k if context else (k + 1 if k == 1 else k)
         seq = Sequence(f"profile-{i}", [1] * length, SamplingParams(temperature=0.0))
         seq.slot = i + 1
         blocks = -(-length // bs)
