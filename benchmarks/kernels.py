@@ -498,6 +498,48 @@ def bench_paged_prefill(quick):
         record("paged_prefill", shape, ours, "XLA attention, unpaged", t_x, err, rel, 2e-2, note)
 
 
+def bench_paged_prefill_suffix(quick):
+    """A prefix-cache hit's step: B rows of S new query tokens after C cached tokens each (the 2.2 B model's
+    attention shape). The kernel's default KV splits against the same kernel unsplit (the same-run baseline),
+    both checked against the reference on a sample of queries; also each context length (the splits' work
+    per program shrinks with the context, the tiles' does not)."""
+    S, H, KVH, D, BS = 256, 16, 2, 256, 16
+    contexts = [10240] if quick else [1024, 4096, 10240]
+    for B, C in [(b, c) for b in (1, 5) for c in contexts]:  # one hit beside decodes; five hits at once
+        L = C + S
+        M = -(-L // BS)
+        shape = f"B{B} S{S} after C{C} H{H} KVH{KVH} D{D} bf16"
+        key = jax.random.split(jax.random.PRNGKey(C), 3)
+        rng = np.random.default_rng(C)
+        page_of = 1 + rng.permutation(B * M).astype(np.int32)
+        tables = jnp.asarray(page_of.reshape(B, M))
+        k_pages = jax.random.normal(key[1], (B * M + 1, BS, KVH, D), jnp.bfloat16)
+        v_pages = jax.random.normal(key[2], (B * M + 1, BS, KVH, D), jnp.bfloat16)
+        q = jax.random.normal(key[0], (B * S, H, D), jnp.bfloat16)
+        token_seq = jnp.repeat(jnp.arange(B, dtype=jnp.int32), S)
+        positions = jnp.tile(jnp.arange(C, L, dtype=jnp.int32), B)
+        cu = jnp.arange(B + 1, dtype=jnp.int32) * S
+        args = (q, k_pages, v_pages, tables, token_seq, positions)
+        idx = jnp.asarray(np.sort(rng.choice(B * S, 256, replace=False)).astype(np.int32))
+        want_o, want_lse = jax.jit(functools.partial(paged_attention_reference, return_lse=True))(
+            q[idx], k_pages, v_pages, tables, token_seq[idx], positions[idx])
+        runs = {}
+        for splits in (1, None):
+            fn = jax.jit(lambda *a, splits=splits: paged_attention_prefill_pallas(
+                *a[:4], cu, a[5], num_splits=splits, return_lse=True))
+            got_o, got_lse = fn(*args)
+            e_o = errors(np.asarray(got_o[idx], np.float32), np.asarray(want_o, np.float32))
+            e_l = errors(np.asarray(got_lse[idx]), np.asarray(want_lse))
+            runs[splits] = (time_jax(fn, args, reps=10), max(e_o[0], e_l[0]), max(e_o[1], e_l[1]))
+            print(f"paged prefill suffix C{C} num_splits={splits or 'default'}: {runs[splits][0][0]:.4f} ms, "
+                  f"out {e_o} lse {e_l}", flush=True)
+        flops = 4 * H * D * B * S * (C + (S + 1) / 2)
+        (ours, err, rel), (base, err1, rel1) = runs[None], runs[1]
+        record("prefill_suffix", shape, ours, "the same kernel, one KV split", base, max(err, err1), max(rel, rel1),
+               2e-2, f"{flops / 1e9:.1f} GFLOP -> {flops / (ours[0] * 1e-3) / 1e12:.1f} TFLOP/s split, "
+               f"{flops / (base[0] * 1e-3) / 1e12:.1f} unsplit")
+
+
 def copy_bandwidth():
     x = jnp.ones((1024, 1024, 1024), jnp.bfloat16)  # 2 GiB
     f = jax.jit(lambda x: x + 1)
@@ -520,7 +562,7 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="one config per kernel, no sweeps")
     parser.add_argument("--commit", default=os.environ.get("JHYBRID_COMMIT"))
-    parser.add_argument("--only", default="copy,decode,paged,chunk,prefill")
+    parser.add_argument("--only", default="copy,decode,paged,chunk,prefill,suffix")
     a = parser.parse_args()
     commit = a.commit
     if commit is None:
@@ -535,7 +577,8 @@ def main():
     info["copy"] = bwinfo
     copy_bw = bwinfo.get("torch_tbps", bwinfo.get("jnp_tbps", 4.0))
     for name, fn in (("decode", bench_gdn_decode), ("paged", lambda q: bench_paged_decode(q, copy_bw)),
-                     ("chunk", bench_gdn_chunk), ("prefill", bench_paged_prefill), ("chunk_ab", bench_gdn_chunk_ab)):
+                     ("chunk", bench_gdn_chunk), ("prefill", bench_paged_prefill), ("chunk_ab", bench_gdn_chunk_ab),
+                     ("suffix", bench_paged_prefill_suffix)):
         if name in only:
             try:
                 fn(a.quick)

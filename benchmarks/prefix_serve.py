@@ -120,6 +120,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument("--only", choices=["shared", "multi"], help="one workload")
+    parser.add_argument("--cache", choices=["off", "on", "both"], default="both",
+                        help="the servers to run (default both: the comparison)")
     parser.add_argument("--json")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and small sizes (CPU smoke test)")
     a = parser.parse_args(argv)
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
     workloads = {"shared": shared_prefix, "multi": multi_turn}
     if a.only:
         workloads = {a.only: workloads[a.only]}
-    for cached in (False, True):
+    for cached in {"off": (False,), "on": (True,), "both": (False, True)}[a.cache]:
         setting = "on" if cached else "off"
         t0 = time.perf_counter()
         config = EngineConfig(dtype=None, max_num_seqs=rows, max_model_len=max_len, warmup=True,
@@ -170,15 +172,15 @@ def main(argv=None) -> int:
             del engine, server
             gc.collect()
 
-    print(f"\n{res['device']}; programs compiled after ready: off {res['compiled_after_ready_off']}, "
-          f"on {res['compiled_after_ready_on']}")
+    print(f"\n{res['device']}; programs compiled after ready: " + ", ".join(
+        f"{k.rsplit('_', 1)[1]} {v}" for k, v in res.items() if k.startswith("compiled_after_ready")))
     print(f"{'workload':10s} {'cache':>5s} {'TTFT p50 ms':>12s} {'TTFT p99 ms':>12s} {'input tok/s':>12s} "
           f"{'hit rate':>9s} {'errors':>6s}")
     for key, s in res["runs"].items():
         name, setting = key.split(" / ")
         print(f"{name:10s} {setting:>5s} {s['ttft_s']['p50'] * 1e3:12.1f} {s['ttft_s']['p99'] * 1e3:12.1f} "
               f"{s['input_tokens_per_s']:12.0f} {s['hit_rate']:9.1%} {s['errors']:6d}")
-    for name in workloads:
+    for name in workloads if a.cache == "both" else ():
         off, on = res["runs"][f"{name} / off"], res["runs"][f"{name} / on"]
         print(f"{name}: TTFT p50 {off['ttft_s']['p50'] / on['ttft_s']['p50']:.2f}x lower with the cache")
     if "multi / on" in res["runs"]:

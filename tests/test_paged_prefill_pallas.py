@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import paged_attention, paged_attention_prefill_pallas, paged_attention_reference
 from tests.test_kernels_pallas import _paged_inputs, assert_close, lower_for_h200
 
 PREFILL_CASES = [
@@ -31,16 +31,18 @@ def _with_padding(args, lengths, new, pad=3):
 
 @pytest.mark.parametrize("variant,lengths,new,h,kvh,d,bs", [  # fast tier: every variant on the GQA-8 case
     pytest.param(variant, *case, marks=() if i == 2 else pytest.mark.slow, id=f"{variant}-case{i}")
-    for variant in ["plain", "window", "softcap", "gathered"] for i, case in enumerate(PREFILL_CASES)])
+    for variant in ["plain", "window", "softcap", "gathered", "one_split"] for i, case in enumerate(PREFILL_CASES)])
 def test_paged_prefill_pallas_matches_reference(lengths, new, h, kvh, d, bs, variant):
     rng = np.random.default_rng(sum(lengths) + d + len(variant))
     args, cu = _with_padding(_paged_inputs(rng, lengths, new, h, kvh, d, bs, jnp.float32), lengths, new)
     kw = dict(sliding_window=21 if variant == "window" else None, soft_cap=2.0 if variant == "softcap" else None)
     real = int(cu[-1])
     want_o, want_lse = jax.jit(paged_attention_reference, static_argnames=("scale", "sliding_window", "soft_cap", "return_lse"))(*args, return_lse=True, **kw)
-    got_o, got_lse = paged_attention(*args, cu_seqlens=cu, decode=False, impl="pallas", interpret=True,
-                                     return_lse=True, block_q=4, pages_per_block=2,
-                                     per_page=variant != "gathered", **kw)  # gathered: one [NP*BS, D] key tile
+    # these few tiles get the kernel's default KV splits (up to 8 programs share a tile's keys); "one_split": none
+    split = dict(num_splits=1) if variant == "one_split" else {}
+    got_o, got_lse = paged_attention_prefill_pallas(*args[:4], cu, args[5], interpret=True, return_lse=True,
+                                                    block_q=4, pages_per_block=2, per_page=variant != "gathered",
+                                                    **split, **kw)  # gathered: one [NP*BS, D] key tile
     assert_close("prefill attention output", got_o[:real], want_o[:real], 1e-5)
     assert_close("prefill attention lse", got_lse[:real], want_lse[:real], 1e-5)
     assert np.all(np.asarray(got_o)[real:] == 0), "padding tokens must produce zeros"
@@ -52,7 +54,7 @@ def test_paged_prefill_lowers_for_h200(h, kvh, d):
     args, cu = _with_padding(_paged_inputs(rng, [40, 17], [30, 17], h, kvh, d, 16, jnp.bfloat16), [40, 17], [30, 17])
     fn = lambda *a: paged_attention(*a, cu_seqlens=cu, decode=False, impl="pallas", return_lse=True,  # noqa: E731
                                     sliding_window=64)
-    kernel = r"paged_prefill_bq\d+_gp\d+_{}\d+_w\d+_s\d+"  # {}: "pp" per page, "np" one gathered key tile
+    kernel = r"paged_prefill_bq\d+_gp\d+_{}\d+_w\d+_s\d+(_ns\d+)?"  # {}: "pp" per page, "np" gathered; KV splits
     lower_for_h200(fn, *args, kernels=[kernel.format("np")])
     lower_for_h200(fn, args[0].astype(jnp.float32), *args[1:], kernels=[kernel.format("np")])  # fp32 q, bf16 pages
     for per_page in (True, False):  # no window (the models' case) and gathered page tiles

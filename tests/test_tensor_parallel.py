@@ -319,7 +319,7 @@ def test_per_shard_pallas_kernels_lower_for_two_h200s():
     lower(lambda q, kp, vp, bt, ts, pos, cu: paged_attention(q, kp, vp, bt, ts, pos, impl="pallas", cu_seqlens=cu,
                                                              mesh=mesh),
           sds((t, h, d), bf, heads), pages, pages, sds((b, m), i32), sds((t,), i32), sds((t,), i32),
-          sds((b + 1,), i32), local="tensor<32x16x1x64xbf16>", kernels=[r"paged_prefill_bq\d+_gp\d+_np\d+_w\d+_s\d+"])
+          sds((b + 1,), i32), local="tensor<32x16x1x64xbf16>", kernels=[r"paged_prefill_bq\d+_gp\d+_np\d+_w\d+_s\d+(_ns\d+)?"])
     hk, hv, k, v = 4, 8, 64, 64
     state = sds((s, hv, k, v), f32, P(None, "tp", None, None))
     qk, vv, gg = sds((t, hk, k), bf, heads), sds((t, hv, v), bf, heads), sds((t, hv), f32, P(None, "tp"))

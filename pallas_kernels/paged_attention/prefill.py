@@ -1,4 +1,5 @@
-"""Pallas (Triton lowering) kernel: ragged prefill paged attention, one program per (query tile, kv head).
+"""Pallas (Triton lowering) kernel: ragged prefill paged attention, one program per (query tile, kv head, KV
+split).
 
 The packed query tokens of B rows are cut into tiles of BQ tokens that never cross a row (a row of n
 tokens takes ceil(n / BQ) tiles; `N = ceil(T / BQ) + B` tiles bound the count statically, unused tiles are
@@ -7,7 +8,9 @@ block (each token's G heads padded to GP rows), walks the row's cached pages fro
 (or its sliding-window start) to its last query's position, NP pages per loop step with an online
 softmax, and writes the normalised output and the log-sum-exp per query row. A jnp epilogue moves tile
 rows back to packed tokens. Each tile reads its row's prefix once, as FlashAttention reads it per query
-block; the decode kernel (decode.py) remains the one for single-token rows.
+block; the decode kernel (decode.py) remains the one for single-token rows. When the tiles are few (a short
+chunk after a long cached prefix), S programs share a tile's key blocks (split-KV, as FlashDecoding does) and
+their partial outputs are merged by log-sum-exp in jnp.
 """
 
 from __future__ import annotations
@@ -32,6 +35,23 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+TARGET_PROGRAMS = 256  # about two programs per SM of an H100 / H200 (132 SMs)
+MAX_SPLITS = 8
+
+
+def _merge_splits(o: Float[Array, "N KVH S R D"], lse: Float[Array, "N KVH S R"]):
+    """The splits' partial attentions merged by log-sum-exp (an empty split has lse -inf and o 0)."""
+    if o.shape[2] == 1:
+        return o[:, :, 0], lse[:, :, 0]
+    m = lse.max(axis=2)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # every split empty: weights 0
+    w = jnp.exp(lse - m_safe[:, :, None])  # [N, KVH, S, R]
+    denom = w.sum(axis=2)
+    o = (o * w[..., None]).sum(axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return o, lse
+
+
 def _prefill_kernel(
     tile_row_ref,  # [N] (whole)
     block_tables_ref,  # [B, M'] (whole, padded by NP pages)
@@ -47,6 +67,7 @@ def _prefill_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     per_page: bool,
+    num_splits: int,
 ):
     n = pl.program_id(0)
     block_size, head_dim = k_pages_ref.shape[1], k_pages_ref.shape[2]
@@ -98,6 +119,10 @@ def _prefill_kernel(
     o = jnp.zeros((rows, head_dim), jnp.float32)
     m = jnp.full((rows,), _MASK_VALUE, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
+    if num_splits > 1:  # this program's share of the tile's key blocks (split s of num_splits, even shares)
+        per = (last_it - first_it + num_splits - 1) // num_splits
+        first_it = first_it + pl.program_id(2) * per
+        last_it = jnp.minimum(first_it + per, last_it)
     o, m, l = jax.lax.fori_loop(first_it, last_it, body, (o, m, l))
     empty = l == 0.0
     o_ref[...] = o / jnp.where(empty, 1.0, l)[:, None]
@@ -107,7 +132,7 @@ def _prefill_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "sliding_window", "soft_cap", "return_lse", "block_q", "pages_per_block",
-                     "num_warps", "num_stages", "per_page", "interpret"),
+                     "num_warps", "num_stages", "per_page", "num_splits", "interpret"),
 )
 def paged_attention_prefill_pallas(
     q: Float[Array, "T H D"],
@@ -126,6 +151,7 @@ def paged_attention_prefill_pallas(
     num_warps: int = 8,
     num_stages: int = 2,
     per_page: bool = False,
+    num_splits: int | None = None,
     interpret: bool = False,
 ):
     """Ragged prefill: the same result as `paged_attention_reference` for packed rows given by
@@ -136,6 +162,11 @@ def paged_attention_prefill_pallas(
     step reads `pages_per_block` pages (default 4): page by page (`per_page`) or as one gathered `[NP*BS, D]`
     tile. With 4-byte pages both defaults halve, so the tiles take the bytes of the bf16 ones: at head_dim
     256 the bf16 sizes in fp32 ask for 320 KiB of shared memory, over the H200's 227 KiB.
+
+    `num_splits` programs share each tile's keys (even shares of its key blocks, merged by log-sum-exp), so
+    that a step of few query tiles over a long context (a prefix-cache hit: a short suffix after thousands of
+    cached tokens) still fills the GPU. Default: enough splits for about `TARGET_PROGRAMS` programs, at most
+    `MAX_SPLITS`; 1 when the tiles alone are that many.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
@@ -153,6 +184,9 @@ def paged_attention_prefill_pallas(
     tile_row = tiles.chunk_row.astype(jnp.int32)
     pages_per_block = min(pages_per_block, _next_pow2(block_tables.shape[1]))
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_block)))
+    if num_splits is None:
+        num_splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (num_tiles * num_kv_heads)))
+    num_splits = max(1, min(num_splits, -(-block_tables.shape[1] // pages_per_block)))
 
     # queries and positions in tile layout [N, KVH, BQ*GP, D] / [N, BQ*GP]
     q4 = q.astype(k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -165,31 +199,32 @@ def paged_attention_prefill_pallas(
 
     kernel = functools.partial(
         _prefill_kernel, scale=scale, pages_per_block=pages_per_block, sliding_window=sliding_window, soft_cap=soft_cap,
-        per_page=per_page,
+        per_page=per_page, num_splits=num_splits,
     )
-    pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda n, h: (0, 0, h, 0))
+    pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda n, h, s: (0, 0, h, 0))
     o, lse = pl.pallas_call(
         kernel,
-        grid=(num_tiles, num_kv_heads),
+        grid=(num_tiles, num_kv_heads, num_splits),
         in_specs=[
             _WHOLE, _WHOLE,
-            pl.BlockSpec((None, None, rows, head_dim), lambda n, h: (n, h, 0, 0)),
-            pl.BlockSpec((None, rows), lambda n, h: (n, 0)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda n, h, s: (n, h, 0, 0)),
+            pl.BlockSpec((None, rows), lambda n, h, s: (n, 0)),
             pages_spec, pages_spec,
         ],
         out_specs=[
-            pl.BlockSpec((None, None, rows, head_dim), lambda n, h: (n, h, 0, 0)),
-            pl.BlockSpec((None, None, rows), lambda n, h: (n, h, 0)),
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda n, h, s: (n, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda n, h, s: (n, h, s, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, num_splits, rows, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, num_splits, rows), jnp.float32),
         ],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=(f"paged_prefill_bq{block_q}_gp{gp}_{'pp' if per_page else 'np'}{pages_per_block}_w{num_warps}"
-              f"_s{num_stages}"),
+              f"_s{num_stages}" + (f"_ns{num_splits}" if num_splits > 1 else "")),
     )(tile_row, block_tables, qt, pos, k_pages, v_pages)
+    o, lse = _merge_splits(o, lse)
     # back to packed tokens: [N, KVH, BQ, GP, D] -> token t's (tile, lane) -> [KVH, G, D]
     o = o.reshape(num_tiles, num_kv_heads, block_q, gp, head_dim)[:, :, :, :group]
     lse = lse.reshape(num_tiles, num_kv_heads, block_q, gp)[:, :, :, :group]
