@@ -198,7 +198,7 @@ _batch_filler = None
 def fill_bitmask(bitmask: np.ndarray, rows: Sequence[tuple[int, Matcher, bool]]) -> None:
     """`Matcher.fill` for many rows at once, `(row, matcher, hold_stop)` each: the grammar library fills them on
     its own threads (C++, without the GIL; half the host's cores), so a step's mask costs about one row's time
-    per thread rather than one per row (64 constrained rows took ~32 ms on the H200's host one by one)."""
+    per thread rather than one per row (what row-by-row filling cost: benchmarks/RESULTS.md, session 11)."""
     global _batch_filler
     if len(rows) == 1:
         row, matcher, hold = rows[0]
