@@ -164,8 +164,8 @@ def main(argv=None) -> int:
                       flush=True)
             stats = engine.engine.stats()
             res[f"compiled_after_ready_{setting}"] = stats["programs_compiled_after_ready"]
-            res[f"engine_stats_{setting}"] = {k: v for k, v in stats.items() if k.startswith(("prefix", "kv_blocks"))
-                                              or k in ("num_steps", "num_preemptions")}
+            res[f"engine_stats_{setting}"] = {k: v for k, v in stats.items() if k.startswith(("prefix", "kv_blocks", "host_"))
+                                              or k in ("num_steps", "num_preemptions", "device_wait_seconds")}
         finally:
             server.stop()
             engine.shutdown()
