@@ -72,7 +72,6 @@ def plan_cache(
     if num_kv_blocks is None:
         if cfg.num_full_layers == 0:
             num_kv_blocks = min_blocks
-            num_snapshot_slots = least_snapshots if num_snapshot_slots is None else num_snapshot_slots
         else:
             free = device_memory_bytes() if free_bytes is None else free_bytes
             budget = free * memory_fraction * (1.0 - activation_reserve)
@@ -92,7 +91,7 @@ def plan_cache(
                 )
     elif num_kv_blocks < min_blocks:
         raise ValueError(f"{num_kv_blocks=} cannot hold one {max_model_len=} sequence: need >= {min_blocks}")
-    if num_snapshot_slots is None:  # a fixed pool: no budget to take a share of
+    if num_snapshot_slots is None:  # a fixed pool (or no KV): no budget to take a share of
         num_snapshot_slots = least_snapshots
     return CacheConfig(num_blocks=num_kv_blocks, block_size=block_size, num_slots=num_slots, kv_dtype=kv_dtype,
                        num_snapshot_slots=num_snapshot_slots)

@@ -446,12 +446,14 @@ class ModelRunner:
                 mask = jax.device_put(ones) if self.mesh is None else self._replicate(lambda: jnp.asarray(ones))
                 self._all_allowed[num_rows] = mask
             return mask, False
-        mask = new_bitmask(num_rows, self.cfg.vocab_size)
-        for i, _ in masked:
+        spec = []
+        for i, matcher in masked:
             r = rows[i]
             if r.start + r.num_tokens != len(r.seq.token_ids):
                 raise AssertionError(f"{r.seq}: a constrained row needs every token on the host before its mask")
-        fill_bitmask(mask, [(i, m, len(rows[i].seq.output_ids) < rows[i].seq.params.min_tokens) for i, m in masked])
+            spec.append((i, matcher, len(r.seq.output_ids) < r.seq.params.min_tokens))
+        mask = new_bitmask(num_rows, self.cfg.vocab_size)
+        fill_bitmask(mask, spec)
         return mask, True
 
     # ----------------------------------------------------------------- programs

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
+from pallas_kernels.paged_attention.merge import merge_splits
 
 _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -175,14 +176,8 @@ def paged_attention_decode_pallas(
               f"_w{num_warps}_s{num_stages}"),
     )(token_seq.astype(jnp.int32), positions.astype(jnp.int32), block_tables, q4, k_pages, v_pages)
     o, lse = o[:, :, :, :group], lse[:, :, :, :group]  # [T, KVH, NS, G, D], [T, KVH, NS, G]
-    # --- LSE merge of the splits ---
-    m = lse.max(axis=2, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m)  # [T, KVH, NS, G]; 0 for empty splits
-    denom = w.sum(axis=2)  # [T, KVH, G]
-    out = (w[..., None] * o).sum(axis=2) / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    out, lse_out = merge_splits(o, lse)  # [T, KVH, G, D], [T, KVH, G]
     out = out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
     if not return_lse:
         return out
-    lse_out = (m[:, :, 0] + jnp.log(denom)).reshape(num_tokens, num_heads)
-    return out, lse_out
+    return out, lse_out.reshape(num_tokens, num_heads)

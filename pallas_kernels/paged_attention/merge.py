@@ -44,3 +44,15 @@ def merge_attention(
     o = (part1 + part2) / jnp.where(denom > 0, denom, 1.0)[..., None]
     lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
     return o.astype(o1.dtype), lse
+
+
+def merge_splits(o: Float[Array, "... S R D"], lse: Float[Array, "... S R"]) -> tuple[Array, Array]:
+    """`merge_attention` over S disjoint key sets at once: partial outputs `o [..., S, R, D]` (fp32) and their
+    `lse [..., S, R]` (-inf for an empty split) along axis -3 / -2 -> `o [..., R, D]`, `lse [..., R]` (the
+    Pallas kernels' KV splits)."""
+    m = lse.max(axis=-2)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # every split empty: weights 0
+    w = jnp.exp(lse - m[..., None, :])  # 0 for empty splits
+    denom = w.sum(axis=-2)
+    out = (w[..., None] * o).sum(axis=-3) / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    return out, jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)

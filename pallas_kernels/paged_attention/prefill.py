@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.gated_delta_rule.reference import chunk_layout
+from pallas_kernels.paged_attention.merge import merge_splits
 
 _WHOLE = pl.no_block_spec
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -37,19 +38,6 @@ def _next_pow2(x: int) -> int:
 
 TARGET_PROGRAMS = 256  # about two programs per SM of an H100 / H200 (132 SMs)
 MAX_SPLITS = 8
-
-
-def _merge_splits(o: Float[Array, "N KVH S R D"], lse: Float[Array, "N KVH S R"]):
-    """The splits' partial attentions merged by log-sum-exp (an empty split has lse -inf and o 0)."""
-    if o.shape[2] == 1:
-        return o[:, :, 0], lse[:, :, 0]
-    m = lse.max(axis=2)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # every split empty: weights 0
-    w = jnp.exp(lse - m_safe[:, :, None])  # [N, KVH, S, R]
-    denom = w.sum(axis=2)
-    o = (o * w[..., None]).sum(axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    lse = jnp.where(denom > 0, m_safe + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
-    return o, lse
 
 
 def _prefill_kernel(
@@ -224,7 +212,7 @@ def paged_attention_prefill_pallas(
         name=(f"paged_prefill_bq{block_q}_gp{gp}_{'pp' if per_page else 'np'}{pages_per_block}_w{num_warps}"
               f"_s{num_stages}" + (f"_ns{num_splits}" if num_splits > 1 else "")),
     )(tile_row, block_tables, qt, pos, k_pages, v_pages)
-    o, lse = _merge_splits(o, lse)
+    o, lse = (o[:, :, 0], lse[:, :, 0]) if num_splits == 1 else merge_splits(o, lse)
     # back to packed tokens: [N, KVH, BQ, GP, D] -> token t's (tile, lane) -> [KVH, G, D]
     o = o.reshape(num_tiles, num_kv_heads, block_q, gp, head_dim)[:, :, :, :group]
     lse = lse.reshape(num_tiles, num_kv_heads, block_q, gp)[:, :, :, :group]
