@@ -12,7 +12,9 @@ once on (each warmed up: nothing compiles on the request path), the same request
 
 - **shared prefix**: `--groups` groups of `--per-group` requests; a group's requests share a `--system`-token
   system prompt and each has its own `--question`-token question; `--max-tokens` new tokens; requests are sent
-  group after group, at most `--concurrency` in flight.
+  group after group (`--order group`, the default: each group's first requests arrive together, before any of
+  them is cached) or in a random order (`--order shuffled`, as vLLM's prefix-caching benchmarks send them), at
+  most `--concurrency` in flight.
 - **multi-turn**: `--conversations` chats of `--turns` turns run side by side (one request in flight per
   chat); each turn's prompt is the whole history (every earlier question and answer) plus a new
   `--question`-token question.
@@ -22,12 +24,18 @@ input tokens/s (prompt tokens sent over the wall time), the hit rate (the server
 `usage.prompt_tokens_details.cached_tokens` over prompt tokens), and for multi-turn the prompt tokens the
 server computed per turn (prompt - cached) against the turn's new tokens; programs compiled after ready
 (expected 0).
+
+`--trace` also logs every engine step (`LLMEngine.step_log`: host phases, rows, prompt tokens, device wait) and
+explains each request's TTFT from the steps inside it (the engine runs on a thread of this process, so the
+client's clock is the engine's): how many steps, and their time split into scheduling, preparing and
+dispatching, waiting for the device, and the rest of the loop (reading results, detokenizing, streaming).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
 import json
 import time
@@ -41,9 +49,10 @@ from benchmarks.serve_load import one_request, percentiles
 async def stream(host: str, port: int, body: dict, timeout: float) -> dict:
     """One streamed completion (benchmarks.serve_load's client): ttft (s), output token ids, prompt and cached
     tokens."""
+    sent = time.perf_counter()
     r = await one_request(host, port, "/v1/completions", body, None, timeout)
     return {"ok": r.ok, "ttft": r.ttft, "tokens": r.token_ids, "cached": r.num_cached_tokens,
-            "prompt": r.num_prompt_tokens, "error": r.error}
+            "prompt": r.num_prompt_tokens, "error": r.error, "sent": sent}
 
 
 def body(model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -57,6 +66,8 @@ async def shared_prefix(host, port, model, a, vocab) -> tuple[list[dict], float]
     for _ in range(a.groups):
         system = rng.integers(0, vocab, a.system).tolist()
         prompts += [system + rng.integers(0, vocab, a.question).tolist() for _ in range(a.per_group)]
+    if a.order == "shuffled":
+        rng.shuffle(prompts)
     gate = asyncio.Semaphore(a.concurrency)
 
     async def one(p):
@@ -91,6 +102,31 @@ async def multi_turn(host, port, model, a, vocab) -> tuple[list[dict], float]:
     return results, time.perf_counter() - t0
 
 
+def explain_ttft(results: list[dict], steps: list[tuple]) -> dict:
+    """Per class of request (prefix hit / miss), the mean of: TTFT, steps that started inside it, and the time
+    of those steps by phase (ms)."""
+    starts = np.array([s[0] for s in steps])
+    out = {}
+    for name, group in (("hit", [r for r in results if r["ok"] and r["cached"]]),
+                        ("miss", [r for r in results if r["ok"] and not r["cached"]])):
+        if not group:
+            continue
+        acc = collections.defaultdict(list)
+        for r in group:
+            lo, hi = np.searchsorted(starts, [r["sent"], r["sent"] + r["ttft"]])
+            window = steps[lo:hi]
+            acc["ttft_ms"].append(r["ttft"] * 1e3)
+            acc["steps"].append(len(window))
+            acc["schedule_ms"].append(sum(s[1] - s[0] for s in window) * 1e3)
+            acc["prepare_dispatch_ms"].append(sum(s[2] - s[1] for s in window) * 1e3)
+            acc["device_wait_ms"].append(sum(s[10] for s in window) * 1e3)
+            acc["rest_of_loop_ms"].append(sum(s[3] - s[2] - s[10] for s in window) * 1e3)
+            acc["between_steps_ms"].append(sum(b[0] - s[3] for s, b in zip(window, window[1:])) * 1e3)
+            acc["prompt_tokens_in_steps"].append(sum(s[7] for s in window))
+        out[name] = {"requests": len(group), **{k: float(np.mean(v)) for k, v in acc.items()}}
+    return out
+
+
 def summarize(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if r["ok"]]
     prompt = sum(r["prompt"] for r in ok)
@@ -122,6 +158,9 @@ def main(argv=None) -> int:
     parser.add_argument("--only", choices=["shared", "multi"], help="one workload")
     parser.add_argument("--cache", choices=["off", "on", "both"], default="both",
                         help="the servers to run (default both: the comparison)")
+    parser.add_argument("--order", choices=["group", "shuffled"], default="group",
+                        help="shared prefix: requests group after group (default) or in a random order")
+    parser.add_argument("--trace", action="store_true", help="log every engine step and explain the TTFTs")
     parser.add_argument("--json")
     parser.add_argument("--tiny", action="store_true", help="a tiny model and small sizes (CPU smoke test)")
     a = parser.parse_args(argv)
@@ -157,8 +196,20 @@ def main(argv=None) -> int:
         host, port = server.url.removeprefix("http://").split(":")
         try:
             for name, run in workloads.items():
+                if a.trace:
+                    engine.engine.step_log = []
                 results, wall = asyncio.run(run(host, int(port), "m", a, cfg.vocab_size))
                 s = res["runs"][f"{name} / {setting}"] = summarize(results, wall)
+                if a.trace:
+                    s["ttft_explained"] = explain_ttft(results, engine.engine.step_log)
+                    s["step_log"] = [[round(x, 6) for x in step] for step in engine.engine.step_log]
+                    s["sent"] = [round(r["sent"], 6) for r in results]
+                    for cls, e in s["ttft_explained"].items():
+                        print(f"    {cls:4s} x{e['requests']}: TTFT {e['ttft_ms']:.1f} ms = {e['steps']:.1f} steps: "
+                              f"schedule {e['schedule_ms']:.1f}, prepare+dispatch {e['prepare_dispatch_ms']:.1f}, "
+                              f"device wait {e['device_wait_ms']:.1f}, rest of loop {e['rest_of_loop_ms']:.1f}, "
+                              f"between steps {e['between_steps_ms']:.1f} ms; {e['prompt_tokens_in_steps']:.0f} "
+                              "prompt tokens", flush=True)
                 print(f"  {name:7s} {wall:8.2f} s  TTFT p50 {s['ttft_s']['p50'] * 1e3:9.1f} ms  p99 "
                       f"{s['ttft_s']['p99'] * 1e3:9.1f} ms  hit rate {s['hit_rate']:6.1%}  errors {s['errors']}",
                       flush=True)

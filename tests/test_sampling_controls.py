@@ -27,6 +27,7 @@ from jhybrid.engine.sampling import (
     SamplingArrays,
     SlotTables,
     TokenHistory,
+    _filter_top_k_top_p,
     sample,
     top_k_exact,
 )
@@ -171,6 +172,49 @@ def test_top_k_exact_equals_a_sort_and_keeps_each_pass_small(k):
     jaxpr = str(jax.make_jaxpr(top_k_exact, static_argnums=1)(jnp.asarray(x), k))
     ks = [int(m) for m in re.findall(r"top_k\[.*?k=(\d+)", jaxpr)]
     assert ks and max(ks) <= 16 and sum(ks) == k, jaxpr
+
+
+def _reference_top_k_top_p(x, k, p):
+    """vLLM's top-k / top-p mask of one row by a float64 sort: the top-k set is every logit >= the k-th largest;
+    top-p keeps, over that set's softmax in descending order, each token whose predecessors hold < p."""
+    order = np.argsort(-x, kind="stable")
+    s = x[order].astype(np.float64)
+    kth = s[min(k, len(x)) - 1] if k > 0 else -np.inf
+    keep = x >= kth
+    probs = np.where(keep[order], np.exp(s - s[0]), 0.0)
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    last = max(int(np.sum(before < p)), 1) - 1 if p < 1.0 else len(x) - 1
+    return keep & (x >= s[last])
+
+
+def test_top_k_top_p_filter_equals_a_float64_sort():
+    """`_filter_top_k_top_p` (thresholds by radix select, no sort) keeps exactly the tokens of a float64 sort's
+    top-k / top-p (ties at either threshold kept, as vLLM does): random rows, rows of few distinct values, rows
+    with -inf (after min_p), k of 1, inside and past the vocabulary, p tiny, mid and 1. Checked to fail with the
+    radix select's last pass dropped (`range(..., 0, ...)`: the low bits stay zero and ties of the high bits get
+    in) and with the top-k set left out of the top-p softmax."""
+    rng = np.random.default_rng(3)
+    vocab = 1000
+    rows, ks, ps = [], [], []
+    for i in range(48):
+        x = rng.standard_normal(vocab).astype(np.float32) * rng.choice([0.5, 2.0, 6.0])
+        if i % 4 == 1:
+            x = np.round(x * 2) / 2  # few distinct values: ties at the thresholds
+        if i % 4 == 2:
+            x[rng.random(vocab) < 0.7] = -np.inf  # min_p dropped most of the row
+        if i % 4 == 3:  # neighbouring floats: thresholds that differ in the lowest bits
+            x = (np.uint32(np.float32(rng.standard_normal()).view(np.uint32)) + rng.permutation(vocab).astype(np.uint32)).view(np.float32)
+        rows.append(x)
+        ks.append(int(rng.choice([0, 1, 5, 50, 999, 1000, 5000])))
+        ps.append(float(rng.choice([1e-6, 0.3, 0.9, 0.99, 1.0])))
+    x = np.stack(rows)
+    got = np.isfinite(np.asarray(jax.jit(_filter_top_k_top_p)(jnp.asarray(x), jnp.asarray(ks, jnp.int32),
+                                                               jnp.asarray(ps, jnp.float32))))
+    for i in range(len(rows)):
+        want = _reference_top_k_top_p(x[i], ks[i], ps[i]) & np.isfinite(x[i])
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}: k={ks[i]} p={ps[i]}")
+    assert 1 <= got.sum(-1).min() and got.sum(-1).max() == vocab  # from one token up to all
 
 
 def test_token_history_follows_the_holdings_of_a_slot():

@@ -146,6 +146,9 @@ class LLMEngine:
         # host time per step by phase, and the time spent waiting for the device (`stats()`)
         self.timing = dict(num_steps=0, host_schedule_seconds=0.0, host_prepare_seconds=0.0,
                            host_postprocess_seconds=0.0, device_wait_seconds=0.0)
+        # a list to trace every step into (benchmarks): (start, scheduled, dispatched, end) perf_counter seconds,
+        # rows, tokens fed, rows of prompt tokens, prompt tokens, state restores, snapshots, device wait seconds
+        self.step_log: list[tuple] | None = None
         log.info("KV pool: %d blocks of %d tokens; %d state slots%s", self.cache.num_blocks - 1, block_size,
                  self.cache.num_slots - 1, f"; prefix caching with {self.cache.num_snapshot_slots} state snapshots"
                  if self.prefix_cache is not None else "")
@@ -330,6 +333,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that got tokens or finished while reading."""
         timing, t0 = self.timing, time.perf_counter()
+        start, wait0, sched, t1, t2 = t0, timing["device_wait_seconds"], None, t0, t0
         current = None
         updated = self._admit_compiled() if self._grammar_waiting else []
         if self._prev is not None and self._prev.constrained:  # its tokens decide the next step's grammar masks
@@ -354,7 +358,8 @@ class LLMEngine:
                 current = self.runner.execute(sched, self._prev)
                 if sched.snapshots:  # rows that ended at a snapshot point: copy their state (after the step)
                     self.runner.copy_slots(sched.snapshots)
-            timing["host_prepare_seconds"] += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            timing["host_prepare_seconds"] += t2 - t1
         if self._prev is not None:
             updated += self._read(self._prev)
         self._prev = current
@@ -363,6 +368,12 @@ class LLMEngine:
         if self.offloader is not None:
             self.offloader.flush()  # before the next schedule() commits these offloads
         timing["num_steps"] += 1
+        if self.step_log is not None and sched is not None:
+            prompt_rows = [r for r in sched.rows if r.start < len(r.seq.prompt_ids)]
+            self.step_log.append((start, t1, t2, time.perf_counter(), len(sched.rows),
+                                  sum(r.num_tokens for r in sched.rows), len(prompt_rows),
+                                  sum(r.num_tokens for r in prompt_rows), len(sched.restores), len(sched.snapshots),
+                                  timing["device_wait_seconds"] - wait0))
         return updated
 
     def stats(self) -> dict[str, float]:

@@ -389,20 +389,50 @@ def _apply_bans(logits: Float[Array, "B V"], bans: Int[Array, "B NW W"], recent:
 
 
 def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"]) -> Array:
-    """Masks (to -inf) tokens outside each row's top-k and top-p sets."""
+    """Masks (to -inf) tokens outside each row's top-k and top-p sets, as vLLM defines them: the top-k set is
+    every token at or above the k-th largest logit (ties kept); top-p then keeps, over the top-k set's softmax,
+    the tokens whose more likely tokens (in descending order) hold less than `top_p` of the mass (so at least
+    the most likely one), i.e. every token at or above the largest logit t with mass(logits >= t) >= top_p.
+
+    No sort of the vocabulary: both thresholds are found by `_radix_threshold` (a few masked reductions over the
+    row); a sort of [64, 151936] was most of what top-k / top-p cost a decode step (benchmarks/RESULTS.md)."""
     vocab = logits.shape[-1]
-    sorted_desc = -jnp.sort(-logits, axis=-1)  # [B, V]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)  # [B, 1]
-    in_top_k = jnp.arange(vocab)[None, :] < k[:, None]
-    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)  # top-p renormalised over top-k
-    # keep a sorted token while the mass before it is < top_p (the first token is always kept)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep_sorted = mass_before < top_p[:, None]
-    num_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
-    pth = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
-    threshold = jnp.maximum(kth, pth)
-    return jnp.where(logits >= threshold, logits, -jnp.inf)
+    keys = _order_keys(logits)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.float32)
+    kth = _radix_threshold(keys, jnp.ones_like(logits), k)
+    in_top_k = keys >= kth[:, None]
+    probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)  # renormalised over the top-k set
+    # top_p == 1 keeps everything (an unreachable target leaves the threshold at the bottom)
+    pth = _radix_threshold(keys, probs, jnp.where(top_p < 1.0, top_p, 2.0))
+    return jnp.where(in_top_k & (keys >= pth[:, None]), logits, -jnp.inf)
+
+
+RADIX_BITS = 4  # key bits decided per pass of `_radix_threshold` (2**RADIX_BITS - 1 candidate sums per pass)
+
+
+def _order_keys(x: Float[Array, "B V"]) -> Array:
+    """uint32 keys whose unsigned order is the float32 order of `x` (-inf lowest; no NaN)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _radix_threshold(keys: Array, weights: Float[Array, "B V"], target: Float[Array, "B"]) -> Array:
+    """Per row, the largest uint32 t with sum(weights[keys >= t]) >= target (0 where no t reaches it), for
+    non-negative weights: decided RADIX_BITS bits at a time from the top, each pass summing the row's weights at
+    or above every candidate value of those bits (a radix select; exact for counts, and for masses up to the
+    float32 rounding of their sums)."""
+    width = 1 << RADIX_BITS
+    ans = jnp.zeros(keys.shape[:1], jnp.uint32)
+    digits = jnp.arange(1, width, dtype=jnp.uint32)  # candidate values of the next bits
+    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+        cand = ans[:, None] | (digits[None, :] << shift)  # [B, width - 1], increasing
+        mass = jnp.stack([jnp.sum(jnp.where(keys >= cand[:, j : j + 1], weights, 0.0), axis=-1)
+                          for j in range(width - 1)], axis=-1)
+        reached = mass >= target[:, None]  # true for a prefix of the candidates (mass decreases along them)
+        best = jnp.sum(reached, axis=-1).astype(jnp.uint32)  # how many: the digit itself
+        ans = ans | (best << shift)
+    return ans
 
 
 PROMPT_LOGPROB_CHUNK = 256  # positions whose logits exist at once when computing prompt log-probabilities

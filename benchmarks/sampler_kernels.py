@@ -1,0 +1,132 @@
+"""The sampler on its own (issue 19): what each part of `jhybrid.engine.sampling.sample` costs on the device at a
+decode step's shape, and the sort-free top-k / top-p filter against the sort it replaced, in one run.
+
+    PYTHONPATH=. python -m benchmarks.sampler_kernels [--batch 64] [--vocab 151936] [--json out.json]
+    PYTHONPATH=. python -m benchmarks.sampler_kernels --batch 4 --vocab 4096 --iters 3     # CPU smoke test
+
+Rows of random logits (standard normal x 4, the spread of a language model's logits) in float32. Each case is
+one jitted function, called `--iters` times after a warm call; the figure is the median wall time of a call
+ended by `block_until_ready` (one kernel launch or a few: on the GPU this is device time plus ~10-20 us of
+dispatch, the same for every case). Before timing, the filter's kept set is checked against the sort's on every
+row (they must agree exactly: same thresholds, ties kept).
+
+Cases: the argmax (a greedy row's whole cost), the sort-based filter (the previous `_filter_top_k_top_p`: a
+descending sort of the row, then a cumulative sum), the radix-select filter at 2 and 4 key bits a pass (the
+shipped one is `sampling.RADIX_BITS`), the categorical draw alone, and `sample()` greedy, sampled
+(temperature 0.8, top-k 50, top-p 0.9) and sampled with the top-5 log-probabilities.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def sort_filter(logits, top_k, top_p):
+    """The sort-based top-k / top-p of sessions 9-11 (the baseline), ties kept at both thresholds."""
+    import jax
+    import jax.numpy as jnp
+
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    in_top_k = sorted_desc >= kth
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    num_keep = jnp.maximum(jnp.sum(mass_before < top_p[:, None], axis=-1), 1)
+    pth = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
+    return jnp.where(logits >= jnp.maximum(kth, pth), logits, -jnp.inf)
+
+
+def timed(fn, args, iters: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        out.append(time.perf_counter() - t0)
+    return float(np.median(out)) * 1e3
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--json")
+    a = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from jhybrid.engine import sampling
+    from jhybrid.engine.slot_tables import init_tables
+
+    b, v = a.batch, a.vocab
+    logits = jax.random.normal(jax.random.key(0), (b, v), jnp.float32) * 4.0
+    top_k = jnp.full(b, 50, jnp.int32)
+    top_p = jnp.full(b, 0.9, jnp.float32)
+    res = {"device": str(jax.devices()[0].device_kind), "batch": b, "vocab": v, "ms": {}}
+
+    def radix(bits):
+        def fn(x, k, p):
+            old = sampling.RADIX_BITS
+            sampling.RADIX_BITS = bits  # read while tracing
+            try:
+                return sampling._filter_top_k_top_p(x, k, p)
+            finally:
+                sampling.RADIX_BITS = old
+        return jax.jit(fn)
+
+    reference = np.isfinite(np.asarray(jax.jit(sort_filter)(logits, top_k, top_p)))
+    for bits in (2, 4):
+        kept = np.isfinite(np.asarray(radix(bits)(logits, top_k, top_p)))
+        assert (kept == reference).all(), f"radix {bits}: {int((kept != reference).sum())} tokens differ from the sort"
+    print(f"radix filter == sort filter on {b} rows (kept per row {reference.sum(-1).min()}-{reference.sum(-1).max()})")
+
+    tables, history = init_tables(b + 1, v)
+    n = b
+
+    def arrays(temperature, logprobs):
+        return sampling.SamplingArrays(
+            temperature=jnp.full(n, temperature, jnp.float32), top_k=jnp.full(n, 50 if temperature else 0, jnp.int32),
+            top_p=jnp.full(n, 0.9 if temperature else 1.0, jnp.float32), seeds=jnp.arange(n, dtype=jnp.int32),
+            counters=jnp.zeros(n, jnp.int32), want_logprobs=jnp.full(n, int(logprobs), jnp.int32),
+            slot_ids=jnp.arange(1, n + 1, dtype=jnp.int32), flags=jnp.zeros(n, jnp.int32),
+            min_p=jnp.zeros(n, jnp.float32), presence_penalty=jnp.zeros(n, jnp.float32),
+            frequency_penalty=jnp.zeros(n, jnp.float32), repetition_penalty=jnp.ones(n, jnp.float32),
+            num_output=jnp.zeros(n, jnp.int32), recent=jnp.full((n, sampling.MAX_BAN_TOKENS - 1), -2, jnp.int32))
+
+    def draw(x):
+        keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(jnp.arange(b, dtype=jnp.uint32))
+        return jax.vmap(jax.random.categorical)(keys, x)
+
+    sample = jax.jit(sampling.sample)
+    cases = {
+        "argmax (greedy floor)": (jax.jit(lambda x: jnp.argmax(x, -1)), (logits,)),
+        "top-k/top-p, sort (baseline)": (jax.jit(sort_filter), (logits, top_k, top_p)),
+        "top-k/top-p, radix 2 bits": (radix(2), (logits, top_k, top_p)),
+        "top-k/top-p, radix 4 bits": (radix(4), (logits, top_k, top_p)),
+        "categorical draw": (jax.jit(draw), (logits,)),
+        "sample(): greedy": (sample, (logits, arrays(0.0, False), tables, history)),
+        "sample(): temperature, top-k 50, top-p 0.9": (sample, (logits, arrays(0.8, False), tables, history)),
+        "sample(): sampled + top-5 logprobs": (sample, (logits, arrays(0.8, True), tables, history)),
+    }
+    print(f"{res['device']}, batch {b}, vocab {v}: ms per call (median of {a.iters})")
+    for name, (fn, args) in cases.items():
+        res["ms"][name] = ms = timed(fn, args, a.iters)
+        print(f"  {name:45s} {ms:8.3f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
