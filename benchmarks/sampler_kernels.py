@@ -11,8 +11,8 @@ dispatch, the same for every case). Before timing, the filter's kept set is chec
 row (they must agree exactly: same thresholds, ties kept).
 
 Cases: the argmax (a greedy row's whole cost), the sort-based filter (the previous `_filter_top_k_top_p`: a
-descending sort of the row, then a cumulative sum), the radix-select filter at 2 and 4 key bits a pass (the
-shipped one is `sampling.RADIX_BITS`), the categorical draw alone, and `sample()` greedy, sampled
+descending sort of the row, then a cumulative sum), the radix-select filter at 1, 2 and 4 key bits a pass, its
+row sums done three ways (the shipped ones: `sampling.RADIX_BITS`, `sampling._masked_sums`), the categorical draw alone, and `sample()` greedy, sampled
 (temperature 0.8, top-k 50, top-p 0.9) and sampled with the top-5 log-probabilities.
 """
 
@@ -74,20 +74,36 @@ def main(argv=None) -> int:
     top_p = jnp.full(b, 0.9, jnp.float32)
     res = {"device": str(jax.devices()[0].device_kind), "batch": b, "vocab": v, "ms": {}}
 
-    def radix(bits):
+    def chunked_sums(keys, weights, cand, groups=128):
+        """The row sums in two levels: [B, groups, V / groups] (more programs for the reduction)."""
+        pad = -keys.shape[1] % groups
+        keys = jnp.pad(keys, ((0, 0), (0, pad))).reshape(keys.shape[0], groups, -1)
+        weights = jnp.pad(weights, ((0, 0), (0, pad))).reshape(keys.shape)
+        return jnp.stack([jnp.sum(jnp.where(keys >= cand[:, j, None, None], weights, 0.0), axis=(1, 2))
+                          for j in range(cand.shape[1])], axis=-1)
+
+    def broadcast_sums(keys, weights, cand):
+        """All candidates in one reduction over a [B, V, C] comparison."""
+        return jnp.sum(jnp.where(keys[:, :, None] >= cand[:, None, :], weights[:, :, None], 0.0), axis=1)
+
+    sums = {"stack": sampling._masked_sums, "chunked": chunked_sums, "broadcast": broadcast_sums}
+
+    def radix(bits, how="stack"):
         def fn(x, k, p):
-            old = sampling.RADIX_BITS
-            sampling.RADIX_BITS = bits  # read while tracing
+            old = sampling.RADIX_BITS, sampling._masked_sums
+            sampling.RADIX_BITS, sampling._masked_sums = bits, sums[how]  # read while tracing
             try:
                 return sampling._filter_top_k_top_p(x, k, p)
             finally:
-                sampling.RADIX_BITS = old
+                sampling.RADIX_BITS, sampling._masked_sums = old
         return jax.jit(fn)
 
     reference = np.isfinite(np.asarray(jax.jit(sort_filter)(logits, top_k, top_p)))
-    for bits in (2, 4):
-        kept = np.isfinite(np.asarray(radix(bits)(logits, top_k, top_p)))
-        assert (kept == reference).all(), f"radix {bits}: {int((kept != reference).sum())} tokens differ from the sort"
+    variants = {f"top-k/top-p, radix {bits} bits, {how} sums": radix(bits, how)
+                for how in sums for bits in (1, 2, 4)}
+    for name, fn in variants.items():
+        kept = np.isfinite(np.asarray(fn(logits, top_k, top_p)))
+        assert (kept == reference).all(), f"{name}: {int((kept != reference).sum())} tokens differ from the sort"
     print(f"radix filter == sort filter on {b} rows (kept per row {reference.sum(-1).min()}-{reference.sum(-1).max()})")
 
     tables, history = init_tables(b + 1, v)
@@ -111,8 +127,7 @@ def main(argv=None) -> int:
     cases = {
         "argmax (greedy floor)": (jax.jit(lambda x: jnp.argmax(x, -1)), (logits,)),
         "top-k/top-p, sort (baseline)": (jax.jit(sort_filter), (logits, top_k, top_p)),
-        "top-k/top-p, radix 2 bits": (radix(2), (logits, top_k, top_p)),
-        "top-k/top-p, radix 4 bits": (radix(4), (logits, top_k, top_p)),
+        **{name: (fn, (logits, top_k, top_p)) for name, fn in variants.items()},
         "categorical draw": (jax.jit(draw), (logits,)),
         "sample(): greedy": (sample, (logits, arrays(0.0, False), tables, history)),
         "sample(): temperature, top-k 50, top-p 0.9": (sample, (logits, arrays(0.8, False), tables, history)),

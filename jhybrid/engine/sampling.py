@@ -417,6 +417,12 @@ def _order_keys(x: Float[Array, "B V"]) -> Array:
     return jnp.where(negative, ~bits, bits | jnp.uint32(1 << 31))
 
 
+def _masked_sums(keys: Array, weights: Float[Array, "B V"], cand: Array) -> Float[Array, "B C"]:
+    """sum(weights[keys >= cand[:, j]]) per row and candidate j."""
+    return jnp.stack([jnp.sum(jnp.where(keys >= cand[:, j : j + 1], weights, 0.0), axis=-1)
+                      for j in range(cand.shape[1])], axis=-1)
+
+
 def _radix_threshold(keys: Array, weights: Float[Array, "B V"], target: Float[Array, "B"]) -> Array:
     """Per row, the largest uint32 t with sum(weights[keys >= t]) >= target (0 where no t reaches it), for
     non-negative weights: decided RADIX_BITS bits at a time from the top, each pass summing the row's weights at
@@ -427,8 +433,7 @@ def _radix_threshold(keys: Array, weights: Float[Array, "B V"], target: Float[Ar
     digits = jnp.arange(1, width, dtype=jnp.uint32)  # candidate values of the next bits
     for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
         cand = ans[:, None] | (digits[None, :] << shift)  # [B, width - 1], increasing
-        mass = jnp.stack([jnp.sum(jnp.where(keys >= cand[:, j : j + 1], weights, 0.0), axis=-1)
-                          for j in range(width - 1)], axis=-1)
+        mass = _masked_sums(keys, weights, cand)
         reached = mass >= target[:, None]  # true for a prefix of the candidates (mass decreases along them)
         best = jnp.sum(reached, axis=-1).astype(jnp.uint32)  # how many: the digit itself
         ans = ans | (best << shift)

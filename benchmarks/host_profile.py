@@ -1,0 +1,115 @@
+"""Where the engine loop's host time goes (issues 16 and 21): the offline engine runs a serving-shaped workload
+under cProfile, with its step log on, and prints the host phases per step and the functions that take the time.
+
+    PYTHONPATH=. python -m benchmarks.host_profile [--prompt 10496 --shared 10240 --rows 5] [--json out.json]
+    PYTHONPATH=. python -m benchmarks.host_profile --tiny --prompt 600 --shared 512 --groups 1     # CPU smoke test
+
+The 2.2 B model of benchmarks/generate.py (random bf16 weights, its 151,936-token vocabulary; `--vocab` to
+change it), `LLMEngine` as `jhybrid serve` builds it (warmed up: nothing compiles while profiled). The workload
+is benchmarks/prefix_serve.py's shared-prefix one, run offline: `--groups` groups of `--rows` requests, each
+group's prompts sharing `--shared` tokens of `--prompt`, all of a group added at once, `--max-tokens` greedy
+new tokens each (with `--logprobs`: the top-0 logprobs the serving benchmark asks for). The first group is a
+warm-up (not profiled).
+
+Printed: per kind of step (decode only / with prompt tokens) the mean host time of scheduling, of preparing and
+dispatching the step, of waiting for the device and of the rest of the loop (`LLMEngine.step_log`), then the
+functions by own time and by cumulative time. A step is host-bound when prepare + schedule exceed the device
+wait's share: the device then idles between steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+
+import numpy as np
+
+
+def phases(log: list[tuple]) -> dict:
+    a = np.array(log)
+    out = {}
+    for name, mask in (("decode only", a[:, 6] == 0), ("with prompt", a[:, 6] > 0)):
+        if mask.any():
+            b = a[mask]
+            out[name] = {"steps": int(mask.sum()),
+                         "schedule_ms": float(np.mean(b[:, 1] - b[:, 0]) * 1e3),
+                         "prepare_dispatch_ms": float(np.mean(b[:, 2] - b[:, 1]) * 1e3),
+                         "device_wait_ms": float(np.mean(b[:, 10]) * 1e3),
+                         "rest_ms": float(np.mean(b[:, 3] - b[:, 2] - b[:, 10]) * 1e3),
+                         "step_ms": float(np.mean(b[:, 3] - b[:, 0]) * 1e3),
+                         "rows": float(np.mean(b[:, 4])), "tokens": float(np.mean(b[:, 5]))}
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=10496)
+    parser.add_argument("--shared", type=int, default=10240)
+    parser.add_argument("--rows", type=int, default=5)
+    parser.add_argument("--groups", type=int, default=3, help="profiled groups (after one warm-up group)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--prefix-caching", choices=["on", "off"], default="on")
+    parser.add_argument("--logprobs", action="store_true", help="requests ask for logprobs=0, as prefix_serve's do")
+    parser.add_argument("--top", type=int, default=30, help="functions printed")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--json")
+    a = parser.parse_args(argv)
+
+    import jax
+
+    from benchmarks.decode_step import random_model
+    from jhybrid import SamplingParams
+    from jhybrid.engine.engine_config import EngineConfig
+    from jhybrid.engine.llm_engine import LLMEngine
+
+    max_len = 1 << (a.prompt + a.max_tokens - 1).bit_length()
+    model = random_model(a.tiny, max_position_embeddings=max_len)
+    vocab = model.cfg.vocab_size
+    eng = LLMEngine(model, EngineConfig(dtype=None, max_num_seqs=a.rows, max_model_len=max_len, warmup=True,
+                                        max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=0.6,
+                                        enable_prefix_caching=a.prefix_caching == "on"))
+    rng = np.random.default_rng(0)
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True,
+                        logprobs=0 if a.logprobs else None)
+
+    def run_group(g):
+        system = rng.integers(0, vocab, a.shared).tolist()
+        for i in range(a.rows):
+            eng.add_request(f"g{g}-{i}", system + rng.integers(0, vocab, a.prompt - a.shared).tolist(), sp)
+        while eng.has_unfinished():
+            eng.step()
+
+    run_group(-1)
+    eng.step_log = []
+    profile = cProfile.Profile()
+    profile.enable()
+    for g in range(a.groups):
+        run_group(g)
+    profile.disable()
+    res = {"device": str(jax.devices()[0].device_kind), "args": vars(a), "phases": phases(eng.step_log),
+           "programs_compiled_after_ready": eng.stats()["programs_compiled_after_ready"]}
+    print(f"{res['device']}; {a.rows} rows of {a.prompt} tokens ({a.shared} shared), vocab {vocab}, prefix caching "
+          f"{a.prefix_caching}; ms per step:")
+    print(f"{'step kind':12s} {'steps':>6s} {'rows':>5s} {'tokens':>7s} {'schedule':>9s} {'prep+disp':>10s} "
+          f"{'dev wait':>9s} {'rest':>6s} {'step':>7s}")
+    for name, p in res["phases"].items():
+        print(f"{name:12s} {p['steps']:6d} {p['rows']:5.1f} {p['tokens']:7.0f} {p['schedule_ms']:9.2f} "
+              f"{p['prepare_dispatch_ms']:10.2f} {p['device_wait_ms']:9.2f} {p['rest_ms']:6.2f} {p['step_ms']:7.2f}")
+    for key in ("tottime", "cumulative"):
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats(key).print_stats(a.top)
+        text = out.getvalue()
+        res[f"profile_{key}"] = text
+        print(text[text.index("ncalls") - 3 :] if "ncalls" in text else text)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
