@@ -20,9 +20,14 @@ wait's share: the device then idles between steps.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import cProfile
+import glob
+import gzip
 import io
 import json
+import os
 import pstats
 
 import numpy as np
@@ -44,6 +49,35 @@ def phases(log: list[tuple]) -> dict:
     return out
 
 
+def device_time(folder: str) -> dict:
+    """From a JAX profiler trace whose steps are annotated "decode_only_step" / "other_step": per kind of step,
+    the GPU kernel time per step (kernels starting inside the kind's annotations) and the top kernels."""
+    (trace,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, n in names.items() if "GPU" in n.upper() and "HOST" not in n.upper()}
+    kernels = sorted((e["ts"], e.get("dur", 0), e["name"]) for e in events if e.get("ph") == "X" and e.get("pid") in gpu)
+    starts = [k[0] for k in kernels]
+    out = {}
+    import bisect
+
+    for kind in ("decode_only_step", "other_step"):
+        marks = [e for e in events if e.get("ph") == "X" and e.get("name") == kind]
+        if not marks:
+            continue
+        total, by_name = 0.0, collections.Counter()
+        for m in marks:
+            lo, hi = bisect.bisect_left(starts, m["ts"]), bisect.bisect_left(starts, m["ts"] + m["dur"])
+            for _, dur, name in kernels[lo:hi]:
+                total += dur
+                by_name[name] += dur
+        out[kind] = {"steps": len(marks), "kernel_ms_per_step": total / len(marks) / 1e3,
+                     "annotated_ms_per_step": sum(m["dur"] for m in marks) / len(marks) / 1e3,
+                     "top_kernels_ms_per_step": {n: d / len(marks) / 1e3 for n, d in by_name.most_common(12)}}
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=10496)
@@ -55,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix-caching", choices=["on", "off"], default="on")
     parser.add_argument("--logprobs", action="store_true", help="requests ask for logprobs=0, as prefix_serve's do")
     parser.add_argument("--top", type=int, default=30, help="functions printed")
+    parser.add_argument("--trace", metavar="DIR", help="also run the profiled groups under the JAX profiler and "
+                        "report GPU kernel time per step (traces under DIR)")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json")
     a = parser.parse_args(argv)
@@ -81,17 +117,27 @@ def main(argv=None) -> int:
         for i in range(a.rows):
             eng.add_request(f"g{g}-{i}", system + rng.integers(0, vocab, a.prompt - a.shared).tolist(), sp)
         while eng.has_unfinished():
-            eng.step()
+            decode_only = all(s.num_uncomputed <= 1 for s in eng.scheduler.running) and not eng.scheduler.waiting
+            with jax.profiler.TraceAnnotation("decode_only_step" if decode_only else "other_step"):
+                eng.step()
 
     run_group(-1)
     eng.step_log = []
     profile = cProfile.Profile()
-    profile.enable()
-    for g in range(a.groups):
-        run_group(g)
-    profile.disable()
+    with jax.profiler.trace(a.trace, create_perfetto_trace=True) if a.trace else contextlib.nullcontext():
+        profile.enable()
+        for g in range(a.groups):
+            run_group(g)
+        profile.disable()
     res = {"device": str(jax.devices()[0].device_kind), "args": vars(a), "phases": phases(eng.step_log),
            "programs_compiled_after_ready": eng.stats()["programs_compiled_after_ready"]}
+    if a.trace:
+        res["device_time"] = device_time(a.trace)
+        for kind, d in res["device_time"].items():
+            print(f"{kind}: {d['steps']} steps, GPU kernels {d['kernel_ms_per_step']:.3f} ms per step, host loop "
+                  f"{d['annotated_ms_per_step']:.3f} ms per step; top kernels (ms per step):")
+            for name, ms in d["top_kernels_ms_per_step"].items():
+                print(f"    {ms:7.3f}  {name[:110]}")
     print(f"{res['device']}; {a.rows} rows of {a.prompt} tokens ({a.shared} shared), vocab {vocab}, prefix caching "
           f"{a.prefix_caching}; ms per step:")
     print(f"{'step kind':12s} {'steps':>6s} {'rows':>5s} {'tokens':>7s} {'schedule':>9s} {'prep+disp':>10s} "
