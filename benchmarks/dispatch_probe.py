@@ -24,6 +24,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ms", type=float, default=5.0, help="device time of one call to aim at")
     parser.add_argument("--state-mb", type=int, default=2048, help="size of the state argument")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--leaves", default="4,64,400", help="argument counts to try (the engine's step has ~350: "
+                        "every layer's weights, the state's arrays, the sampling tables)")
     a = parser.parse_args(argv)
 
     import jax
@@ -73,6 +75,30 @@ def main(argv=None) -> int:
                 per_call = (time.perf_counter() - t_start) / a.iters
                 name = f"{how}, state {'donated' if donate else 'not donated'}, meta {meta_kind}"
                 print(f"{name:52s} {np.median(calls) * 1e3:8.3f} {per_call * 1e3:17.3f}", flush=True)
+    # the number of arguments: `n` small weight arrays (each read), state donated, meta from NumPy
+    print(f"{'arguments':>10s} {'call ms':>8s} {'device ms / call':>17s}")
+    for leaves in (int(x) for x in a.leaves.split(",")):
+        ws = [jnp.full((256, 256), i, jnp.bfloat16) / 1e4 for i in range(leaves)]
+
+        def many(state, x, meta, w, ws):
+            for _ in range(reps):
+                x = jnp.tanh(x @ w)
+            extra = sum(v[0, 0].astype(jnp.float32) for v in ws)
+            return state.at[0].add(x[0, 0].astype(jnp.float32) + meta.sum() + extra), x
+
+        fn = jax.jit(many, donate_argnums=(0,))
+        s, x = jnp.zeros((a.state_mb * 2**18,), jnp.float32), x0
+        s, x = fn(s, x, meta, w, ws)
+        jax.block_until_ready((s, x))
+        calls = []
+        t_start = time.perf_counter()
+        for _ in range(a.iters):
+            t0 = time.perf_counter()
+            s, x = fn(s, x, meta, w, ws)
+            calls.append(time.perf_counter() - t0)
+        jax.block_until_ready((s, x))
+        per_call = (time.perf_counter() - t_start) / a.iters
+        print(f"{leaves + 4:10d} {np.median(calls) * 1e3:8.3f} {per_call * 1e3:17.3f}", flush=True)
     return 0
 
 

@@ -91,6 +91,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=30, help="functions printed")
     parser.add_argument("--trace", metavar="DIR", help="also run the profiled groups under the JAX profiler and "
                         "report GPU kernel time per step (traces under DIR)")
+    parser.add_argument("--sync-before-dispatch", action="store_true",
+                        help="wait for the previous step's outputs before dispatching the next (an experiment: does "
+                        "the call itself wait for the device?)")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json")
     a = parser.parse_args(argv)
@@ -121,7 +124,17 @@ def main(argv=None) -> int:
             with jax.profiler.TraceAnnotation("decode_only_step" if decode_only else "other_step"):
                 eng.step()
 
+    if a.sync_before_dispatch:
+        execute = eng.runner.execute
+
+        def synced(sched, prev):
+            if prev is not None:
+                jax.block_until_ready(prev.out)
+            return execute(sched, prev)
+
+        eng.runner.execute = synced
     run_group(-1)
+    dispatch0 = eng.runner.dispatch_seconds
     eng.step_log = []
     profile = cProfile.Profile()
     with jax.profiler.trace(a.trace, create_perfetto_trace=True) if a.trace else contextlib.nullcontext():
@@ -130,7 +143,8 @@ def main(argv=None) -> int:
             run_group(g)
         profile.disable()
     res = {"device": str(jax.devices()[0].device_kind), "args": vars(a), "phases": phases(eng.step_log),
-           "programs_compiled_after_ready": eng.stats()["programs_compiled_after_ready"]}
+           "programs_compiled_after_ready": eng.stats()["programs_compiled_after_ready"],
+           "dispatch_ms_per_step": (eng.runner.dispatch_seconds - dispatch0) / max(len(eng.step_log), 1) * 1e3}
     if a.trace:
         res["device_time"] = device_time(a.trace)
         for kind, d in res["device_time"].items():
@@ -145,6 +159,7 @@ def main(argv=None) -> int:
     for name, p in res["phases"].items():
         print(f"{name:12s} {p['steps']:6d} {p['rows']:5.1f} {p['tokens']:7.0f} {p['schedule_ms']:9.2f} "
               f"{p['prepare_dispatch_ms']:10.2f} {p['device_wait_ms']:9.2f} {p['rest_ms']:6.2f} {p['step_ms']:7.2f}")
+    print(f"of which the step program's call (all steps): {res['dispatch_ms_per_step']:.2f} ms per step")
     for key in ("tottime", "cumulative"):
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats(key).print_stats(a.top)

@@ -244,6 +244,7 @@ class ModelRunner:
         self.sealed = False
         self.num_compiled = 0
         self.compile_seconds = 0.0  # lowering included
+        self.dispatch_seconds = 0.0  # host time inside the step programs' calls (`LLMEngine.stats`)
         self.lower_seconds = 0.0
         self.num_compiled_after_seal = 0
         self.compiled_shapes: set[tuple] = set()  # every (layout, decode, host layout) a step ran with
@@ -424,9 +425,11 @@ class ModelRunner:
         else:
             self.compiled_shapes.add((layout, decode, None))
             program = self._program(decode, num_tokens, num_rows, plp)
+            t0 = time.perf_counter()
             out, top_lp, top_ids, self.state, keeper.history, *plp_out = program(
                 self.params, self.state, meta, prev_out, keeper.tables, keeper.history, **plp_args,
                 token_mask=token_mask)
+            self.dispatch_seconds += time.perf_counter() - t0
         if not want_logprobs.any():
             top_lp = top_ids = None
         return StepResult(sched, out, top_lp, top_ids, plp_out[0] if plp_out else None, plp_rows, constrained)
