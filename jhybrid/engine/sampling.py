@@ -407,7 +407,8 @@ def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top
     return jnp.where(in_top_k & (keys >= pth[:, None]), logits, -jnp.inf)
 
 
-RADIX_BITS = 4  # key bits decided per pass of `_radix_threshold` (2**RADIX_BITS - 1 candidate sums per pass)
+RADIX_BITS = 2  # key bits decided per pass of `_radix_threshold` (2**RADIX_BITS - 1 candidate sums per pass; 2 was
+# the fastest of 1, 2 and 4 on the H200: benchmarks/sampler_kernels.py)
 
 
 def _order_keys(x: Float[Array, "B V"]) -> Array:
