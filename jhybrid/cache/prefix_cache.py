@@ -84,6 +84,15 @@ class PrefixCursor:
     rolling_node: _Node | None = None  # where `rolling` is attached (None: pending)
     branch: int = 0  # tokens: also snapshot here (the deepest boundary a lookup matched KV without a snapshot)
     stopped: bool = False  # its chain went through a node that died: register nothing more
+    keys: list[tuple] = dataclasses.field(default_factory=list)  # the token tuples of its full blocks so far
+
+    def block_keys(self, token_ids: list[int], n: int, block_size: int) -> list[tuple]:
+        """The token tuples of the sequence's first `n` full blocks, each made once (a sequence's tokens only
+        grow; a 10k-token prompt is looked up and registered over several steps)."""
+        keys = self.keys
+        for i in range(len(keys), n):
+            keys.append(tuple(token_ids[i * block_size : (i + 1) * block_size]))
+        return keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,13 +212,16 @@ class PrefixCache:
         return len(self.blocks.cached)
 
     # ----------------------------------------------------------------- lookup
-    def lookup(self, token_ids: list[int]) -> tuple[Hit | None, int]:
+    def lookup(self, token_ids: list[int], cursor: PrefixCursor | None = None) -> tuple[Hit | None, int]:
         """The deepest usable prefix of `token_ids`, at most `len(token_ids) - 1` tokens (None: none), and how
-        many tokens of full blocks matched (with or without a snapshot)."""
+        many tokens of full blocks matched (with or without a snapshot). `cursor`: the sequence's, whose block
+        tuples are reused."""
         bs = self.block_size
+        n = (len(token_ids) - 1) // bs
+        keys = (cursor or PrefixCursor()).block_keys(token_ids, n, bs)
         node, best, path = None, None, []
-        for i in range((len(token_ids) - 1) // bs):
-            child = self._children.get((node.id if node else 0, tuple(token_ids[i * bs : (i + 1) * bs])))
+        for i in range(n):
+            child = self._children.get((node.id if node else 0, keys[i]))
             if child is None:
                 break
             node = child
@@ -281,10 +293,12 @@ class PrefixCache:
             cursor.stopped = True
         if cursor.stopped:
             return
-        while cursor.num_blocks < min(upto // bs, len(block_table)):
+        n = min(upto // bs, len(block_table))
+        keys = cursor.block_keys(token_ids, n, bs)
+        while cursor.num_blocks < n:
             i = cursor.num_blocks
             parent = cursor.node
-            key = (parent.id if parent else 0, tuple(token_ids[i * bs : (i + 1) * bs]))
+            key = (parent.id if parent else 0, keys[i])
             node = self._children.get(key)
             if node is None and block_table[i] in self.blocks.cached:  # a shared block under another prefix:
                 cursor.stopped = True  # cannot happen for a sequence's own chain; be safe

@@ -363,7 +363,7 @@ class Scheduler:
         if (self.prefix is None or seq.num_computed or seq.seq_id in self.swapped
                 or seq.params.prompt_logprobs is not None):
             return None
-        hit, matched = self.prefix.lookup(seq.token_ids)
+        hit, matched = self.prefix.lookup(seq.token_ids, seq.prefix)
         # KV matched deeper than the deepest snapshot: snapshot there this time, for the next request
         seq.prefix.branch = matched if matched > (hit.num_tokens if hit else 0) else 0
         if hit is not None:
@@ -395,7 +395,7 @@ class Scheduler:
             if shared <= start:
                 continue
             if hit is None:
-                found, _ = self.prefix.lookup(seq.token_ids)
+                found, _ = self.prefix.lookup(seq.token_ids, seq.prefix)
                 hit = found.num_tokens if found is not None else 0
             if shared < hit + bs:
                 continue

@@ -259,7 +259,9 @@ class CompletionRequest(_GenerationRequest):
     log-probabilities alone), as vLLM allows it."""
 
     max_tokens: int | None = Field(None, ge=0)
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # token ids first: pydantic's smart union tries the members in order, and a 10k-token prompt validated against
+    # list[str] first (one error per element) took ~5 ms of the event loop against ~0.7 ms this way
+    prompt: list[int] | list[list[int]] | str | list[str]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
