@@ -82,6 +82,37 @@ def test_eviction_takes_free_blocks_first_then_lru_and_kills_descendants():
     pc.check({b: 1 for b in range(1, 9)}, [])
 
 
+def test_snapshots_known_to_be_shared_are_evicted_last():
+    """Three snapshot slots: one restored once (shared), one taken at a branch point (`keep`), one of a prompt
+    never seen again, the shared ones least recently used. A new snapshot takes the third's slot, and only when
+    no other is left a shared one's. Checked to fail with plain LRU eviction (the restored one goes first)."""
+    pc = _cache(num_blocks=40, snapshots=range(4, 7))
+    a, b, c = list(range(8)), list(range(100, 108)), list(range(200, 208))
+    ta, ca = _run(pc, a)
+    hit, _ = pc.lookup(a + [1])
+    pc.acquire(hit)  # restored: shared
+    pc.blocks.free(list(hit.blocks))
+    cb = PrefixCursor()
+    tb = pc.blocks.allocate(2)
+    pc.register(cb, b, tb, len(b))
+    pc.snapshot(cb, 2, rolling=False, keep=True)  # a branch point
+    tc, cc = _run(pc, c)  # most recently used, not known to be shared
+    for t, cur, toks in ((ta, ca, a), (tb, cb, b), (tc, cc, c)):
+        pc.release(cur, toks, t, len(toks))
+        pc.blocks.free(t)
+    pc.begin_step()  # nothing pinned
+    d = list(range(300, 308))
+    td, cd = _run(pc, d)
+    assert pc.lookup(c + [1])[0] is None, "the unshared snapshot went first"
+    assert pc.lookup(a + [1])[0] is not None and pc.lookup(b + [1])[0] is not None
+    pc.release(cd, d, td, len(d))
+    pc.blocks.free(td)
+    e = list(range(400, 408))
+    te, ce = _run(pc, e)  # d's snapshot (unshared) goes before the shared ones again
+    assert pc.lookup(d + [1])[0] is None and pc.lookup(a + [1])[0] is not None and pc.lookup(b + [1])[0] is not None
+    pc.check({blk: 1 for blk in te}, [ce])
+
+
 def test_eviction_of_a_parent_frees_its_descendants():
     pc = _cache(num_blocks=9)
     a = list(range(12))

@@ -37,7 +37,10 @@ block whose count drops to zero stays cached but evictable, in LRU order (a sequ
 tail first, so deeper blocks go first); new allocations take never-cached free blocks first, then evict. A
 block in use is never evicted. Evicting a node's block kills the node and all its descendants (their
 prefixes lost a block): their snapshots are freed, their unreferenced blocks become free, referenced ones
-just stop being cached. Snapshot slots are a separate pool, also LRU; a snapshot being restored this step is
+just stop being cached. Snapshot slots are a separate pool, also LRU, in two segments: snapshots known to
+be shared (restored at least once, or taken at a branch point) are evicted only when no other is left, so that
+the junk every request leaves (the ends of its prompt chunks, its prompt's end, its last decode snapshot) does
+not push out a system prompt's snapshot; a snapshot being restored this step is
 pinned, and restores are dispatched before the step and saves after it, so a slot is never overwritten
 before it is read. A snapshot whose block is not registered yet (a decode step's fed token is read on the
 host a step later) is held by its sequence (`PrefixCursor.pending`) until the block is registered, and freed
@@ -193,6 +196,9 @@ class PrefixCache:
         self.snapshot_slots = snapshot_slots
         self._snap_free: list[int] = list(snapshot_slots) if has_state else []
         self._snap_lru: OrderedDict[int, _Node] = OrderedDict()  # attached snapshots; LRU first
+        # snapshots known to be shared: restored at least once, or taken where prompts part (a branch point);
+        # the others (each prompt's chunk ends and end, finished sequences' decode snapshots) are evicted first
+        self._snap_kept: set[int] = set()
         self._pinned: set[int] = set()  # restored this step
         self._children: dict[tuple, _Node] = {}  # (parent id, block tokens) -> node; parent id 0: the root
         self._ids = itertools.count(1)
@@ -237,6 +243,7 @@ class PrefixCache:
         if hit.snapshot is not None:
             self._pinned.add(hit.snapshot)
             self._snap_lru.move_to_end(hit.snapshot)
+            self._snap_kept.add(hit.snapshot)
         return list(hit.blocks)
 
     def count(self, num_prompt: int, hit: Hit | None) -> None:
@@ -318,16 +325,19 @@ class PrefixCache:
         if node.snapshot is not None:  # another sequence's is there already
             if cursor.rolling == slot:
                 cursor.rolling = None
-            self._snap_free.append(slot)
+            if slot in self._snap_kept:
+                self._snap_kept.add(node.snapshot)
+            self._free_slot(slot)
             return
         node.snapshot = slot
         self._snap_lru[slot] = node
         if cursor.rolling == slot:
             cursor.rolling_node = node
 
-    def snapshot(self, cursor: PrefixCursor, depth: int, rolling: bool) -> int | None:
+    def snapshot(self, cursor: PrefixCursor, depth: int, rolling: bool, keep: bool = False) -> int | None:
         """A snapshot slot for the state after `depth` blocks of the sequence (None: its node has one, or the
-        pool has no slot to spare). The caller copies the sequence's slot into it after the step."""
+        pool has no slot to spare). The caller copies the sequence's slot into it after the step. `keep`: a
+        point where prompts are known to part (evicted after the others)."""
         node = cursor.node if cursor.num_blocks == depth and not cursor.stopped else None
         if cursor.stopped or cursor.num_blocks > depth or (node is not None and node.snapshot is not None) or depth in cursor.pending:
             return None
@@ -336,6 +346,8 @@ class PrefixCache:
         slot = self._take_snapshot_slot()
         if slot is None:
             return None
+        if keep:
+            self._snap_kept.add(slot)
         self.num_snapshots_taken += 1
         if rolling:
             cursor.rolling = slot
@@ -346,14 +358,21 @@ class PrefixCache:
         return slot
 
     def _take_snapshot_slot(self) -> int | None:
+        """A free slot, else the least recently used unpinned snapshot's, those not known to be shared first."""
         if self._snap_free:
             return self._snap_free.pop()
-        for slot, node in self._snap_lru.items():
-            if slot not in self._pinned:
-                del self._snap_lru[slot]
-                node.snapshot = None
-                return slot
+        for kept in (False, True):
+            for slot, node in self._snap_lru.items():
+                if slot not in self._pinned and (slot in self._snap_kept) == kept:
+                    del self._snap_lru[slot]
+                    self._snap_kept.discard(slot)
+                    node.snapshot = None
+                    return slot
         return None
+
+    def _free_slot(self, slot: int) -> None:
+        self._snap_kept.discard(slot)
+        self._snap_free.append(slot)
 
     def _drop_snapshot(self, slot: int, cursor: PrefixCursor) -> None:
         """Frees the sequence's rolling snapshot `slot` if it is still the sequence's (pending) or still attached
@@ -362,19 +381,19 @@ class PrefixCache:
         for depth, s in list(cursor.pending.items()):
             if s == slot:
                 del cursor.pending[depth]
-                self._snap_free.append(slot)
+                self._free_slot(slot)
                 return
         if node is not None and self._snap_lru.get(slot) is node and slot not in self._pinned:
             del self._snap_lru[slot]
             node.snapshot = None
-            self._snap_free.append(slot)
+            self._free_slot(slot)
 
     def release(self, cursor: PrefixCursor, token_ids: list[int], block_table: list[int], num_computed: int) -> None:
         """A sequence leaves the device (finished or preempted): registers its computed blocks, frees the
         snapshots it could not attach; the caller then frees its blocks. The cursor is reset."""
         self.register(cursor, token_ids, block_table, min(num_computed, len(token_ids)))
         for slot in cursor.pending.values():
-            self._snap_free.append(slot)
+            self._free_slot(slot)
         cursor.pending.clear()
         cursor.node, cursor.num_blocks, cursor.rolling, cursor.rolling_node, cursor.stopped = None, 0, None, None, False
         cursor.branch = 0
@@ -397,7 +416,7 @@ class PrefixCache:
                 n.parent.children.discard(n)
             if n.snapshot is not None:
                 del self._snap_lru[n.snapshot]
-                self._snap_free.append(n.snapshot)
+                self._free_slot(n.snapshot)
                 n.snapshot = None
             if n is not node:
                 self.blocks.uncache(n.block)
@@ -425,6 +444,7 @@ class PrefixCache:
         attached = {n.snapshot for n in nodes if n.snapshot is not None}
         assert attached == set(self._snap_lru)
         pending = [s for c in cursors for s in c.pending.values()]
+        assert self._snap_kept <= attached | set(pending), "a kept snapshot slot is neither attached nor pending"
         if self.has_state:
             everything = sorted([*self._snap_free, *attached, *pending])
             assert everything == list(self.snapshot_slots), f"snapshot slots leaked or doubled: {everything}"

@@ -418,7 +418,8 @@ class Scheduler:
             self.prefix.register(seq.prefix, seq.token_ids, seq.block_table, min(end, len(seq.token_ids)))
             want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), row.start, end)
             if want:
-                slot = self.prefix.snapshot(seq.prefix, end // bs, rolling=want == "rolling")
+                slot = self.prefix.snapshot(seq.prefix, end // bs, rolling=want == "rolling",
+                                            keep=end == seq.prefix.branch)
                 if slot is not None:
                     out.append((seq.slot, slot))
         return out
