@@ -19,6 +19,22 @@ import time
 import numpy as np
 
 
+def time_calls(fn, state, x, rest: tuple, iters: int) -> tuple[float, float]:
+    """(median host ms of one call, device ms per call) over `iters` chained calls `state, x = fn(state, x, *rest)`."""
+    import jax
+
+    state, x = fn(state, x, *rest)
+    jax.block_until_ready((state, x))
+    calls = []
+    t_start = time.perf_counter()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        state, x = fn(state, x, *rest)
+        calls.append(time.perf_counter() - t0)
+    jax.block_until_ready((state, x))
+    return float(np.median(calls)) * 1e3, (time.perf_counter() - t_start) / iters * 1e3
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ms", type=float, default=5.0, help="device time of one call to aim at")
@@ -62,19 +78,9 @@ def main(argv=None) -> int:
                 m = meta if meta_kind == "numpy" else jnp.asarray(meta)
                 if how == "compiled":
                     fn = fn.lower(s, x0, m, w).compile()
-                x = x0
-                s, x = fn(s, x, m, w)
-                jax.block_until_ready((s, x))
-                calls = []
-                t_start = time.perf_counter()
-                for _ in range(a.iters):
-                    t0 = time.perf_counter()
-                    s, x = fn(s, x, m, w)
-                    calls.append(time.perf_counter() - t0)
-                jax.block_until_ready((s, x))
-                per_call = (time.perf_counter() - t_start) / a.iters
+                call, device = time_calls(fn, s, x0, (m, w), a.iters)
                 name = f"{how}, state {'donated' if donate else 'not donated'}, meta {meta_kind}"
-                print(f"{name:52s} {np.median(calls) * 1e3:8.3f} {per_call * 1e3:17.3f}", flush=True)
+                print(f"{name:52s} {call:8.3f} {device:17.3f}", flush=True)
     # the number of arguments: `n` small weight arrays (each read), state donated, meta from NumPy
     print(f"{'arguments':>10s} {'call ms':>8s} {'device ms / call':>17s}")
     for leaves in (int(x) for x in a.leaves.split(",")):
@@ -87,18 +93,8 @@ def main(argv=None) -> int:
             return state.at[0].add(x[0, 0].astype(jnp.float32) + meta.sum() + extra), x
 
         fn = jax.jit(many, donate_argnums=(0,))
-        s, x = jnp.zeros((a.state_mb * 2**18,), jnp.float32), x0
-        s, x = fn(s, x, meta, w, ws)
-        jax.block_until_ready((s, x))
-        calls = []
-        t_start = time.perf_counter()
-        for _ in range(a.iters):
-            t0 = time.perf_counter()
-            s, x = fn(s, x, meta, w, ws)
-            calls.append(time.perf_counter() - t0)
-        jax.block_until_ready((s, x))
-        per_call = (time.perf_counter() - t_start) / a.iters
-        print(f"{leaves + 4:10d} {np.median(calls) * 1e3:8.3f} {per_call * 1e3:17.3f}", flush=True)
+        call, device = time_calls(fn, jnp.zeros((a.state_mb * 2**18,), jnp.float32), x0, (meta, w, ws), a.iters)
+        print(f"{leaves + 4:10d} {call:8.3f} {device:17.3f}", flush=True)
     return 0
 
 
