@@ -33,19 +33,19 @@ import pstats
 import numpy as np
 
 
-def phases(log: list[tuple]) -> dict:
-    a = np.array(log)
+def phases(log: list) -> dict:
+    """Mean ms per step of each phase, per kind of step (decode only / with prompt tokens); `log`: StepRecords."""
     out = {}
-    for name, mask in (("decode only", a[:, 6] == 0), ("with prompt", a[:, 6] > 0)):
-        if mask.any():
-            b = a[mask]
-            out[name] = {"steps": int(mask.sum()),
-                         "schedule_ms": float(np.mean(b[:, 1] - b[:, 0]) * 1e3),
-                         "prepare_dispatch_ms": float(np.mean(b[:, 2] - b[:, 1]) * 1e3),
-                         "device_wait_ms": float(np.mean(b[:, 10]) * 1e3),
-                         "rest_ms": float(np.mean(b[:, 3] - b[:, 2] - b[:, 10]) * 1e3),
-                         "step_ms": float(np.mean(b[:, 3] - b[:, 0]) * 1e3),
-                         "rows": float(np.mean(b[:, 4])), "tokens": float(np.mean(b[:, 5]))}
+    for name, keep in (("decode only", lambda r: r.prompt_rows == 0), ("with prompt", lambda r: r.prompt_rows > 0)):
+        rs = [r for r in log if keep(r)]
+        if rs:
+            out[name] = {"steps": len(rs),
+                         "schedule_ms": float(np.mean([r.scheduled - r.start for r in rs]) * 1e3),
+                         "prepare_dispatch_ms": float(np.mean([r.dispatched - r.scheduled for r in rs]) * 1e3),
+                         "device_wait_ms": float(np.mean([r.device_wait for r in rs]) * 1e3),
+                         "rest_ms": float(np.mean([r.end - r.dispatched - r.device_wait for r in rs]) * 1e3),
+                         "step_ms": float(np.mean([r.end - r.start for r in rs]) * 1e3),
+                         "rows": float(np.mean([r.rows for r in rs])), "tokens": float(np.mean([r.tokens for r in rs]))}
     return out
 
 

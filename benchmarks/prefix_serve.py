@@ -102,10 +102,10 @@ async def multi_turn(host, port, model, a, vocab) -> tuple[list[dict], float]:
     return results, time.perf_counter() - t0
 
 
-def explain_ttft(results: list[dict], steps: list[tuple]) -> dict:
+def explain_ttft(results: list[dict], steps: list) -> dict:
     """Per class of request (prefix hit / miss), the mean of: TTFT, steps that started inside it, and the time
-    of those steps by phase (ms)."""
-    starts = np.array([s[0] for s in steps])
+    of those steps by phase (ms). `steps`: `LLMEngine.step_log` (StepRecords)."""
+    starts = np.array([s.start for s in steps])
     out = {}
     for name, group in (("hit", [r for r in results if r["ok"] and r["cached"]]),
                         ("miss", [r for r in results if r["ok"] and not r["cached"]])):
@@ -117,12 +117,12 @@ def explain_ttft(results: list[dict], steps: list[tuple]) -> dict:
             window = steps[lo:hi]
             acc["ttft_ms"].append(r["ttft"] * 1e3)
             acc["steps"].append(len(window))
-            acc["schedule_ms"].append(sum(s[1] - s[0] for s in window) * 1e3)
-            acc["prepare_dispatch_ms"].append(sum(s[2] - s[1] for s in window) * 1e3)
-            acc["device_wait_ms"].append(sum(s[10] for s in window) * 1e3)
-            acc["rest_of_loop_ms"].append(sum(s[3] - s[2] - s[10] for s in window) * 1e3)
-            acc["between_steps_ms"].append(sum(b[0] - s[3] for s, b in zip(window, window[1:])) * 1e3)
-            acc["prompt_tokens_in_steps"].append(sum(s[7] for s in window))
+            acc["schedule_ms"].append(sum(s.scheduled - s.start for s in window) * 1e3)
+            acc["prepare_dispatch_ms"].append(sum(s.dispatched - s.scheduled for s in window) * 1e3)
+            acc["device_wait_ms"].append(sum(s.device_wait for s in window) * 1e3)
+            acc["rest_of_loop_ms"].append(sum(s.end - s.dispatched - s.device_wait for s in window) * 1e3)
+            acc["between_steps_ms"].append(sum(b.start - s.end for s, b in zip(window, window[1:])) * 1e3)
+            acc["prompt_tokens_in_steps"].append(sum(s.prompt_tokens for s in window))
         out[name] = {"requests": len(group), **{k: float(np.mean(v)) for k, v in acc.items()}}
     return out
 

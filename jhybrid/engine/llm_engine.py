@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -61,6 +61,24 @@ def _tp_free_bytes(tensor_parallel_size: int) -> int | None:
 
     return device_memory_bytes() * tensor_parallel_size
 
+
+
+class StepRecord(NamedTuple):
+    """One engine step as `LLMEngine.step_log` records it: perf_counter seconds at its start, after scheduling,
+    after dispatching and at its end; its rows and tokens, those of prompts, the state restores and snapshots
+    it carried, and the seconds it waited for the device (reading the previous step)."""
+
+    start: float
+    scheduled: float
+    dispatched: float
+    end: float
+    rows: int
+    tokens: int
+    prompt_rows: int
+    prompt_tokens: int
+    restores: int
+    snapshots: int
+    device_wait: float
 
 class LLMEngine:
     """The engine over a loaded model. `config` holds the options (`EngineConfig`; `options` replace its fields,
@@ -146,9 +164,8 @@ class LLMEngine:
         # host time per step by phase, and the time spent waiting for the device (`stats()`)
         self.timing = dict(num_steps=0, host_schedule_seconds=0.0, host_prepare_seconds=0.0,
                            host_postprocess_seconds=0.0, device_wait_seconds=0.0)
-        # a list to trace every step into (benchmarks): (start, scheduled, dispatched, end) perf_counter seconds,
-        # rows, tokens fed, rows of prompt tokens, prompt tokens, state restores, snapshots, device wait seconds
-        self.step_log: list[tuple] | None = None
+        # a list to trace every step into (benchmarks: prefix_serve, host_profile), one StepRecord per step
+        self.step_log: list[StepRecord] | None = None
         log.info("KV pool: %d blocks of %d tokens; %d state slots%s", self.cache.num_blocks - 1, block_size,
                  self.cache.num_slots - 1, f"; prefix caching with {self.cache.num_snapshot_slots} state snapshots"
                  if self.prefix_cache is not None else "")
@@ -370,10 +387,10 @@ class LLMEngine:
         timing["num_steps"] += 1
         if self.step_log is not None and sched is not None:
             prompt_rows = [r for r in sched.rows if r.start < len(r.seq.prompt_ids)]
-            self.step_log.append((start, t1, t2, time.perf_counter(), len(sched.rows),
-                                  sum(r.num_tokens for r in sched.rows), len(prompt_rows),
-                                  sum(r.num_tokens for r in prompt_rows), len(sched.restores), len(sched.snapshots),
-                                  timing["device_wait_seconds"] - wait0))
+            self.step_log.append(StepRecord(start, t1, t2, time.perf_counter(), len(sched.rows),
+                                            sum(r.num_tokens for r in sched.rows), len(prompt_rows),
+                                            sum(r.num_tokens for r in prompt_rows), len(sched.restores),
+                                            len(sched.snapshots), timing["device_wait_seconds"] - wait0))
         return updated
 
     def stats(self) -> dict[str, float]:
