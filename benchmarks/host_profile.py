@@ -20,6 +20,7 @@ wait's share: the device then idles between steps.
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import contextlib
 import cProfile
@@ -60,8 +61,6 @@ def device_time(folder: str) -> dict:
     kernels = sorted((e["ts"], e.get("dur", 0), e["name"]) for e in events if e.get("ph") == "X" and e.get("pid") in gpu)
     starts = [k[0] for k in kernels]
     out = {}
-    import bisect
-
     for kind in ("decode_only_step", "other_step"):
         marks = [e for e in events if e.get("ph") == "X" and e.get("name") == kind]
         if not marks:
