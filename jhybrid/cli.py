@@ -207,7 +207,8 @@ def _generate(args: argparse.Namespace) -> int:
     from jhybrid.engine.llm import LLM, _bucket
     from jhybrid.engine.sampling import SamplingParams
 
-    model = load(args.model, config.dtype, host=config.tensor_parallel_size > 1)
+    model = load(args.model, config.dtype, host=config.tensor_parallel_size > 1,
+                 quantization=config.quantization)
     lengths = [len(model.tokenizer.encode(p)) if isinstance(p, str) and model.tokenizer else len(p) for p in prompts]
     context = model.cfg.max_position_embeddings
     if max(lengths) + args.max_tokens > context:

@@ -37,20 +37,49 @@ class LoadedModel:
     tokenizer: Any = None
     eos_token_ids: tuple[int, ...] = ()
     generation_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    fp8_checkpoint: bool = False  # the checkpoint's weights are block-wise FP8 (dequantized by the reader)
 
     def __post_init__(self):
         self.params = pack_params(self.params)
 
 
-def load(model: str | os.PathLike | LoadedModel, dtype: str | None = None, *, host: bool = False) -> LoadedModel:
+def quantize(model: LoadedModel, quantization: str = "auto", tensor_parallel_size: int = 1) -> LoadedModel:
+    """`model` with its dense projections as FP8 weights (`jhybrid.models.quant`) when `quantization` asks for it:
+    "fp8", or "auto" on an FP8 checkpoint where the GPU has FP8 tensor cores (and the model is not sharded: the
+    FP8 weights have no tensor-parallel layout yet); else `model` itself."""
+    from jhybrid.models.quant import num_fp8_weights, quantize_params
+    from pallas_kernels.fp8_matmul import gpu_has_fp8
+
+    if quantization not in ("auto", "fp8", "none"):
+        raise ValueError(f"unknown quantization={quantization!r}; choose one of auto, fp8, none")
+    fp8_checkpoint = getattr(model, "fp8_checkpoint", False)
+    auto = quantization == "auto" and fp8_checkpoint and tensor_parallel_size == 1 and gpu_has_fp8()
+    if not (quantization == "fp8" or auto):
+        if fp8_checkpoint:
+            log.info("FP8 checkpoint: weights dequantized to %s (quantization=%s)", model.cfg.dtype, quantization)
+        return model
+    before = _param_bytes(model.params)
+    params = quantize_params(model.params)
+    log.info("quantization fp8: %d projections as 128x128-block FP8 weights; parameters %.2f -> %.2f GB",
+             num_fp8_weights(params), before / 1e9, _param_bytes(params) / 1e9)
+    return dataclasses.replace(model, params=params)
+
+
+def _param_bytes(params: Any) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+
+
+def load(model: str | os.PathLike | LoadedModel, dtype: str | None = None, *, host: bool = False,
+         quantization: str = "auto") -> LoadedModel:
     """A model directory (HF or converted) or an already loaded model. `host`: read the parameters into
     host memory (JAX's CPU device) instead of the first accelerator, as tensor parallelism wants: they go
-    from there straight to their shards, so a model larger than one GPU can be loaded."""
+    from there straight to their shards, so a model larger than one GPU can be loaded. `quantization`:
+    see `quantize` (EngineConfig.quantization)."""
     if isinstance(model, LoadedModel):
-        return model
+        return quantize(model, quantization, 2 if host else 1)
     if host:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            return load(model, dtype)
+            return load(model, dtype, quantization=quantization)
     from jhybrid.checkpoint import load_model
     from jhybrid.tokenizer import load_tokenizer
 
@@ -60,8 +89,21 @@ def load(model: str | os.PathLike | LoadedModel, dtype: str | None = None, *, ho
     gen = read_generation_config(model)
     gen_eos = gen.get("eos_token_id")
     eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
-    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)),
-                       generation_defaults=generation_defaults(gen))
+    loaded = LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)),
+                         generation_defaults=generation_defaults(gen), fp8_checkpoint=is_fp8_checkpoint(model))
+    del params
+    return quantize(loaded, quantization)
+
+
+def is_fp8_checkpoint(model: str | os.PathLike) -> bool:
+    """Whether an HF checkpoint directory's config.json declares block-wise FP8 weights."""
+    from jhybrid.config_fields import read_quantization_config
+
+    path = os.path.join(model, "config.json")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return read_quantization_config(json.load(f)) is not None
 
 
 def read_generation_config(model: str | os.PathLike) -> dict[str, Any]:

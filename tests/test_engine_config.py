@@ -20,7 +20,7 @@ from jhybrid.model_loader import LoadedModel
 from tests.tp_worker import family_config
 
 # a value other than the default for every field (and a valid EngineConfig together)
-OTHER = dict(dtype="float32", max_num_seqs=3, max_model_len=96, block_size=8, num_kv_blocks=40,
+OTHER = dict(dtype="float32", quantization="fp8", max_num_seqs=3, max_model_len=96, block_size=8, num_kv_blocks=40,
              gpu_memory_utilization=0.5,
              max_num_batched_tokens=128, max_prefill_tokens_with_decodes=32, seed=7, host_kv_memory_gb=0.25,
              preemption_mode="swap", swap_transfer="pinned", swap_bandwidth_gbps=12.5, prefill_tokens_per_s=1000.0,

@@ -25,6 +25,8 @@ from typing import Any
 from jhybrid.engine.scheduler import KV_OFFLOAD_MODES, OFFLOAD_POLICIES, PREEMPTION_MODES
 from jhybrid.engine.swap import TRANSFERS
 
+QUANTIZATIONS = ("auto", "fp8", "none")
+
 
 def _option(default: Any, help: str, *, metavar: str | None = None, choices: tuple | None = None,
             none: str | None = None, group: str = "engine", aliases: tuple[str, ...] = ()) -> Any:
@@ -42,6 +44,11 @@ class EngineConfig:
     dtype: str | None = _option(
         "bfloat16", "parameter and KV dtype, float32 | bfloat16 | float16, when the model is loaded from a directory",
         metavar="D", none="the checkpoint's")
+    quantization: str = _option(
+        "auto", "weights of the dense projections: fp8 runs them as block-wise FP8 matmuls (128 x 128 blocks of e4m3 "
+        "with a scale each, activations quantized per token and 128-group; a bf16 checkpoint is quantized at load); "
+        "none runs an FP8 checkpoint dequantized; auto is fp8 for an FP8 checkpoint on a GPU with FP8 tensor cores, "
+        "none otherwise", choices=QUANTIZATIONS)
     max_num_seqs: int = _option(16, "sequences running at once (one state slot each)", metavar="N")
     max_model_len: int | None = _option(None, "longest sequence, prompt + output", metavar="N",
                                         none="min(model context, 4096)")
@@ -120,7 +127,8 @@ class EngineConfig:
                      "offload_threads", "prefix_snapshot_slots"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name), " (or None: the default)")
-        for name, choices in (("preemption_mode", PREEMPTION_MODES), ("swap_transfer", TRANSFERS),
+        for name, choices in (("quantization", QUANTIZATIONS), ("preemption_mode", PREEMPTION_MODES),
+                              ("swap_transfer", TRANSFERS),
                               ("kv_offload", KV_OFFLOAD_MODES), ("offload_policy", OFFLOAD_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"unknown {name}={getattr(self, name)!r}; choose one of {choices}")
@@ -132,6 +140,9 @@ class EngineConfig:
         for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 (or None: measured at start)")
+        if self.quantization == "fp8" and self.tensor_parallel_size > 1:
+            raise ValueError("quantization='fp8' with tensor_parallel_size > 1 is not supported yet (the FP8 weights "
+                             "are not sharded); use quantization='none'")
         if self.preemption_mode == "swap" and not self.host_kv_memory_gb:
             raise ValueError("preemption_mode='swap' needs a host tier: set host_kv_memory_gb > 0")
         if self.kv_offload != "off" and not self.host_kv_memory_gb > 0:

@@ -49,7 +49,8 @@ class LLM:
             model = options.pop("model")
         config = engine_config(config, **translate(model, options))
         self.model_dir = None if isinstance(model, LoadedModel) else os.fspath(model)
-        self.model = load(model, config.dtype, host=config.tensor_parallel_size > 1)
+        self.model = load(model, config.dtype, host=config.tensor_parallel_size > 1,
+                          quantization=config.quantization)
         self.engine = LLMEngine(self.model, config)
         self._ids = itertools.count()
         self._chat_template: Any = None  # the checkpoint's, loaded on the first chat()

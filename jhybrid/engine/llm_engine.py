@@ -48,6 +48,7 @@ from jhybrid.engine.sequence import Sequence
 from jhybrid.engine.slot_tables import ban_rows
 from jhybrid.engine.swap import Swapper, check_transfer, measure_prefill_rate, measure_transfer_bandwidth
 from jhybrid.engine.offload import HostAttention, Offloader, OffloadStats
+from jhybrid.model_loader import quantize
 
 log = logging.getLogger("jhybrid.engine")
 
@@ -91,6 +92,7 @@ class LLMEngine:
         from jhybrid.parallel import kv_replication, make_mesh, replicate_kv_heads, validate_tensor_parallel
 
         validate_tensor_parallel(cfg, tensor_parallel_size)  # before any planning: a bad N names the counts
+        model = quantize(model, config.quantization, tensor_parallel_size)  # a LoadedModel given as is (idempotent)
         if (copies := kv_replication(cfg, tensor_parallel_size)) > 1:  # fewer kv heads than devices
             log.info("tensor_parallel_size=%d > %d kv heads: each kv head is stored %d times", tensor_parallel_size,
                      cfg.num_kv_heads, copies)

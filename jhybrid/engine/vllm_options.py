@@ -30,7 +30,7 @@ NO_EFFECT = {
 # options accepted at their vLLM default (or values meaning the same) only: any other value would change the
 # output, and jhybrid does not have it
 ACCEPTED_ONLY = {
-    "tokenizer": (None,), "tokenizer_mode": ("auto", "hf"), "skip_tokenizer_init": (False,), "quantization": (None,),
+    "tokenizer": (None,), "tokenizer_mode": ("auto", "hf"), "skip_tokenizer_init": (False,),
     "revision": (None,), "tokenizer_revision": (None,), "code_revision": (None,), "kv_cache_dtype": ("auto",),
     "load_format": ("auto", "safetensors"), "pipeline_parallel_size": (1,), "data_parallel_size": (1,),
     "cpu_offload_gb": (0,), "hf_overrides": (None,), "enable_lora": (False,), "speculative_config": (None,),
@@ -51,6 +51,8 @@ def translate(model: Any, options: dict[str, Any]) -> dict[str, Any]:
             out[name] = DTYPES[value]
         elif name == "seed" and value is None:
             continue  # vLLM's "no seed": the engine's default seed
+        elif name == "quantization" and value is None:
+            out[name] = "auto"  # vLLM's None: what the checkpoint's config says
         elif name in RENAMED:
             out[RENAMED[name]] = value
         elif name == "tokenizer" and value is not None and str(value) == str(model):

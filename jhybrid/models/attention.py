@@ -9,6 +9,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import apply_rope, rms_norm
+from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import paged_attention, write_kv_pages
 from pallas_kernels.paged_attention import merge_attention
@@ -55,7 +56,7 @@ def attention_qkv(
     num_tokens = x.shape[0]
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q_out = h * hd * (2 if cfg.attn_output_gate else 1)
-    qkv = x @ p["qkv_proj"]  # [T, Q + 2*KVH*hd]: the packed q, k, v projections
+    qkv = linear(x, p["qkv_proj"])  # [T, Q + 2*KVH*hd]: the packed q, k, v projections
     if cfg.attention_bias:
         qkv = qkv + p["qkv_bias"]
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
@@ -90,7 +91,7 @@ def attention_out(cfg: ModelConfig, p: dict, o: Float[Array, "T H hd"], gate: Ar
     o = o.reshape(o.shape[0], -1)
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
-    o = o @ p["o_proj"]
+    o = linear(o, p["o_proj"])
     if cfg.attention_bias:
         o = o + p["o_bias"]
     return o.astype(dtype)

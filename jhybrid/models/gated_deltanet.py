@@ -9,6 +9,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import causal_conv1d, gated_rms_norm, l2_normalize
+from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
@@ -30,7 +31,7 @@ def gated_deltanet_layer(
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     c = cfg.conv_dim  # 2*HK*K + HV*V
-    proj = x @ p["in_proj"]  # [T, C + HV*V + 2*HV]: the packed qkv, z, b, a projections
+    proj = linear(x, p["in_proj"])  # [T, C + HV*V + 2*HV]: the packed qkv, z, b, a projections
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
     qkv, z, b, a = split_packed(proj, (c, hv * dv, hv, hv), shards)  # [T, C] (shard-major), [T, HV*V], [T, HV] x2
     z = z.reshape(num_tokens, hv, dv)
@@ -52,5 +53,5 @@ def gated_deltanet_layer(
             q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids, **(kernels or {})
         )
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)  # [T, HV, V]
-    out = o.reshape(num_tokens, hv * dv) @ p["out_proj"]
+    out = linear(o.reshape(num_tokens, hv * dv), p["out_proj"])
     return out, conv_state, ssm_state

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import split_packed
 
 
@@ -69,17 +70,17 @@ def dense_mlp(p: dict, x: Float[Array, "T D"], act: str = "silu", num_shards: in
     (shard-major over `num_shards` under tensor parallelism, `jhybrid.parallel.layout`);
     `act="relu2"` (NemotronH): `down(relu(up(x))^2)`, no gate."""
     if act == "relu2":
-        up = x @ p["up_proj"]
+        up = linear(x, p["up_proj"])
         if "up_bias" in p:
             up = up + p["up_bias"]
-        out = jnp.square(jax.nn.relu(up)) @ p["down_proj"]
+        out = linear(jnp.square(jax.nn.relu(up)), p["down_proj"])
         return out + p["down_bias"] if "down_bias" in p else out
-    gate_up = x @ p["gate_up_proj"]
+    gate_up = linear(x, p["gate_up_proj"])
     if "gate_up_bias" in p:
         gate_up = gate_up + p["gate_up_bias"]
     half = gate_up.shape[-1] // 2
     gate, up = split_packed(gate_up, (half, half), num_shards)
-    out = (jax.nn.silu(gate) * up) @ p["down_proj"]
+    out = linear(jax.nn.silu(gate) * up, p["down_proj"])
     return out + p["down_bias"] if "down_bias" in p else out
 
 

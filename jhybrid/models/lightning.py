@@ -10,6 +10,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import LIGHTNING_NORM_EPS, ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import rms_norm
+from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
@@ -39,7 +40,7 @@ def lightning_attention_layer(
     out_proj. `decode` (static) means one token per row. Returns (out, ssm_state)."""
     num_tokens = x.shape[0]
     h, hd = cfg.num_heads, cfg.head_dim
-    proj = x @ p["in_proj"]  # [T, 4*H*hd]: the packed qkv_proj, output_gate
+    proj = linear(x, p["in_proj"])  # [T, 4*H*hd]: the packed qkv_proj, output_gate
     qkv, gate = split_packed(proj, (3 * h * hd, h * hd), num_shards((kernels or {}).get("mesh")))  # [T, 3*H*hd], [T, H*hd]
     qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
     qkv = qkv.reshape(num_tokens, h, 3, hd)  # per head: hd q dims, hd k dims, hd v dims
@@ -54,4 +55,4 @@ def lightning_attention_layer(
         )
     o = rms_norm(o.reshape(num_tokens, h * hd).astype(x.dtype), p["norm"], LIGHTNING_NORM_EPS, False)
     o = jax.nn.sigmoid(gate) * o
-    return o @ p["out_proj"], ssm_state
+    return linear(o, p["out_proj"]), ssm_state

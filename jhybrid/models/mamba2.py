@@ -9,6 +9,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import causal_conv1d, grouped_gated_rms_norm
+from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
@@ -35,7 +36,7 @@ def mamba2_layer(
     num_tokens = x.shape[0]
     h, hp, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups, cfg.ssm_state_size
     inner, conv_dim = cfg.mamba_intermediate_size, cfg.mamba_conv_dim
-    proj = x @ p["in_proj"]  # [T, Im + Cm + Hm]
+    proj = linear(x, p["in_proj"])  # [T, Im + Cm + Hm]
     if "in_proj_bias" in p:
         proj = proj + p["in_proj_bias"]
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
@@ -58,7 +59,7 @@ def mamba2_layer(
         y, ssm_state = chunk_simple_gla(c, b, v, decay, batch.cu_seqlens, ssm_state, batch.slot_ids, scale=1.0, **(kernels or {}))
     y = y + xs * p["D"].astype(jnp.float32)[:, None]  # D skip
     y = grouped_gated_rms_norm(y.reshape(num_tokens, inner).astype(x.dtype), z, p["norm"], inner // g, cfg.mamba_norm_eps)
-    out = y @ p["out_proj"]
+    out = linear(y, p["out_proj"])
     if "out_bias" in p:
         out = out + p["out_bias"]
     return out, conv_state, ssm_state

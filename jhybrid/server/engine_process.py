@@ -292,7 +292,8 @@ def build_llm_engine(model: str, config: EngineConfig, *, compilation_cache_dir:
         from jhybrid.engine.compilation import enable_compilation_cache
 
         enable_compilation_cache(compilation_cache_dir)
-    return LLMEngine(load(model, config.dtype, host=config.tensor_parallel_size > 1), config)
+    loaded = load(model, config.dtype, host=config.tensor_parallel_size > 1, quantization=config.quantization)
+    return LLMEngine(loaded, config)
 
 
 __all__ = ["EngineProcess", "EngineProcessError", "EngineSpec", "EngineStartError", "build_llm_engine", "run_setup"]
