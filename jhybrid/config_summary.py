@@ -39,7 +39,9 @@ _LINEAR = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_
 _FP32 = ("A_log", "dt_bias", "router_bias")
 FP8_NOTE = (
     "FP8: linear weights in e4m3 with one fp32 scale per 128x128 block; embeddings, LM head, routers, "
-    "shared-expert gates, conv and norms, and projections narrower than a block (e.g. GDN in_proj_b/a) in bf16"
+    "shared-expert gates, conv and norms, and projections narrower than a block (e.g. GDN in_proj_b/a) in bf16 "
+    "(the published checkpoints' layout; jhybrid's --quantization fp8 keeps the dense projections so today, MoE "
+    "experts in bf16, on one GPU only)"
 )
 _MAX_TP = 64
 

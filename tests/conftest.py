@@ -115,4 +115,5 @@ def _bounded_compiled_programs():
         import jax
 
         jax.clear_caches()
+        gc.unfreeze()  # engines freeze the heap (jhybrid/engine/heap.py): let the pass see dropped engines too
         gc.collect()

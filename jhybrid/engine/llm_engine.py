@@ -41,6 +41,7 @@ from jhybrid.cache.host_tier import HostTier, SwapCostModel, plan_host_tier
 from jhybrid.cache.planner import plan_cache
 from jhybrid.cache.prefix_cache import PrefixCache
 from jhybrid.engine.engine_config import EngineConfig, engine_config
+from jhybrid.engine.heap import freeze_startup_heap
 from jhybrid.engine.runner import ModelRunner, StepResult
 from jhybrid.engine.sampling import SamplingParams, bad_words_token_ids
 from jhybrid.engine.scheduler import Scheduler
@@ -172,7 +173,9 @@ class LLMEngine:
                  self.cache.num_slots - 1, f"; prefix caching with {self.cache.num_snapshot_slots} state snapshots"
                  if self.prefix_cache is not None else "")
         if config.warmup:
-            self.warmup()
+            self.warmup()  # freezes the start-up heap once the programs exist
+        else:
+            freeze_startup_heap("engine start")
 
     def warmup(self, progress: bool = True, threads: int | None = None) -> int:
         """Compiles every step program the scheduler can need (each decode row bucket and each mixed-step token
@@ -208,6 +211,7 @@ class LLMEngine:
         self._after_ready = CompileWatch()  # every program the process compiles from now on
         self.startup_programs_compiled += watch.count
         self.startup_compile_seconds += time.perf_counter() - t0
+        freeze_startup_heap("warmup")
         log.info("start-up compilation: %d programs (%d step programs) compiled or loaded in %.1f s", watch.count,
                  len(grid), time.perf_counter() - t0)
         return compiled

@@ -45,6 +45,7 @@ import numpy as np
 
 from jhybrid.cache.state import CacheConfig, HybridState, copy_slots, init_state, zero_slots
 from jhybrid.config import ModelConfig
+from jhybrid.engine.heap import freeze_startup_heap
 from jhybrid.engine.sampling import (FLAG_PENALTIES, MAX_BAN_TOKENS, SamplingArrays, SamplingParams, SlotTables,
                                      TokenHistory, prompt_logprobs, record_fed_tokens, sample)
 from jhybrid.engine.slot_tables import SlotTableKeeper, recent_window
@@ -481,6 +482,7 @@ class ModelRunner:
             program = self._programs[key] = self._lower(*key).compile()
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - t0
+            freeze_startup_heap("step program compiled", collect=False)  # jax's new cache entries: heap.py
         return program
 
     def program_grid(self, max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[bool, int, int]]:

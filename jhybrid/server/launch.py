@@ -23,6 +23,7 @@ from typing import Any
 import uvicorn
 
 from jhybrid.engine.engine_config import EngineConfig, engine_config
+from jhybrid.engine.heap import freeze_startup_heap
 from jhybrid.server.app import ServerConfig, create_app
 from jhybrid.server.async_engine import AsyncEngine
 from jhybrid.server.chat_template import load_chat_template
@@ -75,6 +76,7 @@ class GracefulServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        freeze_startup_heap("HTTP server")  # the server's stack, the tokenizer (and a threaded engine): jhybrid/engine/heap.py
 
     def handle_exit(self, sig: int, frame) -> None:
         # uvicorn records the signal and raises it again once stopped (the process then dies by it); a drained
