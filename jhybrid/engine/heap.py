@@ -1,10 +1,10 @@
 """Python's garbage collector and the serving loop: start-up's objects frozen out of its passes.
 
-A full (generation 2) collection walks every tracked object. Once a model is loaded and jax, the tokenizer and
-the server's stack are imported that is ~165k objects, and a pass took 100-230 ms on this project's CI
-machine (benchmarks/RESULTS.md, session 13); it runs whenever enough new objects have survived, i.e. in the
-middle of serving: between two engine steps, a gap every streaming request sees in its inter-token latency,
-or in the HTTP process's event loop. `freeze_startup_heap` collects once and moves what is alive into the
+A full (generation 2) collection walks every tracked object. Once a model is loaded, its step programs
+compiled and the server's stack imported that is 236k-722k objects, and a pass takes 107-330 ms on this
+project's CI machine (benchmarks/RESULTS.md, session 13); it runs whenever enough new objects have survived,
+i.e. in the middle of serving: between two engine steps, a gap every streaming request sees in its
+inter-token latency, or in the HTTP process's event loop. `freeze_startup_heap` collects once and moves what is alive into the
 permanent generation (`gc.freeze`), which later passes skip, as vLLM's engine does after start-up.
 
 It unfreezes first, so that an engine built after another (tests, notebooks) lets the collector reclaim the
