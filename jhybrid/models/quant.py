@@ -4,9 +4,11 @@
 linear mixers' in / out projections, dense and shared-expert MLPs) whose input dim is a multiple of 128 by an
 `Fp8Weight`: 128 x 128 blocks of float8_e4m3fn with a float32 scale each (pallas_kernels/fp8_matmul). Both
 `--quantization fp8` on a bf16 checkpoint and FP8 checkpoints take this path: an FP8 checkpoint is dequantized
-to float32 block by block at load (converters/fp8.py), packed, then quantized again here; where the packed
-matrix's blocks are the checkpoint's blocks (the published 128-aligned layouts) and the checkpoint's scales
-are amax / 448 (DeepSeek's and transformers' recipe), that gives back the checkpoint's own FP8 values.
+block by block at load (converters/fp8.py; float32 products, then the load dtype), packed, then quantized again
+here; where the packed matrix's blocks are the checkpoint's blocks (the published 128-aligned layouts) and the
+checkpoint's scales are amax / 448 (DeepSeek's and transformers' recipe), that gives back the checkpoint's own
+FP8 values (and its scales to the load dtype's rounding: bf16's, at most 2^-8, moves no e4m3 value to a
+neighbour, whose spacing is 2^-3).
 
 Left in the load dtype: embeddings and the LM head, routers and MoE experts (their matmuls are einsums over
 experts; no grouped FP8 kernel yet), norms, convolutions, biases, and projections whose input dim is not a
@@ -21,7 +23,7 @@ from typing import Any
 import jax
 from jaxtyping import Array, Float
 
-from pallas_kernels.fp8_matmul import BLOCK, dequantize_weight, fp8_matmul, quantize_weight
+from pallas_kernels.fp8_matmul import BLOCK, fp8_matmul, quantize_weight
 
 # the projections `quantize_params` converts, by the layer sub-dict holding them
 FP8_PROJECTIONS = {
@@ -51,9 +53,6 @@ class Fp8Weight:
     @property
     def dtype(self):
         return self.w.dtype
-
-    def dequantize(self) -> Float[Array, "K N"]:
-        return dequantize_weight(self.w, self.scale, self.n)
 
 
 def linear(x: Float[Array, "... K"], w: Array | Fp8Weight) -> Float[Array, "... N"]:
