@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
-from pallas_kernels.fp8_matmul.reference import _TINY, BLOCK, FP8, FP8_MAX
+from pallas_kernels.fp8_matmul.reference import _TINY, BLOCK, FP8, FP8_MAX, quantize_rows
 
 NUM_SMS = 132  # the H200's; split-K aims for two programs per SM
 
@@ -73,8 +73,6 @@ def fp8_matmul_pallas(
     """Same arguments and result as `fp8_matmul_reference`. `block_m` (default: the smallest power of two
     >= M, between 16 and 64) and `block_n` (a power of two dividing 128) are the output tile; `split_k` the K
     splits (None: `default_split`); `prequantized`: quantize the activations in XLA first."""
-    from pallas_kernels.fp8_matmul.reference import quantize_rows
-
     m, k = x.shape
     n_pad = w.shape[0]
     num_k_blocks = k // BLOCK
