@@ -29,8 +29,16 @@ except ImportError:  # torch is only needed by the HF-reference tests
 if torch is not None:
     torch.set_num_threads(2)
 
+# XLA:CPU compiles the tests' many small programs faster unoptimised (LLVM's expensive passes off); the tiny models
+# run fast enough either way. Set before JAX makes its CPU backend; the subprocesses the tests start inherit it.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
 def pytest_configure(config):
-    """One persistent compilation cache per test run, shared by its xdist workers and their subprocesses."""
+    """One persistent compilation cache per test run, shared by its xdist workers and their subprocesses; fast
+    unoptimised XLA:CPU compiles (`FAST_COMPILE_FLAGS`; JHYBRID_TEST_OPTIMIZED=1 keeps XLA's defaults)."""
+    if os.environ.get("JHYBRID_TEST_OPTIMIZED") != "1" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
     run = getattr(config, "workerinput", {}).get("testrunuid") or os.environ.get("JHYBRID_TEST_RUN") or uuid.uuid4().hex
     os.environ["JHYBRID_TEST_RUN"] = run
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"jhybrid-test-jax-cache-{run}")
