@@ -8,6 +8,7 @@ compiled step programs of test_programs.py / test_engine.py.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -188,12 +189,14 @@ def _reference_top_k_top_p(x, k, p):
     return keep & (x >= s[last])
 
 
-def test_top_k_top_p_filter_equals_a_float64_sort():
+@pytest.mark.parametrize("rolled", [False, True], ids=["unrolled", "fori_loop"])
+def test_top_k_top_p_filter_equals_a_float64_sort(rolled):
     """`_filter_top_k_top_p` (thresholds by radix select, no sort) keeps exactly the tokens of a float64 sort's
     top-k / top-p (ties at either threshold kept, as vLLM does): random rows, rows of few distinct values, rows
-    with -inf (after min_p), k of 1, inside and past the vocabulary, p tiny, mid and 1. Checked to fail with the
-    radix select's last pass dropped (`range(..., 0, ...)`: the low bits stay zero and ties of the high bits get
-    in) and with the top-k set left out of the top-p softmax."""
+    with -inf (after min_p), k of 1, inside and past the vocabulary, p tiny, mid and 1; with the radix passes
+    unrolled (the GPU's form) and in a `fori_loop` (the CPU's). Checked to fail with the radix select's last pass
+    dropped (`range(..., 0, ...)`: the low bits stay zero and ties of the high bits get in; and, for the loop
+    alone, `fori_loop(0, num_passes - 1, ...)`) and with the top-k set left out of the top-p softmax."""
     rng = np.random.default_rng(3)
     vocab = 1000
     rows, ks, ps = [], [], []
@@ -209,8 +212,8 @@ def test_top_k_top_p_filter_equals_a_float64_sort():
         ks.append(int(rng.choice([0, 1, 5, 50, 999, 1000, 5000])))
         ps.append(float(rng.choice([1e-6, 0.3, 0.9, 0.99, 1.0])))
     x = np.stack(rows)
-    got = np.isfinite(np.asarray(jax.jit(_filter_top_k_top_p)(jnp.asarray(x), jnp.asarray(ks, jnp.int32),
-                                                               jnp.asarray(ps, jnp.float32))))
+    fn = jax.jit(functools.partial(_filter_top_k_top_p, rolled=rolled))
+    got = np.isfinite(np.asarray(fn(jnp.asarray(x), jnp.asarray(ks, jnp.int32), jnp.asarray(ps, jnp.float32))))
     for i in range(len(rows)):
         want = _reference_top_k_top_p(x[i], ks[i], ps[i]) & np.isfinite(x[i])
         np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}: k={ks[i]} p={ps[i]}")

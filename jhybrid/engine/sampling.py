@@ -388,22 +388,24 @@ def _apply_bans(logits: Float[Array, "B V"], bans: Int[Array, "B NW W"], recent:
     return logits.at[rows, jnp.where(banned, last, vocab)].set(-jnp.inf, mode="drop")
 
 
-def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"]) -> Array:
+def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"],
+                        rolled: bool | None = None) -> Array:
     """Masks (to -inf) tokens outside each row's top-k and top-p sets, as vLLM defines them: the top-k set is
     every token at or above the k-th largest logit (ties kept); top-p then keeps, over the top-k set's softmax,
     the tokens whose more likely tokens (in descending order) hold less than `top_p` of the mass (so at least
     the most likely one), i.e. every token at or above the largest logit t with mass(logits >= t) >= top_p.
 
     No sort of the vocabulary: both thresholds are found by `_radix_threshold` (a few masked reductions over the
-    row); a sort of [64, 151936] was most of what top-k / top-p cost a decode step (benchmarks/RESULTS.md)."""
+    row); a sort of [64, 151936] was most of what top-k / top-p cost a decode step (benchmarks/RESULTS.md).
+    `rolled`: the form of the radix passes (`_radix_threshold`; None: the backend's)."""
     vocab = logits.shape[-1]
     keys = _order_keys(logits)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.float32)
-    kth = _radix_threshold(keys, jnp.ones_like(logits), k)
+    kth = _radix_threshold(keys, jnp.ones_like(logits), k, rolled)
     in_top_k = keys >= kth[:, None]
     probs = jax.nn.softmax(jnp.where(in_top_k, logits, -jnp.inf), axis=-1)  # renormalised over the top-k set
     # top_p == 1 keeps everything (an unreachable target leaves the threshold at the bottom)
-    pth = _radix_threshold(keys, probs, jnp.where(top_p < 1.0, top_p, 2.0))
+    pth = _radix_threshold(keys, probs, jnp.where(top_p < 1.0, top_p, 2.0), rolled)
     return jnp.where(in_top_k & (keys >= pth[:, None]), logits, -jnp.inf)
 
 
@@ -424,20 +426,33 @@ def _masked_sums(keys: Array, weights: Float[Array, "B V"], cand: Array) -> Floa
                       for j in range(cand.shape[1])], axis=-1)
 
 
-def _radix_threshold(keys: Array, weights: Float[Array, "B V"], target: Float[Array, "B"]) -> Array:
+def _radix_threshold(keys: Array, weights: Float[Array, "B V"], target: Float[Array, "B"],
+                     rolled: bool | None = None) -> Array:
     """Per row, the largest uint32 t with sum(weights[keys >= t]) >= target (0 where no t reaches it), for
     non-negative weights: decided RADIX_BITS bits at a time from the top, each pass summing the row's weights at
     or above every candidate value of those bits (a radix select; exact for counts, and for masses up to the
-    float32 rounding of their sums)."""
+    float32 rounding of their sums).
+
+    The passes are unrolled on a GPU (the measured form: XLA:GPU runs a while loop outside its CUDA graphs) and
+    a `fori_loop` on the CPU, where the 16 unrolled passes were most of the compile time of every step program
+    (about 1 s of XLA:CPU each); `rolled` forces one form (the tests check that both agree)."""
     width = 1 << RADIX_BITS
-    ans = jnp.zeros(keys.shape[:1], jnp.uint32)
+    num_passes = 32 // RADIX_BITS
     digits = jnp.arange(1, width, dtype=jnp.uint32)  # candidate values of the next bits
-    for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
+
+    def one_pass(i, ans):
+        shift = jnp.uint32(32 - RADIX_BITS) - jnp.uint32(RADIX_BITS) * jnp.asarray(i, jnp.uint32)
         cand = ans[:, None] | (digits[None, :] << shift)  # [B, width - 1], increasing
         mass = _masked_sums(keys, weights, cand)
         reached = mass >= target[:, None]  # true for a prefix of the candidates (mass decreases along them)
         best = jnp.sum(reached, axis=-1).astype(jnp.uint32)  # how many: the digit itself
-        ans = ans | (best << shift)
+        return ans | (best << shift)
+
+    ans = jnp.zeros(keys.shape[:1], jnp.uint32)
+    if rolled if rolled is not None else jax.default_backend() == "cpu":
+        return jax.lax.fori_loop(0, num_passes, one_pass, ans)
+    for i in range(num_passes):
+        ans = one_pass(i, ans)
     return ans
 
 
