@@ -71,27 +71,17 @@ def sampler(iters: int, batch: int, vocab: int) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.sampler_kernels import sampling_arrays
     from jhybrid.engine import sampling
     from jhybrid.engine.slot_tables import init_tables
 
     logits = jax.random.normal(jax.random.key(0), (batch, vocab), jnp.float32) * 4.0
     tables, history = init_tables(batch + 1, vocab)
 
-    def arrays(temperature):
-        n = batch
-        return sampling.SamplingArrays(
-            temperature=jnp.full(n, temperature, jnp.float32), top_k=jnp.full(n, 50 if temperature else 0, jnp.int32),
-            top_p=jnp.full(n, 0.9 if temperature else 1.0, jnp.float32), seeds=jnp.arange(n, dtype=jnp.int32),
-            counters=jnp.zeros(n, jnp.int32), want_logprobs=jnp.zeros(n, jnp.int32),
-            slot_ids=jnp.arange(1, n + 1, dtype=jnp.int32), flags=jnp.zeros(n, jnp.int32),
-            min_p=jnp.zeros(n, jnp.float32), presence_penalty=jnp.zeros(n, jnp.float32),
-            frequency_penalty=jnp.zeros(n, jnp.float32), repetition_penalty=jnp.ones(n, jnp.float32),
-            num_output=jnp.zeros(n, jnp.int32), recent=jnp.full((n, sampling.MAX_BAN_TOKENS - 1), -2, jnp.int32))
-
     fn = jax.jit(sampling.sample)
     out = {}
     for name, t in (("sample() greedy", 0.0), ("sample() temperature, top-k, top-p", 0.8)):
-        call, ready = call_and_ready(fn, (logits, arrays(t), tables, history), iters)
+        call, ready = call_and_ready(fn, (logits, sampling_arrays(batch, t), tables, history), iters)
         out[name] = {"call_ms": call, "ready_ms": ready}
     return out
 
@@ -158,14 +148,15 @@ def main(argv=None) -> int:
         for name, r in res[part].items():
             print(f"  {name:40s} call returns {r['call_ms']:8.3f} ms, result ready {r['ready_ms']:8.3f} ms"
                   + (f" ({r['conditionals']} conditionals)" if "conditionals" in r else ""), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+    def save():  # after each part: the kernel figures survive an engine part that fails or runs out of time
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=2)
+
+    save()
     if not a.skip_engine:
         res["engine"] = engine([int(b) for b in a.batches.split(",")], a.tiny)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+        save()
     return 0
 
 

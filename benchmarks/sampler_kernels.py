@@ -42,6 +42,23 @@ def sort_filter(logits, top_k, top_p):
     return jnp.where(logits >= jnp.maximum(kth, pth), logits, -jnp.inf)
 
 
+def sampling_arrays(n: int, temperature: float, logprobs: bool = False):
+    """`SamplingArrays` of `n` rows in slots 1..n: greedy (temperature 0) or sampled with top-k 50, top-p 0.9;
+    the top log-probabilities wanted or not; no other control."""
+    import jax.numpy as jnp
+
+    from jhybrid.engine import sampling
+
+    return sampling.SamplingArrays(
+        temperature=jnp.full(n, temperature, jnp.float32), top_k=jnp.full(n, 50 if temperature else 0, jnp.int32),
+        top_p=jnp.full(n, 0.9 if temperature else 1.0, jnp.float32), seeds=jnp.arange(n, dtype=jnp.int32),
+        counters=jnp.zeros(n, jnp.int32), want_logprobs=jnp.full(n, int(logprobs), jnp.int32),
+        slot_ids=jnp.arange(1, n + 1, dtype=jnp.int32), flags=jnp.zeros(n, jnp.int32),
+        min_p=jnp.zeros(n, jnp.float32), presence_penalty=jnp.zeros(n, jnp.float32),
+        frequency_penalty=jnp.zeros(n, jnp.float32), repetition_penalty=jnp.ones(n, jnp.float32),
+        num_output=jnp.zeros(n, jnp.int32), recent=jnp.full((n, sampling.MAX_BAN_TOKENS - 1), -2, jnp.int32))
+
+
 def timed(fn, args, iters: int) -> float:
     import jax
 
@@ -107,17 +124,6 @@ def main(argv=None) -> int:
     print(f"radix filter == sort filter on {b} rows (kept per row {reference.sum(-1).min()}-{reference.sum(-1).max()})")
 
     tables, history = init_tables(b + 1, v)
-    n = b
-
-    def arrays(temperature, logprobs):
-        return sampling.SamplingArrays(
-            temperature=jnp.full(n, temperature, jnp.float32), top_k=jnp.full(n, 50 if temperature else 0, jnp.int32),
-            top_p=jnp.full(n, 0.9 if temperature else 1.0, jnp.float32), seeds=jnp.arange(n, dtype=jnp.int32),
-            counters=jnp.zeros(n, jnp.int32), want_logprobs=jnp.full(n, int(logprobs), jnp.int32),
-            slot_ids=jnp.arange(1, n + 1, dtype=jnp.int32), flags=jnp.zeros(n, jnp.int32),
-            min_p=jnp.zeros(n, jnp.float32), presence_penalty=jnp.zeros(n, jnp.float32),
-            frequency_penalty=jnp.zeros(n, jnp.float32), repetition_penalty=jnp.ones(n, jnp.float32),
-            num_output=jnp.zeros(n, jnp.int32), recent=jnp.full((n, sampling.MAX_BAN_TOKENS - 1), -2, jnp.int32))
 
     def draw(x):
         keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), 0))(jnp.arange(b, dtype=jnp.uint32))
@@ -129,9 +135,9 @@ def main(argv=None) -> int:
         "top-k/top-p, sort (baseline)": (jax.jit(sort_filter), (logits, top_k, top_p)),
         **{name: (fn, (logits, top_k, top_p)) for name, fn in variants.items()},
         "categorical draw": (jax.jit(draw), (logits,)),
-        "sample(): greedy": (sample, (logits, arrays(0.0, False), tables, history)),
-        "sample(): temperature, top-k 50, top-p 0.9": (sample, (logits, arrays(0.8, False), tables, history)),
-        "sample(): sampled + top-5 logprobs": (sample, (logits, arrays(0.8, True), tables, history)),
+        "sample(): greedy": (sample, (logits, sampling_arrays(b, 0.0), tables, history)),
+        "sample(): temperature, top-k 50, top-p 0.9": (sample, (logits, sampling_arrays(b, 0.8), tables, history)),
+        "sample(): sampled + top-5 logprobs": (sample, (logits, sampling_arrays(b, 0.8, True), tables, history)),
     }
     print(f"{res['device']}, batch {b}, vocab {v}: ms per call (median of {a.iters})")
     for name, (fn, args) in cases.items():
