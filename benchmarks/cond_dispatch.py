@@ -20,6 +20,7 @@ flags under test; the flags in effect are printed and saved.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -126,6 +127,12 @@ def engine(batches: list[int], tiny: bool) -> dict:
                                         "program_call_ms": float(np.median(calls[4:])) * 1e3}
             print(f"  engine batch {b} {name}: {out[f'batch {b} {name}']}", flush=True)
     out["compiled_after_warmup"] = runner.num_compiled_after_seal
+    # the same greedy tokens under every flag set (compare the runs' hashes: flags must not change results)
+    prompts = [np.random.default_rng(100 + i).integers(0, vocab, 64 + 37 * i).tolist() for i in range(4)]
+    done = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        jhybrid.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    tokens = [list(o.outputs[0].token_ids) for o in done]
+    out["greedy_tokens_sha1"] = hashlib.sha1(json.dumps(tokens).encode()).hexdigest()
     return out
 
 

@@ -37,6 +37,9 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="a small model (CPU check of the script)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="the engine's max_model_len (raise it for programs with a long @context)")
+    p.add_argument("--host", action="store_true",
+                   help="also print the host-side events (jax/XLA trace annotations, CUDA API calls) with the most "
+                        "total time per step: what the step program's call spends its host time on")
     p.add_argument("--hlo", action="store_true",
                    help="also write each program's optimized HLO to DIR/<program>.hlo.txt (to look up a fusion by name)")
     args = p.parse_args(argv)
@@ -111,12 +114,28 @@ def main(argv=None):
         step_us = sum(total.values()) / args.repeats
         results[name] = dict(wall_ms=wall * 1e3, kernel_ms=step_us / 1e3, num_kernels=sum(count.values()) / args.repeats,
                              top=[(k, v / args.repeats, count[k] / args.repeats) for k, v in total.most_common(args.top)])
+        if args.host:
+            results[name]["host_top"] = host_events(events, gpu, args.repeats, args.top)
         print(f"\n{name}: wall {wall * 1e3:.2f} ms per step (host included), kernels {step_us / 1e3:.2f} ms, "
               f"{sum(count.values()) / args.repeats:.0f} kernel launches", flush=True)
         for k, v, c in results[name]["top"]:
             print(f"  {v / 1e3:8.3f} ms  x{c:5.0f}  {k[:110]}")
+        if args.host:
+            print("  host events (total per step, nested events counted in each enclosing one too):")
+            for k, v, c in results[name]["host_top"]:
+                print(f"  {v / 1e3:8.3f} ms  x{c:5.0f}  {k[:110]}")
     with open(os.path.join(out, "step_profile.json"), "w") as f:
         json.dump(results, f, indent=1)
+
+
+def host_events(events: list[dict], gpu: set, repeats: int, top: int) -> list[tuple[str, float, float]]:
+    """The complete events outside the GPU's processes summed by name: (name, us per step, count per step)."""
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in gpu:
+            total[e["name"]] += e.get("dur", 0)
+            count[e["name"]] += 1
+    return [(k, v / repeats, count[k] / repeats) for k, v in total.most_common(top)]
 
 
 def run_real_rows(runner, sizes: list[int], context: int = 0) -> None:

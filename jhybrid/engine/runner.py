@@ -6,7 +6,9 @@ metadata is built with vectorised NumPy and crosses to the device as ONE int32 b
 the jitted step), and the sampled tokens with their log-probabilities come back as one array.
 
 Rows whose last fed token was sampled by the previous step (not yet read on the host) take it from that
-step's device output (`token_src`), so step n+1 is dispatched before step n's tokens reach the host.
+step's device output (`token_src`), so step n+1 is dispatched before step n's tokens reach the host. The call
+of the step program runs on a dispatch thread of the runner (`dispatch_thread`), so the engine reads step n and
+schedules step n+2 while it launches; `state`, `drain()` and `StepResult`'s outputs wait for that call.
 
 Programs. Sampling settings are runtime arrays (`jhybrid.engine.sampling`), so a step's program depends only
 on its shape: decode steps bucket their rows (powers of two from 4), mixed (prefill) steps carry `max_rows`
@@ -37,7 +39,8 @@ import functools
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -177,17 +180,31 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
     return packed, top_lp, top_ids, state, history, plp
 
 
-@dataclasses.dataclass
 class StepResult:
-    sched: SchedulerOutput
-    out: jax.Array  # [2, R] device: tokens, bit-cast logprobs
-    top_logp: jax.Array | None  # [B, L]; None when no row asked for log-probabilities (not fetched)
-    top_ids: jax.Array | None
-    # prompt log-probabilities (steps with rows that want them): the device arrays (`engine_step`'s fifth
-    # output) and, per such row, (sequence, first prompt position, packed index of its first token, positions)
-    plp: tuple[jax.Array, jax.Array, jax.Array] | None = None
-    plp_rows: tuple[tuple, ...] = ()
-    constrained: bool = False  # some row samples under a grammar: the host reads this step before the next one
+    """A dispatched step. Its device outputs: `out` ([2, R]: tokens, bit-cast logprobs), `top_logp` / `top_ids`
+    ([B, L]; None when no row asked for log-probabilities: not fetched) and `plp` (steps with rows that want
+    prompt log-probabilities: `engine_step`'s fifth output). With a dispatch thread they exist once the step
+    program's call there has returned: reading them waits for that (not for the device). `plp_rows`: per row
+    that wants prompt log-probabilities, (sequence, first prompt position, packed index of its first token,
+    positions); `constrained`: some row samples under a grammar, so the host reads this step before the next."""
+
+    def __init__(self, sched: SchedulerOutput, outputs: tuple | None, plp_rows: tuple = (), constrained: bool = False,
+                 want_logprobs: bool = True, pending: Future | None = None):
+        self.sched, self.plp_rows, self.constrained = sched, plp_rows, constrained
+        self._want_logprobs, self._pending = want_logprobs, pending
+        self._outputs = outputs  # (out, top_logp, top_ids, [plp]) once the call has returned
+
+    def _get(self, i: int):
+        if self._outputs is None:
+            self._outputs, self._pending = self._pending.result(), None
+        out, top_lp, top_ids, plp_out = self._outputs
+        return (out, top_lp if self._want_logprobs else None, top_ids if self._want_logprobs else None,
+                plp_out[0] if plp_out else None)[i]
+
+    out = property(lambda self: self._get(0))
+    top_logp = property(lambda self: self._get(1))
+    top_ids = property(lambda self: self._get(2))
+    plp = property(lambda self: self._get(3))
 
     def fetch_prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(`[T]` logprob of each packed position's next prompt token, `[T, L]` top logprobs, `[T, L]` their
@@ -226,7 +243,7 @@ class ModelRunner:
         if self.mesh is not None:
             params = parallel.shard_params(cfg, params, self.mesh)
         self.cfg, self.params, self.cache = cfg, params, cache
-        self.state = init_state(cfg, cache) if self.mesh is None else parallel.init_sharded_state(cfg, cache, self.mesh)
+        self._state = init_state(cfg, cache) if self.mesh is None else parallel.init_sharded_state(cfg, cache, self.mesh)
         self.max_blocks = -(-max_model_len // cache.block_size)
         self.max_model_len = max_model_len
         self.max_rows = _pow2(max_num_seqs, MIN_ROWS)
@@ -242,6 +259,12 @@ class ModelRunner:
         self.slot_tables = SlotTableKeeper(cache.num_slots, cfg.vocab_size, self.max_rows, self._replicate)
         # compiled step programs by (decode, num_tokens, num_rows); see the module docstring
         self._programs: dict[tuple[bool, int, int], jax.stages.Compiled] = {}
+        # Step program calls run on a thread of their own: on the GPU a call holds the host while XLA launches
+        # (and updates) the step's CUDA graph, with the GIL released, and the engine reads the previous step
+        # and schedules the next one in that time (benchmarks/RESULTS.md, "Session 15").
+        self.dispatch_thread = os.environ.get("JHYBRID_DISPATCH_THREAD", "1") != "0"
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending = None  # the Future of the call in flight on the dispatch thread
         self.sealed = False
         self.num_compiled = 0
         self.compile_seconds = 0.0  # lowering included
@@ -400,6 +423,7 @@ class ModelRunner:
                       recent=recent)
         meta = np.concatenate([np.asarray(fields[name], np.int32).ravel() for name, _ in _FIELDS])
         token_mask, constrained = self._token_mask(rows, num_rows)
+        self.drain()  # the previous call has returned: its state, history and outputs are ours to pass on
         keeper = self.slot_tables
         keeper.sync(rows)
         if self.host_attn is not None:
@@ -426,14 +450,45 @@ class ModelRunner:
         else:
             self.compiled_shapes.add((layout, decode, None))
             program = self._program(decode, num_tokens, num_rows, plp)
-            t0 = time.perf_counter()
-            out, top_lp, top_ids, self.state, keeper.history, *plp_out = program(
-                self.params, self.state, meta, prev_out, keeper.tables, keeper.history, **plp_args,
-                token_mask=token_mask)
-            self.dispatch_seconds += time.perf_counter() - t0
-        if not want_logprobs.any():
-            top_lp = top_ids = None
-        return StepResult(sched, out, top_lp, top_ids, plp_out[0] if plp_out else None, plp_rows, constrained)
+            args = (self.params, self._state, meta, prev_out, keeper.tables, keeper.history)
+            kwargs = dict(plp_args, token_mask=token_mask)
+            if self.dispatch_thread:
+                self._pending = self._dispatcher().submit(self._call, program, args, kwargs)
+                return StepResult(sched, None, plp_rows, constrained, bool(want_logprobs.any()), self._pending)
+            out, top_lp, top_ids, plp_out = self._call(program, args, kwargs)
+        return StepResult(sched, (out, top_lp, top_ids, plp_out), plp_rows, constrained, bool(want_logprobs.any()))
+
+    def _call(self, program, args: tuple, kwargs: dict):
+        """Calls a step program and takes its state and token history as the runner's (on the dispatch thread
+        when there is one)."""
+        t0 = time.perf_counter()
+        out, top_lp, top_ids, self._state, self.slot_tables.history, *plp_out = program(*args, **kwargs)
+        self.dispatch_seconds += time.perf_counter() - t0
+        return out, top_lp, top_ids, plp_out
+
+    def _dispatcher(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="jhybrid-dispatch")
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        return self._pool
+
+    def drain(self) -> None:
+        """Waits until the step program call in flight on the dispatch thread has returned (not for the device:
+        the call returns once the step is queued there), so the state it produced is the runner's; raises what
+        the call raised. Everything that reads or replaces the state goes through `state`, which drains."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    @property
+    def state(self) -> HybridState:
+        self.drain()
+        return self._state
+
+    @state.setter
+    def state(self, value: HybridState) -> None:
+        self.drain()
+        self._state = value
 
     def _token_mask(self, rows, num_rows: int):
         """The step's grammar bitmask `[num_rows, ceil(V/32)]` and whether some row reads it: the rows that sample
@@ -591,6 +646,7 @@ class ModelRunner:
 
     def warm_slot_programs(self) -> None:
         """Compiles (and runs, on the null slot only) the slot-zeroing and sampling-table programs."""
+        self.drain()  # the sampling tables and token history are the last call's outputs
         self.zero_slots([0])
         if self.cache.num_snapshot_slots:
             self.copy_slots([(0, 0)])
