@@ -1,6 +1,7 @@
-"""The step program's call on the runner's dispatch thread (`ModelRunner.dispatch_thread`, on by default): the
-engine reads the previous step and schedules the next while the call launches, and nothing it reads or
-replaces (the state, the token history, a step's outputs) is touched before the call has returned.
+"""The step program's call on the runner's dispatch thread (`ModelRunner.dispatch_thread`, on by default on the
+GPU, turned on here): the engine reads the previous step and schedules the next while the call launches, and
+nothing it reads or replaces (the state, the token history, a step's outputs) is touched before the call
+has returned.
 
 Each test slows the call on the dispatch thread down (a sleep before it), so that a read that did not wait for
 it would see the state before the step, which the step has donated: such a read fails or gives other tokens.
@@ -59,7 +60,7 @@ def test_dispatch_thread_changes_no_token(model):
     engine zeroes new slots, through `state`, before `execute`.)"""
     workloads, aborts = _workloads(), [{2: 3, 7: 9}, {}, {}, {}]
     threaded = LLM(model, **ENGINE, enable_prefix_caching=True)
-    assert threaded.engine.runner.dispatch_thread
+    threaded.engine.runner.dispatch_thread = True
     names = _slow_calls(threaded.engine.runner)
     got = [run(threaded, work, at) for work, at in zip(workloads, aborts)]
     assert names and all(n.startswith("jhybrid-dispatch") for n in names), names
@@ -87,6 +88,7 @@ def test_a_call_that_raises_on_the_dispatch_thread_fails_its_request_alone(model
     refs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
 
     runner = llm.engine.runner
+    runner.dispatch_thread = True
     _slow_calls(runner, 0.005)
     real_execute, slow_call = runner.execute, runner._call
 

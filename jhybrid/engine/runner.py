@@ -7,8 +7,8 @@ the jitted step), and the sampled tokens with their log-probabilities come back 
 
 Rows whose last fed token was sampled by the previous step (not yet read on the host) take it from that
 step's device output (`token_src`), so step n+1 is dispatched before step n's tokens reach the host. The call
-of the step program runs on a dispatch thread of the runner (`dispatch_thread`), so the engine reads step n and
-schedules step n+2 while it launches; `state`, `drain()` and `StepResult`'s outputs wait for that call.
+of the step program runs on a dispatch thread of the runner (`dispatch_thread`, on the GPU), so the engine reads
+step n and schedules step n+2 while it launches; `state`, `drain()` and `StepResult`'s outputs wait for that call.
 
 Programs. Sampling settings are runtime arrays (`jhybrid.engine.sampling`), so a step's program depends only
 on its shape: decode steps bucket their rows (powers of two from 4), mixed (prefill) steps carry `max_rows`
@@ -34,7 +34,6 @@ logits; the outputs are replicated, so every process of a multi-process run read
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -259,10 +258,12 @@ class ModelRunner:
         self.slot_tables = SlotTableKeeper(cache.num_slots, cfg.vocab_size, self.max_rows, self._replicate)
         # compiled step programs by (decode, num_tokens, num_rows); see the module docstring
         self._programs: dict[tuple[bool, int, int], jax.stages.Compiled] = {}
-        # Step program calls run on a thread of their own: on the GPU a call holds the host while XLA launches
+        # On the GPU step program calls run on a thread of their own: a call holds the host while XLA launches
         # (and updates) the step's CUDA graph, with the GIL released, and the engine reads the previous step
-        # and schedules the next one in that time (benchmarks/RESULTS.md, "Session 15").
-        self.dispatch_thread = os.environ.get("JHYBRID_DISPATCH_THREAD", "1") != "0"
+        # and schedules the next one in that time (benchmarks/RESULTS.md, "Session 15"). On the CPU the thread
+        # only adds hand-offs (the test suite ran ~6% slower with it); JHYBRID_DISPATCH_THREAD=1 / 0 forces it.
+        forced = os.environ.get("JHYBRID_DISPATCH_THREAD")
+        self.dispatch_thread = forced != "0" if forced else jax.default_backend() == "gpu"
         self._pool: ThreadPoolExecutor | None = None
         self._pending = None  # the Future of the call in flight on the dispatch thread
         self.sealed = False
