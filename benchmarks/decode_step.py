@@ -73,6 +73,13 @@ def decode_step_times(eng, prompts, sp, tag: str) -> list[float]:
     """Runs `prompts` through the engine to the end; returns the wall time of each step in which every row
     decoded (the engine dispatches a step before reading the last, so in steady state: the device step plus
     any host time not hidden behind it)."""
+    return run_round(eng, prompts, sp, tag)[0]
+
+
+def run_round(eng, prompts, sp, tag: str) -> tuple[list[float], float, list[list[int]]]:
+    """`decode_step_times`, with the wall time of the whole round (prefill included) and each request's output
+    tokens."""
+    t_start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         eng.add_request(f"{tag}-{i}", prompt, sp)
     times, last = [], None
@@ -83,9 +90,11 @@ def decode_step_times(eng, prompts, sp, tag: str) -> list[float]:
         if decode_only and last is not None:
             times.append(now - last)
         last = now
+    wall = time.perf_counter() - t_start
+    tokens = [list(eng.requests[f"{tag}-{i}"].output_ids) for i in range(len(prompts))]
     for i in range(len(prompts)):
         eng.release(f"{tag}-{i}")
-    return times
+    return times, wall, tokens
 
 
 def engine_decode(cfg, params, batches, json_path):

@@ -15,29 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
-
-
-def run_round(eng, prompts, sp, tag: str) -> tuple[list[float], float, list[list[int]]]:
-    """(wall time of each all-decode step, wall time of the round, each request's output tokens)."""
-    t_start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", prompt, sp)
-    times, last = [], None
-    while eng.has_unfinished():
-        decode_only = all(s.num_uncomputed <= 1 for s in eng.scheduler.running) and not eng.scheduler.waiting
-        eng.step()
-        now = time.perf_counter()
-        if decode_only and last is not None:
-            times.append(now - last)
-        last = now
-    wall = time.perf_counter() - t_start
-    tokens = [list(eng.requests[f"{tag}-{i}"].output_ids) for i in range(len(prompts))]
-    for i in range(len(prompts)):
-        eng.release(f"{tag}-{i}")
-    return times, wall, tokens
 
 
 def main(argv=None) -> int:
@@ -52,7 +31,7 @@ def main(argv=None) -> int:
     import jax
 
     import jhybrid
-    from benchmarks.decode_step import random_model
+    from benchmarks.decode_step import random_model, run_round
 
     batches = [int(b) for b in a.batches.split(",")]
     model = random_model(a.tiny)
