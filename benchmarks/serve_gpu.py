@@ -332,6 +332,9 @@ def worker_offline(args) -> int:
         run_id[0] += 1
         queue, inflight = list(enumerate(prompts)), {}
         step_times, n_out, n_prompt, first = [], 0, 0, None
+        itls, seen = [], {}  # per request: time between successive output tokens, as a client would see them
+        if spec.get("step_log"):
+            eng.step_log = []
         start = last = time.perf_counter()
         while queue or inflight:
             while queue and len(inflight) < c:
@@ -346,6 +349,13 @@ def worker_offline(args) -> int:
             if decode_only:
                 step_times.append(now - last)
             last = now
+            for rid, seq in inflight.items():
+                n = len(seq.output_ids)
+                prev = seen.get(rid)
+                if prev is None or n > prev[0]:
+                    if prev is not None and prev[0] > 0:
+                        itls.append(now - prev[1])
+                    seen[rid] = (n, now)
             for rid, seq in list(inflight.items()):
                 if seq.is_finished:
                     if seq.error:
@@ -359,7 +369,14 @@ def worker_offline(args) -> int:
             eng.step()
         wall = time.perf_counter() - start
         steps = sorted(step_times)
-        return {"num_requests": len(prompts), "wall_s": wall, "output_tokens_per_s": n_out / wall,
+        from benchmarks.serve_load import percentiles
+        from benchmarks.step_trace import summarize
+
+        extra = {"itl_s": percentiles(itls)}
+        if eng.step_log is not None:
+            extra["steps"] = summarize([list(r) for r in eng.step_log])
+            eng.step_log = None
+        return {**extra, "num_requests": len(prompts), "wall_s": wall, "output_tokens_per_s": n_out / wall,
                 "num_output_tokens": n_out, "mean_prompt_tokens": n_prompt / max(1, len(prompts)),
                 "inloop_decode_step_ms": steps[len(steps) // 2] * 1e3 if steps else float("nan"),
                 "num_decode_steps": len(steps), "first_output_ids": first}
@@ -393,7 +410,10 @@ def worker_offline(args) -> int:
         for rep in ("warm-up", "timed"):
             r = closed_loop(prompts, c)
             log(f"offline c={c:4d} {rep:8s}: {r['output_tokens_per_s']:9.1f} tok/s, {n} requests in "
-                f"{r['wall_s']:.2f} s, in-loop decode step {r['inloop_decode_step_ms']:.3f} ms")
+                f"{r['wall_s']:.2f} s, in-loop decode step {r['inloop_decode_step_ms']:.3f} ms, ITL p50/p99 "
+                f"{r['itl_s']['p50'] * 1e3:.2f}/{r['itl_s']['p99'] * 1e3:.2f} ms")
+        if r.get("steps"):
+            log_steps(f"offline c={c:4d} steps", r["steps"])
         r["concurrency"] = c
         res["runs"].append(r)
         save()
@@ -441,6 +461,24 @@ def parse_metrics(text: str) -> dict[str, float]:
         with contextlib.suppress(ValueError):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
     return out
+
+
+def hist_quantiles(before: str, after: str, name: str) -> dict[str, float]:
+    """P50/P90/P99 of a Prometheus histogram's observations between two scrapes (the upper edge of the bucket the
+    quantile falls in; seconds)."""
+    def buckets(text):
+        out: dict[float, float] = {}
+        for m in re.finditer(rf'^{re.escape(name)}_bucket\{{[^}}]*le="([^"]+)"[^}}]*\}}\s+(\S+)$', text, re.M):
+            le = float(m.group(1))
+            out[le] = out.get(le, 0.0) + float(m.group(2))
+        return out
+
+    b, e = buckets(before), buckets(after)
+    edges = sorted(e)
+    counts = [e[x] - b.get(x, 0.0) for x in edges]  # cumulative
+    if not counts or counts[-1] <= 0:
+        return {}
+    return {f"p{q}": next(x for x, n in zip(edges, counts) if n >= counts[-1] * q / 100) for q in (50, 90, 99)}
 
 
 def metric(m: dict[str, float] | None, name: str) -> float | None:
@@ -512,9 +550,10 @@ def start_server(label: str, cmd_tail: list[str], env: dict, out: Path, timeout:
 
 
 # ===================================================================================== load
-async def load_run(port: int, a: argparse.Namespace, deadline: float) -> tuple[list, float, int, list]:
+async def load_run(port: int, a: argparse.Namespace, deadline: float) -> tuple[list, float, int, list, float]:
     """serve_load's request list (same order of draws as its run_load) under a deadline: returns the
-    finished results, the wall time, the number cancelled, and the warm-up results."""
+    finished results, the wall time, the number cancelled, the warm-up results and the perf_counter time the
+    timed requests started at."""
     from benchmarks.serve_load import make_body, one_request
 
     rng = random.Random(a.seed)
@@ -544,7 +583,7 @@ async def load_run(port: int, a: argparse.Namespace, deadline: float) -> tuple[l
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
-    return done, wall, len(pending), warm
+    return done, wall, len(pending), warm, start
 
 
 def wait_idle(port: int, timeout: float) -> bool:
@@ -606,7 +645,7 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     engines = child_pids(pid)  # the engine process, when the engine runs in one
     cpu0, t0 = thread_cpu(pid), time.perf_counter()
     ecpu0 = {e: thread_cpu(e) for e in engines}
-    results, wall, cancelled, warm = asyncio.run(load_run(port, a, timeout))
+    results, wall, cancelled, warm, start = asyncio.run(load_run(port, a, timeout))
     elapsed = time.perf_counter() - t0
     cpu = thread_cpu_delta(pid, cpu0, thread_cpu(pid), elapsed)
     cpu["engine_processes"] = [thread_cpu_delta(e, ecpu0[e], thread_cpu(e), elapsed) for e in engines]
@@ -639,6 +678,8 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     s["server_generation_tokens"] = delta("jhybrid:generation_tokens")
     s["preemptions"] = delta("jhybrid:num_preemptions")
     s["concurrency"], s["warmup_requests"] = c, a.warmup_requests
+    s["window"] = [start, start + wall]  # perf_counter (CLOCK_MONOTONIC): slices the engine's step log (--step-log)
+    s["server_itl_hist"] = hist_quantiles(before_text, after_text, "jhybrid:inter_token_latency_seconds")
     s["server_cpu"] = cpu  # warm-up included
     log(f"[load] c={c}: server process {fmt(cpu['process_cores'])} cores; busiest threads " + ", ".join(
         f"{t['name']} {t['cores']:.2f}" for t in cpu["threads"][:4]))
@@ -712,6 +753,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
                         help="the engine option, for the server and the offline engine alike (default: the engine's)")
     parser.add_argument("--echo", action="store_true", help="echo the servers' output here too")
+    parser.add_argument("--step-log", action="store_true",
+                        help="record the served engine's step log (benchmarks/step_trace.py) and the offline one's, and "
+                        "report the step intervals inside each load window: mixed (prompt-carrying) and decode-only "
+                        "steps, the slowest steps; the offline closed loop's own ITL percentiles too")
     parser.add_argument("--worker", choices=("build", "offline"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
@@ -800,6 +845,9 @@ def main(argv=None) -> int:
             env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
             cache_how = "JAX_COMPILATION_CACHE_DIR"
         tail += a.serve_args.split()
+        step_logs = []
+        if a.step_log:
+            env["JHYBRID_ENGINE_SETUP"] = "benchmarks.step_trace:record"
         if a.max_prefill_tokens_with_decodes is not None:
             tail += ["--max-prefill-tokens-with-decodes", str(a.max_prefill_tokens_with_decodes)]
         config.update(cache=cache_how, serve_options=sorted(options))
@@ -807,6 +855,9 @@ def main(argv=None) -> int:
         starts = {}
         st = None
         for label in ("first",) if a.skip_cold else ("cold", "cached"):
+            if a.step_log:
+                env["JHYBRID_STEP_LOG"] = str(work / f"steps-{label}.json")
+                step_logs.append(work / f"steps-{label}.json")
             later = ((MIN_CACHED if label == "cold" else 0) + MIN_LOAD * len(conc)
                      + (0 if a.skip_offline else MIN_OFFLINE))
             st = start_server(label, tail, env, out, budget.phase(300 if label == "cold" else 180, reserve=later,
@@ -854,12 +905,24 @@ def main(argv=None) -> int:
                     f"{s['num_cancelled']} cancelled, TTFT p50 {fmt(s.get('ttft_s', {}).get('p50'), '.1f', 1e3)} ms, "
                     f"ITL p50/p99/max {fmt(s.get('itl_s', {}).get('p50'), '.2f', 1e3)}/"
                     f"{fmt(s.get('itl_s', {}).get('p99'), '.2f', 1e3)}/{fmt(s['itl_max_s'], '.1f', 1e3)} ms, "
-                    f"compiled after ready {fmt(s['after_ready_compiled'], '.0f')} (XLA log {s['xla_compiles']})")
+                    f"compiled after ready {fmt(s['after_ready_compiled'], '.0f')} (XLA log {s['xla_compiles']}); "
+                    f"server ITL histogram p50/p99 <= {fmt(s['server_itl_hist'].get('p50'), '.1f', 1e3)}/"
+                    f"{fmt(s['server_itl_hist'].get('p99'), '.1f', 1e3)} ms")
                 for e in s["first_errors"][:3]:
                     log(f"  error: {e}")
                 write_json()
             results["server_log_stats"] = {"xla_compiles_total": st.child.counts()[0] - st.child.counts()[1]}
             results["phases"]["stop_s"] = st.child.stop(grace=15)
+            if a.step_log:
+                from benchmarks.step_trace import summarize
+
+                path = step_logs[-1]
+                steps = json.loads(path.read_text()) if path.exists() else []
+                for s in results["load"]:
+                    s["server_steps"] = summarize(steps, *s["window"])
+                    log_steps(f"[steps] served c={s['concurrency']}", s["server_steps"])
+                if not steps:
+                    log(f"[steps] no step log at {path} (did the engine process exit normally?)")
         results["phases"]["server_s"] = time.perf_counter() - t0 - results["phases"]["build_s"]
 
         # ---------------------------------------------------------------- 4. offline
@@ -876,7 +939,7 @@ def main(argv=None) -> int:
                     "max_tokens": max_tokens, "prompts": texts, "concurrencies": conc,
                     "num_requests": [max(a.requests_per_stream * c, min_requests) for c in conc],
                     "step_batches": sorted({min(c, max_num_seqs) for c in conc}), "out": str(work / "offline.json"),
-                    "max_prefill_tokens_with_decodes": a.max_prefill_tokens_with_decodes}
+                    "max_prefill_tokens_with_decodes": a.max_prefill_tokens_with_decodes, "step_log": a.step_log}
             (work / "offline_spec.json").write_text(json.dumps(spec))
             timeout = budget.phase(600, floor=MIN_OFFLINE)
             log(f"[offline] {len(conc)} concurrencies + decode steps at batches {spec['step_batches']}, "
@@ -923,6 +986,21 @@ def main(argv=None) -> int:
     st = results.get("startup", {})
     ok = ok and (st.get("cached") or st.get("first") or {}).get("ok", False)
     return 0 if ok else 1
+
+
+def log_steps(label: str, st: dict) -> None:
+    if not st.get("num_steps"):
+        log(f"{label}: no steps in the window")
+        return
+    for kind in ("all", "mixed", "decode"):
+        iv = st[kind]["interval_ms"]
+        if iv.get("n"):
+            log(f"{label} {kind:6s}: {iv['n']:5d} steps, interval p50/p90/p99/max {iv['p50']:.2f}/{iv['p90']:.2f}/"
+                f"{iv['p99']:.2f}/{iv['max']:.1f} ms; prepare+dispatch p50 {st[kind]['prepare_dispatch_ms']['p50']:.2f}, "
+                f"device wait p50 {st[kind]['device_wait_ms']['p50']:.2f} ms; prompt tokens p50 "
+                f"{st[kind]['prompt_tokens']['p50']:.0f}")
+    log(f"{label} slowest: " + "; ".join(f"{x['interval_ms']:.1f} ms ({x['rows']} rows, {x['prompt_tokens']} prompt)"
+                                         for x in st["slowest"][:5]))
 
 
 def ratios(results: dict, max_num_seqs: int) -> list[dict]:

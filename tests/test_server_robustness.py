@@ -230,16 +230,19 @@ def poison_steps(engine) -> None:
     engine.runner.execute = execute
 
 
-def _start_serve(model_dir: str, *args: str, setup: str | None = None) -> tuple[subprocess.Popen, str]:
-    """`jhybrid serve` in a subprocess on a free port (`setup`: its JHYBRID_ENGINE_SETUP hook); returns it and its
-    url once /health answers. Its stderr (the log) is read by `_log_of`."""
+def _start_serve(model_dir: str, *args: str, setup: str | None = None,
+                 new_session: bool = False) -> tuple[subprocess.Popen, str]:
+    """`jhybrid serve` in a subprocess on a free port (`setup`: its JHYBRID_ENGINE_SETUP hook; `new_session`: in
+    a process group of its own); returns it and its url once /health answers. Its stderr (the log) is read by
+    `_log_of`."""
     argv = ["serve", "--model", model_dir, "--served-model-name", MODEL, "--dtype", "float32", "--port", "0",
             "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16",
             "--log-level", "info", "--compilation-cache-dir", os.path.join(os.path.dirname(model_dir), "jax-cache"),
             *args]  # a cache beside the test's checkpoint: shared by this module's servers, not the user's
     cmd = [sys.executable, "-m", "jhybrid.cli", *argv]
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **({"JHYBRID_ENGINE_SETUP": setup} if setup else {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=new_session)
     lines: list[str] = []
     proc.log = lines  # type: ignore[attr-defined]
     threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
@@ -385,8 +388,11 @@ def test_sigterm_drains_then_aborts_1000_queued_requests_and_exits_0(dirs):
     """Defect 3 / fault injection: 1,000 streams queued, then SIGTERM. The server stops accepting at once, lets
     requests run for --shutdown-timeout, then ends every open stream with a final event (finish_reason "abort"
     for the unfinished) and [DONE], frees everything and exits 0. Before, the streams were cut off and the
-    process died by the signal. Checked to fail with GracefulServer's handle_exit removed (uvicorn's own)."""
-    proc, url = _start_serve(dirs[1], "--shutdown-timeout", "3", "--max-waiting-requests", "2000")
+    process died by the signal. Checked to fail with GracefulServer's handle_exit removed (uvicorn's own).
+    The SIGTERM goes to the whole process group, as systemd and container inits send it: the engine process
+    gets it too and must keep serving the drain (checked to fail without the engine process ignoring SIGTERM:
+    it died with -15, every open stream failed and the server exited 1)."""
+    proc, url = _start_serve(dirs[1], "--shutdown-timeout", "3", "--max-waiting-requests", "2000", new_session=True)
     # long outputs (100 of the 128-token context), so that most requests are still open at the SIGTERM however
     # long the 1,000 clients take to connect (with 24 tokens a fast server finished more than half before it)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True,
@@ -414,7 +420,7 @@ def test_sigterm_drains_then_aborts_1000_queued_requests_and_exits_0(dirs):
                     break
                 assert time.monotonic() < deadline, f"not every request reached the server: {gauges} {done}"
                 await asyncio.sleep(0.2)
-            proc.send_signal(signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGTERM)
             t0 = time.monotonic()
             await asyncio.sleep(0.5)
             with pytest.raises(httpx.ConnectError):  # no longer accepting

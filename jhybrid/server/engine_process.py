@@ -208,7 +208,11 @@ class EngineProcess:
 # --------------------------------------------------------------------------------------------- the child
 def child_main() -> None:
     """The engine process: `python -c "...; child_main()" FD`, FD its end of the socket pair."""
+    # The server owns the engine's lifetime: it drains, then says "stop" (or its end of the socket closes). A
+    # Ctrl-C, or a SIGTERM sent to the whole process group (systemd, a container's init, `kill -- -PGID`),
+    # reaches this process too, and dying by it would fail the requests the server is still draining.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for path in reversed(json.loads(os.environ.pop("JHYBRID_ENGINE_SYS_PATH", "[]"))):
         if path not in sys.path:
             sys.path.insert(0, path)

@@ -110,7 +110,7 @@ class GracefulServer(uvicorn.Server):
 
     def _fatal(self, error: BaseException) -> None:  # the engine thread
         self.exit_code = 1
-        if self._loop is not None:
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(setattr, self, "should_exit", True)
         else:
             self.should_exit = True
