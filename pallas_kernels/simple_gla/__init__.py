@@ -1,16 +1,26 @@
-"""Scalar-decay linear recurrence without the delta rule (lightning attention, Mamba2 SSD): references and
-dispatch.
+"""Scalar-decay linear recurrence without the delta rule (lightning attention, Mamba2 SSD): references,
+Pallas kernels and dispatch.
 
 `chunk_simple_gla` (prefill, ragged packed sequences) and `fused_recurrent_simple_gla` (decode, one token
 per sequence) are the entry points the model calls. `impl` picks the implementation:
-  * "reference" (and "auto"): the pure-jnp references; "recurrent" (chunk form only): the token-by-token
-    scan;
-  * "pallas": no Pallas kernel exists yet for this op (a later issue); asking for one raises.
+  * "reference" (and, for now, "auto" everywhere): the pure-jnp references; "recurrent" (chunk form only):
+    the token-by-token scan;
+  * "pallas": the Pallas kernels (`fused_recurrent.py`, `chunk.py`; power-of-two K and V >= 16);
+    `interpret=True` runs them in the Pallas interpreter (CPU tests);
+  * with `mesh` (a 1-D device mesh whose axis splits the heads: tensor parallelism) the Pallas kernels run
+    per shard under `jax.shard_map` (key heads, value heads and the state slots' heads split alike); the
+    references need no wrapping (XLA SPMD partitions them).
+"auto" stays on the references until the kernels are checked on the H200 (benchmarks/simple_gla_kernels.py);
+`_AUTO_PALLAS` then lists the kernels it routes to on GPU.
 The arguments mirror `pallas_kernels.gated_delta_rule` without `beta`.
 """
 
 from __future__ import annotations
 
+import jax
+
+from pallas_kernels.gated_delta_rule import _per_head_shard
+from pallas_kernels.simple_gla.fused_recurrent import fused_recurrent_simple_gla_pallas
 from pallas_kernels.simple_gla.reference import (
     chunk_simple_gla_reference,
     fused_recurrent_simple_gla_reference,
@@ -19,40 +29,74 @@ from pallas_kernels.simple_gla.reference import (
 
 _IMPLS = ("auto", "reference", "recurrent", "pallas")
 
+# Which kernels "auto" routes to on GPU: none until they are checked correct and faster on the H200.
+_AUTO_PALLAS: frozenset[str] = frozenset()
 
-def _pick(impl: str) -> str:
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def pallas_supported(q, v) -> bool:
+    """Static check: Triton tiles need power-of-two key and value head dims of at least 16."""
+    return _pow2(q.shape[-1]) and _pow2(v.shape[-1]) and q.shape[-1] >= 16 and v.shape[-1] >= 16
+
+
+def _pick(impl: str, kind: str, q, v) -> str:
     if impl not in _IMPLS:
         raise ValueError(f"unknown simple GLA {impl=}; choose one of {_IMPLS}")
-    if impl == "pallas":
-        raise ValueError("simple GLA (lightning attention / Mamba2) has no Pallas kernel yet; use impl='reference' or 'auto'")
-    return "reference" if impl == "auto" else impl
+    if impl == "auto":
+        gpu = jax.default_backend() == "gpu"
+        return "pallas" if gpu and kind in _AUTO_PALLAS and pallas_supported(q, v) else "reference"
+    if impl == "pallas" and not pallas_supported(q, v):
+        raise ValueError(
+            f"simple GLA has no Pallas kernel for K={q.shape[-1]}, V={v.shape[-1]}: Triton tiles need power-of-two "
+            "K and V >= 16; use impl='reference'"
+        )
+    return impl
 
 
 def chunk_simple_gla(q, k, v, g, cu_seqlens, state, slot_ids, *, impl: str = "auto", interpret: bool = False,
                      scale: float = 1.0, chunk_size: int = 64, mesh=None):
-    """Same signature and result as `chunk_simple_gla_reference`; `interpret` and `mesh` are accepted for
-    symmetry with the other ops (no kernel to interpret or run per shard yet: XLA SPMD partitions the
-    reference)."""
+    """Same signature and result as `chunk_simple_gla_reference`.
+
+    impl: "auto" (the reference for now), "reference" (chunked form), "recurrent" (token-by-token scan, the
+    definition) or "pallas" (not yet: raises).
+    """
     del interpret, mesh
     args = (q, k, v, g, cu_seqlens, state, slot_ids)
-    if _pick(impl) == "recurrent":
+    impl = _pick(impl, "chunk", q, v)
+    if impl == "recurrent":
         return recurrent_simple_gla_reference(*args, scale=scale)
+    if impl == "pallas":
+        raise ValueError("chunk_simple_gla has no Pallas kernel yet; use impl='reference'")
     return chunk_simple_gla_reference(*args, scale=scale, chunk_size=chunk_size)
 
 
 def fused_recurrent_simple_gla(q, k, v, g, state, slot_ids, *, impl: str = "auto", interpret: bool = False,
-                               scale: float = 1.0, mesh=None):
-    """Same signature and result as `fused_recurrent_simple_gla_reference` (one decode step)."""
-    del interpret, mesh
-    if _pick(impl) == "recurrent":
+                               scale: float = 1.0, mesh=None, **tuning):
+    """Same signature and result as `fused_recurrent_simple_gla_reference` (one decode step).
+
+    With impl "pallas" the state is aliased in place (donate it under jit to avoid a copy); `tuning`
+    (block_v, num_warps, num_stages) goes to the kernel.
+    """
+    impl = _pick(impl, "fused_recurrent", q, v)
+    if impl == "recurrent":
         raise ValueError("impl='recurrent' is for chunk_simple_gla; decode is already recurrent")
-    return fused_recurrent_simple_gla_reference(q, k, v, g, state, slot_ids, scale=scale)
+    if impl == "reference":
+        return fused_recurrent_simple_gla_reference(q, k, v, g, state, slot_ids, scale=scale)
+    kernel = lambda *a: fused_recurrent_simple_gla_pallas(*a, scale=scale, interpret=interpret, **tuning)  # noqa: E731
+    if mesh is not None and mesh.size > 1:
+        kernel = _per_head_shard(kernel, mesh, "hhhhsr")
+    return kernel(q, k, v, g, state, slot_ids)
 
 
 __all__ = [
     "chunk_simple_gla",
     "chunk_simple_gla_reference",
     "fused_recurrent_simple_gla",
+    "fused_recurrent_simple_gla_pallas",
     "fused_recurrent_simple_gla_reference",
+    "pallas_supported",
     "recurrent_simple_gla_reference",
 ]
