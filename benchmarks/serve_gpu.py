@@ -643,10 +643,11 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     before, (x0, h0) = parse_metrics(before_text), st.child.counts()
     pid = st.child.proc.pid
     engines = child_pids(pid)  # the engine process, when the engine runs in one
-    cpu0, t0 = thread_cpu(pid), time.perf_counter()
+    cpu0, t0, client0 = thread_cpu(pid), time.perf_counter(), time.process_time()
     ecpu0 = {e: thread_cpu(e) for e in engines}
     results, wall, cancelled, warm, start = asyncio.run(load_run(port, a, timeout))
     elapsed = time.perf_counter() - t0
+    client_cores = (time.process_time() - client0) / elapsed  # this process: the load's client (and log readers)
     cpu = thread_cpu_delta(pid, cpu0, thread_cpu(pid), elapsed)
     cpu["engine_processes"] = [thread_cpu_delta(e, ecpu0[e], thread_cpu(e), elapsed) for e in engines]
     after_text = http_get(port, "/metrics", 10)[1]
@@ -681,7 +682,8 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     s["window"] = [start, start + wall]  # perf_counter (CLOCK_MONOTONIC): slices the engine's step log (--step-log)
     s["server_itl_hist"] = hist_quantiles(before_text, after_text, "jhybrid:inter_token_latency_seconds")
     s["server_cpu"] = cpu  # warm-up included
-    log(f"[load] c={c}: server process {fmt(cpu['process_cores'])} cores; busiest threads " + ", ".join(
+    s["client_cores"] = client_cores
+    log(f"[load] c={c}: client {client_cores:.2f} cores; server process {fmt(cpu['process_cores'])} cores; busiest threads " + ", ".join(
         f"{t['name']} {t['cores']:.2f}" for t in cpu["threads"][:4]))
     for e in cpu["engine_processes"]:
         log(f"[load] c={c}: engine process {fmt(e['process_cores'])} cores; busiest threads " + ", ".join(

@@ -222,3 +222,24 @@ def test_prefill_beside_decodes_is_capped():
     short.token_ids.append(7)
     second = sched.schedule()
     assert [(r.seq, r.num_tokens) for r in second.rows] == [(short, 1), (long, 64)]
+
+
+def test_prefill_beside_decodes_fills_the_token_bucket():
+    """With the runner's token buckets (`token_bucket`), a step with decode rows takes prompt tokens up to the end
+    of the bucket its cap lands it in: the program runs over the whole bucket anyway, so its padding is free
+    prefill (1 decode + 64 capped = 65 tokens -> the 128-token bucket: 127 prompt tokens). Checked to fail with
+    the fill removed from `_decode_budget_left` (64 prompt tokens)."""
+    blocks, slots = BlockAllocator(200, 16), SlotAllocator(9)
+    sched = Scheduler(blocks, slots, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=2048,
+                      max_prefill_tokens_with_decodes=64, token_bucket=lambda n: max(64, 1 << (n - 1).bit_length()))
+    short = Sequence("short", [1, 2, 3], SamplingParams(max_tokens=4))
+    long = Sequence("long", list(range(1000)), SamplingParams(max_tokens=4))
+    sched.add(short)
+    sched.add(long)
+    first = sched.schedule()
+    assert [(r.seq, r.num_tokens) for r in first.rows] == [(short, 3), (long, 253)]
+    short.num_pending -= 1
+    short.token_ids.append(7)
+    second = sched.schedule()
+    assert [(r.seq, r.num_tokens) for r in second.rows] == [(short, 1), (long, 127)]
+    assert second.num_tokens == 128

@@ -154,7 +154,8 @@ class LLMEngine:
                                    kv_offload=kv_offload, offload_admission=config.offload_admission,
                                    offload_policy=config.offload_policy,
                                    max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
-                                   prefix_cache=self.prefix_cache)
+                                   prefix_cache=self.prefix_cache,
+                                   token_bucket=lambda n: self.runner.buckets(False, 1, n)[1])
         self.requests: dict[Any, Sequence] = {}
         self.grammars = None  # GrammarCache, made with the first structured-output request (or by warmup())
         self._grammar_waiting: list[tuple[Sequence, Any]] = []  # (sequence, future of its compiled grammar)

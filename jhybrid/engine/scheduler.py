@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 
 from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
 from jhybrid.cache.host_tier import HostAllocator, HostEntry, SwapCostModel
@@ -127,6 +128,7 @@ class Scheduler:
         offload_policy: str = "cost",
         max_prefill_tokens_with_decodes: int | None = None,
         prefix_cache: PrefixCache | None = None,
+        token_bucket: Callable[[int], int] | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"need {max_num_seqs=} >= 1 and {max_num_batched_tokens=} >= 1")
@@ -164,6 +166,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # prefill tokens a step that carries decode rows may take beside them (chunks are cut to fit)
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes or max_num_batched_tokens
+        # the token count of the program a mixed step of n tokens runs in (the runner's buckets): a step that
+        # carries decodes fills its bucket's padding with prompt tokens, which cost about what padding costs
+        self.token_bucket = token_bucket
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -245,11 +250,16 @@ class Scheduler:
                 return other
         return None
 
-    def _decode_budget_left(self, rows: list[ScheduledRow]) -> int:
-        """Prefill tokens a step that carries decode rows may still take: `max_prefill_tokens_with_decodes`
-        beside its decode rows, so that such a step stays near a decode step's length."""
-        prefill = sum(r.num_tokens for r in rows if r.num_tokens > 1)
-        return max(self.max_prefill_tokens_with_decodes - prefill, 0)
+    def _decode_budget_left(self, num_decodes: int, num_prefill: int) -> int:
+        """Prefill tokens a step with `num_decodes` decode rows and `num_prefill` prompt tokens so far may still
+        take: `max_prefill_tokens_with_decodes` beside its decode rows, so that such a step stays near a decode
+        step's length; with `token_bucket`, up to the end of the token bucket that cap lands the step in (the
+        program runs over the whole bucket either way)."""
+        cap = self.max_prefill_tokens_with_decodes
+        if self.token_bucket is not None and cap < self.max_num_batched_tokens:
+            bucket = min(self.token_bucket(num_decodes + cap), self.max_num_batched_tokens)
+            cap = max(cap, bucket - num_decodes)
+        return max(cap - num_prefill, 0)
 
     def _grow(self, seq: Sequence, upto: int) -> bool:
         """Gives `seq` blocks for positions < upto; False when none are left."""
@@ -270,6 +280,7 @@ class Scheduler:
         swap_out: list[SwapOp] = []
         swap_in: list[SwapOp] = []
         scheduled: set[int] = set()
+        num_decodes = num_prefill = 0  # this step's decode rows and prompt tokens so far (running sequences)
         self._commit_offloads()
         restores: list[tuple[int, int]] = []
         if self.prefix is not None:
@@ -293,8 +304,11 @@ class Scheduler:
                 rows.append(ScheduledRow(seq, seq.num_computed, n, seq.num_computed + n == seq.num_tokens))
                 scheduled.add(seq.seq_id)
                 budget -= n
-                if seq.num_uncomputed == 1 and n == 1:  # a decode row: the rest of the step's budget shrinks
-                    budget = min(budget, self._decode_budget_left(rows))
+                if n > 1:
+                    num_prefill += n
+                elif seq.num_uncomputed == 1:  # a decode row: the rest of the step's budget shrinks
+                    num_decodes += 1
+                    budget = min(budget, self._decode_budget_left(num_decodes, num_prefill))
             elif rows or len(self.running) > 1:
                 self._preempt(seq, swap_out)  # the newest unscheduled itself; the others keep running
                 preempted.append(seq)
