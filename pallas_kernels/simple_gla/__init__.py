@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 
 from pallas_kernels.gated_delta_rule import _per_head_shard
+from pallas_kernels.simple_gla.chunk import chunk_simple_gla_pallas
 from pallas_kernels.simple_gla.fused_recurrent import fused_recurrent_simple_gla_pallas
 from pallas_kernels.simple_gla.reference import (
     chunk_simple_gla_reference,
@@ -57,20 +58,26 @@ def _pick(impl: str, kind: str, q, v) -> str:
 
 
 def chunk_simple_gla(q, k, v, g, cu_seqlens, state, slot_ids, *, impl: str = "auto", interpret: bool = False,
-                     scale: float = 1.0, chunk_size: int = 64, mesh=None):
+                     scale: float = 1.0, chunk_size: int = 64, mesh=None, **tuning):
     """Same signature and result as `chunk_simple_gla_reference`.
 
     impl: "auto" (the reference for now), "reference" (chunked form), "recurrent" (token-by-token scan, the
-    definition) or "pallas" (not yet: raises).
+    definition) or "pallas". With "pallas" the state is aliased in place (donate it under jit to avoid a copy);
+    `tuning` (fused_output, block_v, num_warps, num_stages, out_block_v, out_num_warps, single_block_v,
+    row_groups, precision) goes to the kernel.
     """
-    del interpret, mesh
     args = (q, k, v, g, cu_seqlens, state, slot_ids)
     impl = _pick(impl, "chunk", q, v)
     if impl == "recurrent":
         return recurrent_simple_gla_reference(*args, scale=scale)
-    if impl == "pallas":
-        raise ValueError("chunk_simple_gla has no Pallas kernel yet; use impl='reference'")
-    return chunk_simple_gla_reference(*args, scale=scale, chunk_size=chunk_size)
+    if impl == "reference":
+        return chunk_simple_gla_reference(*args, scale=scale, chunk_size=chunk_size)
+    kernel = lambda *a: chunk_simple_gla_pallas(  # noqa: E731
+        *a, scale=scale, chunk_size=chunk_size, interpret=interpret, **tuning
+    )
+    if mesh is not None and mesh.size > 1:
+        kernel = _per_head_shard(kernel, mesh, "hhhhrsr")
+    return kernel(*args)
 
 
 def fused_recurrent_simple_gla(q, k, v, g, state, slot_ids, *, impl: str = "auto", interpret: bool = False,
@@ -93,6 +100,7 @@ def fused_recurrent_simple_gla(q, k, v, g, state, slot_ids, *, impl: str = "auto
 
 __all__ = [
     "chunk_simple_gla",
+    "chunk_simple_gla_pallas",
     "chunk_simple_gla_reference",
     "fused_recurrent_simple_gla",
     "fused_recurrent_simple_gla_pallas",

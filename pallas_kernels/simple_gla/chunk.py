@@ -1,0 +1,354 @@
+"""Pallas (Triton lowering) kernels for the chunked scalar-decay recurrence (simple GLA) over ragged packed
+sequences.
+
+Chunks are laid out as in `chunk_gated_delta_rule_pallas` (the same `_layout`): each row of more than one
+token is cut into chunks of C tokens starting at its first token, `N = ceil(T / C) + B` chunk slots bound the
+count statically, and the kernels read the packed tokens directly (a chunk is a masked `[C, ...]` window
+starting at its first token). Per chunk, with G the in-chunk cumulative sum of g and S the state entering it:
+
+    o  = scale exp(G) (q S) + lower(scale q_i.k_j exp(G_i - G_j)) v
+    S' = exp(G_last) S + k^T (exp(G_last - G) v)
+
+Unlike the gated delta rule there is no WY stage: the state update needs no output and no inverse. Two forms:
+  * `fused_output=True`: one sequential pass, grid `(G, HV, V // BV)` (program g walks the g-th, (g+G)-th, ...
+    row of more than one token, `_row_groups`), computing each chunk's output from the state it carries
+    (`_fused_kernel`);
+  * `fused_output=False`: the sequential pass only updates the state and stores the state entering each chunk
+    (`_state_kernel`, one `[K, C] x [C, BV]` dot per chunk); `_output_kernel`, grid `(N, HV, V // BV')`, then
+    computes every chunk's output in parallel.
+Rows start from `state[slot_ids[b]]` (zeros on the null slot 0) and their final state is written back into the
+slot (aliased, in place under jit with a donated state). Rows of exactly one token (a serving step's decode
+rows) take neither form: `_single_token_kernel`, grid `(B, HV, V // BV'')`, applies the decode kernel's
+recurrent update (`fused_recurrent.recurrent_step`), so a mixed step costs a decode step per such row, not a
+`[C, ...]` chunk. Programs with nothing to do exit at once.
+
+Dot operands are in v's dtype (q and k are cast; bf16 tensor cores for bf16 v), accumulation, the decays and
+the carried state are fp32; per-chunk states are stored in v's dtype. fp32 operands (Mamba2 passes fp32
+q/k/v) use TF32 on the GPU unless `precision="tf32x3"`. Every exponent is <= 0, so large decays underflow.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.gated_delta_rule.chunk import _for_each_multi_row, _layout, _Layout, _row_groups
+from pallas_kernels.simple_gla.fused_recurrent import recurrent_step
+
+_WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
+_DOT = (((1,), (0,)), ((), ()))  # a @ b
+_DOT_T = (((1,), (1,)), ((), ()))  # a @ b.T
+_T_DOT = (((0,), (0,)), ((), ()))  # a.T @ b
+
+# fp32 dot operands on the GPU: one TF32 pass (Triton's default) or three (about fp32 accuracy)
+_PRECISIONS = {"tf32": None, "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+
+
+def _load(ref, start, valid, *idx, dtype=jnp.float32):
+    """Masked `[C, ...]` window of packed tokens `ref[start:start + C, *idx]`; zeros past the chunk. An index
+    in `idx` is a scalar (dropped dim) or a `pl.ds` (kept dim)."""
+    kept = sum(not isinstance(i, (int, jax.Array)) for i in idx)
+    mask = valid.reshape(valid.shape + (1,) * kept)
+    return plt.load(ref.at[(pl.ds(start, valid.shape[0]), *idx)], mask=mask, other=0).astype(dtype)
+
+
+def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group: int, dt):
+    """q, k `[C, K]` and v `[C, BV]` (dot dtype `dt`), the in-chunk cumulative g `[C]` and its last value."""
+    key = pl.ds(0, q_ref.shape[-1])
+    q = _load(q_ref, start, valid, j // group, key, dtype=dt)
+    k = _load(k_ref, start, valid, j // group, key, dtype=dt)
+    v = _load(v_ref, start, valid, j, v_slice, dtype=dt)
+    g = _load(g_ref, start, valid, j)  # [C], zeros past the end keep G flat there
+    return q, k, v, jnp.cumsum(g), jnp.sum(g)
+
+
+def _intra_output(q, k, v, h, cum, *, scale: float, dot):
+    """`scale exp(G) (q S) + lower(scale q_i.k_j exp(G_i - G_j)) v`: `[C, BV]` in fp32; h is `[K, BV]` in the
+    dot dtype. The decays scale `[C, C]` and `[C, BV]` tiles, never `[C, K]` ones."""
+    lane = jnp.arange(q.shape[0])
+    causal = lane[:, None] >= lane[None, :]
+    decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], -jnp.inf))  # [C, C], 0 above the diagonal
+    scores = (dot(q, k, _DOT_T) * (decay * scale)).astype(v.dtype)  # [C, C]
+    return dot(q, h, _DOT) * (jnp.exp(cum) * scale)[:, None] + dot(scores, v, _DOT)
+
+
+def _advance(h, k, v, cum, cum_last, *, dot):
+    """`exp(G_last) S + k^T (exp(G_last - G) v)`: the state leaving the chunk, fp32 `[K, BV]`."""
+    v_dec = (v.astype(jnp.float32) * jnp.exp(cum_last - cum)[:, None]).astype(v.dtype)
+    return jnp.exp(cum_last) * h + dot(k, v_dec, _T_DOT)
+
+
+def _fused_kernel(
+    num_multi_ref,  # [1] rows of more than one token
+    multi_rows_ref,  # [B] those rows first
+    slot_ids_ref,  # [B]
+    cu_seqlens_ref,  # [B + 1]
+    q_ref,  # [T, H, K] (whole)
+    k_ref,  # [T, H, K] (whole)
+    v_ref,  # [T, HV, V] (whole)
+    g_ref,  # [T, HV] (whole)
+    state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
+    o_in_ref,  # [T, HV, V] zeros (whole, aliased with o_ref)
+    o_ref,  # [T, HV, V] (whole)
+    state_ref,  # [S, HV, K, V] (whole)
+    *,
+    chunk_size: int,
+    group: int,
+    block_v: int,
+    scale: float,
+    precision,
+    row_groups: int,
+):
+    """The sequential pass with the output: per chunk, o from the carried state, then the state advanced."""
+    del o_in_ref
+    j, i = pl.program_id(1), pl.program_id(2)
+    v_slice = pl.ds(i * block_v, block_v)
+    lane = jnp.arange(chunk_size)
+    dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
+    dt = v_ref.dtype
+
+    def row(b):  # empty rows and one-token rows (`_single_token_kernel`) never come here
+        slot = slot_ids_ref[b]
+        seq_start, seq_end = cu_seqlens_ref[b], cu_seqlens_ref[b + 1]
+
+        def body(c, h):
+            start = seq_start + c * chunk_size
+            valid = lane < seq_end - start
+            q, k, v, cum, cum_last = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt)
+            o = _intra_output(q, k, v, h.astype(dt), cum, scale=scale, dot=dot)
+            plt.store(o_ref.at[pl.ds(start, chunk_size), j, v_slice], o.astype(o_ref.dtype), mask=valid[:, None])
+            return _advance(h, k, v, cum, cum_last, dot=dot)
+
+        h = jnp.where(slot == 0, 0.0, state_in_ref[slot, j, :, v_slice].astype(jnp.float32))  # [K, BV]
+        h = jax.lax.fori_loop(0, (seq_end - seq_start + chunk_size - 1) // chunk_size, body, h)
+
+        @pl.when(slot != 0)
+        def _():
+            state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
+
+    _for_each_multi_row(num_multi_ref, multi_rows_ref, row_groups, row)
+
+
+def _state_kernel(
+    num_multi_ref,  # [1]
+    multi_rows_ref,  # [B]
+    row_chunks_ref,  # [B + 1] first chunk slot of each row (cumulative)
+    slot_ids_ref,  # [B]
+    cu_seqlens_ref,  # [B + 1]
+    k_ref,  # [T, H, K] (whole)
+    v_ref,  # [T, HV, V] (whole)
+    g_ref,  # [T, HV] (whole)
+    state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
+    h_ref,  # [N, HV, K, V] (whole) the state entering each chunk
+    state_ref,  # [S, HV, K, V] (whole)
+    *,
+    chunk_size: int,
+    group: int,
+    block_v: int,
+    precision,
+    row_groups: int,
+):
+    """The sequential pass alone: per chunk, store the state entering it, then advance it."""
+    j, i = pl.program_id(1), pl.program_id(2)
+    v_slice = pl.ds(i * block_v, block_v)
+    key = pl.ds(0, k_ref.shape[-1])
+    lane = jnp.arange(chunk_size)
+    dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
+    dt = v_ref.dtype
+
+    def row(b):
+        slot = slot_ids_ref[b]
+        seq_start, seq_end, first_chunk = cu_seqlens_ref[b], cu_seqlens_ref[b + 1], row_chunks_ref[b]
+
+        def body(c, h):
+            start = seq_start + c * chunk_size
+            valid = lane < seq_end - start
+            h_ref[first_chunk + c, j, :, v_slice] = h.astype(h_ref.dtype)
+            k = _load(k_ref, start, valid, j // group, key, dtype=dt)  # [C, K]
+            v = _load(v_ref, start, valid, j, v_slice, dtype=dt)  # [C, BV]
+            g = _load(g_ref, start, valid, j)  # [C]
+            return _advance(h, k, v, jnp.cumsum(g), jnp.sum(g), dot=dot)
+
+        h = jnp.where(slot == 0, 0.0, state_in_ref[slot, j, :, v_slice].astype(jnp.float32))  # [K, BV]
+        h = jax.lax.fori_loop(0, (seq_end - seq_start + chunk_size - 1) // chunk_size, body, h)
+
+        @pl.when(slot != 0)
+        def _():
+            state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
+
+    _for_each_multi_row(num_multi_ref, multi_rows_ref, row_groups, row)
+
+
+def _output_kernel(
+    chunk_start_ref,  # [N] first packed token of each chunk
+    chunk_len_ref,  # [N] tokens in each chunk (0 for unused chunk slots)
+    q_ref,  # [T, H, K] (whole)
+    k_ref,  # [T, H, K] (whole)
+    v_ref,  # [T, HV, V] (whole)
+    g_ref,  # [T, HV] (whole)
+    h_ref,  # [K, BV] the state entering chunk n
+    o_in_ref,  # [T, HV, V] zeros (whole, aliased with o_ref)
+    o_ref,  # [T, HV, V] (whole)
+    *,
+    chunk_size: int,
+    group: int,
+    block_v: int,
+    scale: float,
+    precision,
+):
+    """All chunks in parallel: each chunk's output from the state entering it."""
+    del o_in_ref
+    n, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = chunk_len_ref[n]
+
+    @pl.when(length > 0)  # unused chunk slots (and one-token rows, which have none) do nothing
+    def _():
+        start = chunk_start_ref[n]
+        valid = jnp.arange(chunk_size) < length
+        v_slice = pl.ds(i * block_v, block_v)
+        dt = v_ref.dtype
+        dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
+        q, k, v, cum, _ = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt)
+        o = _intra_output(q, k, v, h_ref[...].astype(dt), cum, scale=scale, dot=dot)
+        plt.store(o_ref.at[pl.ds(start, chunk_size), j, v_slice], o.astype(o_ref.dtype), mask=valid[:, None])
+
+
+def _single_token_kernel(
+    cu_seqlens_ref,  # [B + 1]
+    slot_ids_ref,  # [B]
+    q_ref,  # [T, H, K] (whole)
+    k_ref,  # [T, H, K] (whole)
+    v_ref,  # [T, HV, V] (whole)
+    g_ref,  # [T, HV] (whole)
+    o_in_ref,  # [T, HV, V] (whole, aliased with o_ref): the chunk stages' output
+    state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
+    o_ref,  # [T, HV, V] (whole)
+    state_ref,  # [S, HV, K, V] (whole)
+    *,
+    group: int,
+    block_v: int,
+    scale: float,
+):
+    """Rows of exactly one token: the decode kernel's recurrent update. Other rows are left alone."""
+    del o_in_ref
+    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t = cu_seqlens_ref[b]
+
+    @pl.when(cu_seqlens_ref[b + 1] - t == 1)
+    def _():
+        slot = slot_ids_ref[b]
+        v_slice = pl.ds(i * block_v, block_v)
+        o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q_ref[t, j // group, :],
+                              k_ref[t, j // group, :], v_ref[t, j, v_slice], g_ref[t, j], scale)
+        o_ref[t, j, v_slice] = o.astype(o_ref.dtype)
+
+        @pl.when(slot != 0)
+        def _():
+            state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
+
+
+def _call(kernel, grid, num_inputs, out_shape, aliases, *, num_warps, num_stages, interpret, name, in_specs=None):
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs or [_WHOLE] * num_inputs,
+        out_specs=[_WHOLE] * len(out_shape),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=name,
+    )
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "chunk_size", "fused_output", "block_v", "num_warps", "num_stages", "out_block_v",
+                     "out_num_warps", "single_block_v", "row_groups", "precision", "interpret"),
+)
+def chunk_simple_gla_pallas(
+    q: Float[Array, "T H K"],
+    k: Float[Array, "T H K"],
+    v: Float[Array, "T HV V"],
+    g: Float[Array, "T HV"],
+    cu_seqlens: Int[Array, "B+1"],
+    state: Float[Array, "S HV K V"],
+    slot_ids: Int[Array, "B"],
+    *,
+    scale: float = 1.0,
+    chunk_size: int = 64,
+    fused_output: bool = False,
+    block_v: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    out_block_v: int = 64,
+    out_num_warps: int = 4,
+    single_block_v: int = 32,
+    row_groups: int | None = None,
+    precision: str = "tf32",
+    interpret: bool = False,
+) -> tuple[Float[Array, "T HV V"], Float[Array, "S HV K V"]]:
+    """Same arguments and results as `chunk_simple_gla_reference`.
+
+    K, V and `chunk_size` must be powers of two (>= 16); the value blocks are clipped to V. `fused_output`
+    picks the one-pass form (output inside the sequential pass, `block_v` values per program) or the split
+    (the sequential pass with `block_v` values per program stores per-chunk states; the parallel output
+    kernel takes `out_block_v` values and `out_num_warps` warps per program). `single_block_v`: values per
+    program of the one-token rows' update. `row_groups` (G) overrides the sequential pass's programs per value
+    tile (`_row_groups`). `precision` ("tf32" or "tf32x3") sets fp32 dots on the GPU; the interpreter's dots
+    are exact.
+    """
+    if precision not in _PRECISIONS:
+        raise ValueError(f"unknown {precision=}; choose one of {tuple(_PRECISIONS)}")
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"{chunk_size=} must be a power of two >= 16 (Triton dot tiles)")
+    num_tokens, _, key_dim = q.shape
+    batch = slot_ids.shape[0]
+    num_value_heads, value_dim = v.shape[1:]
+    group = num_value_heads // q.shape[1]
+    c = chunk_size
+    block_v, out_block_v, single_block_v = (min(x, value_dim) for x in (block_v, out_block_v, single_block_v))
+    dot_precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[precision]
+    q, k = q.astype(v.dtype), k.astype(v.dtype)  # one dot operand dtype (the model passes fp32 q/k with bf16 v)
+    layout: _Layout = _layout(cu_seqlens, num_tokens, batch, c)
+    if interpret:  # the interpreter clamps windows that run past the end: pad instead (GPU loads are masked)
+        pad = lambda x: jnp.pad(x, ((0, c),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
+        q, k, v, g = map(pad, (q, k, v, g))
+    cu, slots = cu_seqlens.astype(jnp.int32), slot_ids.astype(jnp.int32)
+    groups = row_groups or _row_groups(batch, num_value_heads, value_dim // block_v)
+    seq_grid = (groups, num_value_heads, value_dim // block_v)
+    o_shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    state_shape = jax.ShapeDtypeStruct(state.shape, state.dtype)
+    zeros_o = jnp.zeros(v.shape, v.dtype)
+    tag = f"c{c}_bv{block_v}_w{num_warps}_s{num_stages}{'_x3' if precision == 'tf32x3' else ''}"
+    if fused_output:
+        kernel = functools.partial(_fused_kernel, chunk_size=c, group=group, block_v=block_v, scale=scale,
+                                   precision=dot_precision, row_groups=groups)
+        o, state = _call(kernel, seq_grid, 10, [o_shape, state_shape], {9: 0, 8: 1}, num_warps=num_warps,
+                         num_stages=num_stages, interpret=interpret, name=f"sgla_chunk_fused_{tag}")(
+            layout.num_multi, layout.multi_rows, slots, cu, q, k, v, g, state, zeros_o)
+    else:
+        kernel = functools.partial(_state_kernel, chunk_size=c, group=group, block_v=block_v,
+                                   precision=dot_precision, row_groups=groups)
+        h_shape = jax.ShapeDtypeStruct((layout.num_chunks, num_value_heads, key_dim, value_dim), v.dtype)
+        h, state = _call(kernel, seq_grid, 9, [h_shape, state_shape], {8: 1}, num_warps=num_warps,
+                         num_stages=num_stages, interpret=interpret, name=f"sgla_chunk_state_{tag}")(
+            layout.num_multi, layout.multi_rows, layout.row_chunks, slots, cu, k, v, g, state)
+        kernel = functools.partial(_output_kernel, chunk_size=c, group=group, block_v=out_block_v, scale=scale,
+                                   precision=dot_precision)
+        h_spec = pl.BlockSpec((None, None, key_dim, out_block_v), lambda n, j, i: (n, j, 0, i))
+        (o,) = _call(kernel, (layout.num_chunks, num_value_heads, value_dim // out_block_v), 8, [o_shape], {7: 0},
+                     num_warps=out_num_warps, num_stages=2, interpret=interpret,
+                     in_specs=[_WHOLE] * 6 + [h_spec, _WHOLE],
+                     name=f"sgla_chunk_output_c{c}_bv{out_block_v}_w{out_num_warps}")(
+            layout.chunk_start, layout.chunk_len, q, k, v, g, h, zeros_o)
+    kernel = functools.partial(_single_token_kernel, group=group, block_v=single_block_v, scale=scale)
+    o, state = _call(kernel, (batch, num_value_heads, value_dim // single_block_v), 8, [o_shape, state_shape],
+                     {6: 0, 7: 1}, num_warps=4, num_stages=1, interpret=interpret,
+                     name=f"sgla_chunk_single_bv{single_block_v}_w4")(cu, slots, q, k, v, g, o, state)
+    return o[:num_tokens], state
