@@ -2,13 +2,20 @@
 decode step's shape, and the sort-free top-k / top-p filter against the sort it replaced, in one run.
 
     PYTHONPATH=. python -m benchmarks.sampler_kernels [--batch 64] [--vocab 151936] [--json out.json]
-    PYTHONPATH=. python -m benchmarks.sampler_kernels --batch 4 --vocab 4096 --iters 3     # CPU smoke test
+    PYTHONPATH=. python -m benchmarks.sampler_kernels --batch 4 --vocab 4096 --iters 3 --interpret  # CPU smoke test
 
 Rows of random logits (standard normal x 4, the spread of a language model's logits) in float32. Each case is
 one jitted function, called `--iters` times after a warm call; the figure is the median wall time of a call
 ended by `block_until_ready` (one kernel launch or a few: on the GPU this is device time plus ~10-20 us of
 dispatch, the same for every case). Before timing, the filter's kept set is checked against the sort's on every
 row (they must agree exactly: same thresholds, ties kept).
+
+The Pallas kernel of both thresholds (`pallas_kernels.sampling`, issue 19) runs in several configurations
+(`PALLAS_CONFIGS`: tile BV, key bits a pass R, warps, tile skipping, L2 eviction policy); each is first checked to
+keep exactly the tokens of the shipped XLA filter on every row (a mismatch is printed and the case not timed),
+on the benchmark's rows (top-k 50, top-p 0.9) and on rows of top-p 0.9 alone (k off: the top-p set over the whole
+vocabulary). `--interpret` runs them in the Pallas interpreter (CPU smoke test; without it they are skipped off
+the GPU); `--no-xla-variants` leaves out the radix variants of the XLA filter (all but the shipped one).
 
 Cases: the argmax (a greedy row's whole cost), the sort-based filter (the previous `_filter_top_k_top_p`: a
 descending sort of the row, then a cumulative sum), the radix-select filter at 1, 2 and 4 key bits a pass, its
@@ -71,12 +78,61 @@ def timed(fn, args, iters: int) -> float:
     return float(np.median(out)) * 1e3
 
 
+# Pallas configurations timed: (tile BV, key bits a pass R, warps, tile skipping, L2 eviction policy of the loads)
+PALLAS_CONFIGS = [
+    (1024, 4, 4, True, None), (1024, 4, 8, True, None), (2048, 4, 8, True, None), (512, 4, 4, True, None),
+    (1024, 2, 4, True, None), (2048, 2, 8, True, None), (256, 8, 4, True, None), (512, 8, 8, True, None),
+    (1024, 4, 4, False, None), (1024, 4, 4, True, "evict_last"),
+]
+PALLAS_CONFIGS_INTERPRET = [(256, 4, 4, True, None), (512, 2, 4, False, None)]  # CPU smoke test: a few only
+
+
+def pallas_variants(logits, top_k, top_p, interpret: bool) -> dict:
+    """`{name: (jitted filter, args)}` of the Pallas kernel's configurations, each checked first to keep exactly
+    the shipped XLA filter's tokens, on the given rows and on rows of top-p alone (the XLA filter's own time on
+    those is a case too). Empty off the GPU unless `interpret`."""
+    import jax
+    import jax.numpy as jnp
+
+    from jhybrid.engine import sampling
+    from pallas_kernels.sampling import apply_thresholds, top_k_top_p_thresholds_pallas
+
+    if jax.default_backend() != "gpu" and not interpret:
+        print("Pallas cases skipped: no GPU (--interpret runs them in the interpreter)")
+        return {}
+    xla = jax.jit(sampling._filter_top_k_top_p)
+    k_off = jnp.zeros_like(top_k)
+    inputs = {"": (logits, top_k, top_p), ", top-p 0.9 alone": (logits, k_off, top_p)}
+    cases = {"top-k/top-p, XLA radix, top-p 0.9 alone": (xla, inputs[", top-p 0.9 alone"])}
+    for block, bits, warps, skip, eviction in (PALLAS_CONFIGS_INTERPRET if interpret else PALLAS_CONFIGS):
+        tuning = dict(block=block, bits=bits, num_warps=warps, skip=skip, eviction=eviction, interpret=interpret)
+
+        def fn(x, k, p, tuning=tuning):
+            return apply_thresholds(x, *top_k_top_p_thresholds_pallas(x, k, p, **tuning))
+
+        fn = jax.jit(fn)
+        label = (f"Pallas BV{block} R{bits} w{warps}{'' if skip else ' no-skip'}"
+                 f"{' ' + eviction if eviction else ''}")
+        for suffix, args in inputs.items():
+            want = np.isfinite(np.asarray(xla(*args)))
+            got = np.isfinite(np.asarray(fn(*args)))
+            if (got != want).any():
+                print(f"MISMATCH {label}{suffix}: {int((got != want).sum())} tokens in rows "
+                      f"{np.flatnonzero((got != want).any(-1)).tolist()} differ from the XLA filter; not timed")
+                continue
+            cases[label + suffix] = (fn, args)
+    print(f"Pallas == XLA filter for {sum(1 for n in cases if n.startswith('Pallas'))} cases")
+    return cases
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json")
+    parser.add_argument("--interpret", action="store_true", help="run the Pallas cases in the interpreter (CPU)")
+    parser.add_argument("--no-xla-variants", action="store_true", help="time only the shipped XLA radix filter")
     a = parser.parse_args(argv)
 
     import jax
@@ -117,12 +173,14 @@ def main(argv=None) -> int:
 
     reference = np.isfinite(np.asarray(jax.jit(sort_filter)(logits, top_k, top_p)))
     variants = {f"top-k/top-p, radix {bits} bits, {how} sums": radix(bits, how)
-                for how in sums for bits in (1, 2, 4)}
+                for how in sums for bits in (1, 2, 4)
+                if not a.no_xla_variants or (bits, how) == (sampling.RADIX_BITS, "stack")}
     for name, fn in variants.items():
         kept = np.isfinite(np.asarray(fn(logits, top_k, top_p)))
         assert (kept == reference).all(), f"{name}: {int((kept != reference).sum())} tokens differ from the sort"
     print(f"radix filter == sort filter on {b} rows (kept per row {reference.sum(-1).min()}-{reference.sum(-1).max()})")
 
+    pallas_cases = pallas_variants(logits, top_k, top_p, a.interpret)
     tables, history = init_tables(b + 1, v)
 
     def draw(x):
@@ -134,15 +192,27 @@ def main(argv=None) -> int:
         "argmax (greedy floor)": (jax.jit(lambda x: jnp.argmax(x, -1)), (logits,)),
         "top-k/top-p, sort (baseline)": (jax.jit(sort_filter), (logits, top_k, top_p)),
         **{name: (fn, (logits, top_k, top_p)) for name, fn in variants.items()},
+        **pallas_cases,
         "categorical draw": (jax.jit(draw), (logits,)),
         "sample(): greedy": (sample, (logits, sampling_arrays(b, 0.0), tables, history)),
         "sample(): temperature, top-k 50, top-p 0.9": (sample, (logits, sampling_arrays(b, 0.8), tables, history)),
         "sample(): sampled + top-5 logprobs": (sample, (logits, sampling_arrays(b, 0.8, True), tables, history)),
     }
+    if jax.default_backend() == "gpu":  # the engine's switch (read while tracing; the kernel runs on the GPU only)
+        def sample_pallas(*args):
+            old = sampling.TOP_K_TOP_P_IMPL
+            sampling.TOP_K_TOP_P_IMPL = "pallas"
+            try:
+                return sampling.sample(*args)
+            finally:
+                sampling.TOP_K_TOP_P_IMPL = old
+
+        cases["sample(): temperature, top-k 50, top-p 0.9, Pallas"] = (
+            jax.jit(sample_pallas), (logits, sampling_arrays(b, 0.8), tables, history))
     print(f"{res['device']}, batch {b}, vocab {v}: ms per call (median of {a.iters})")
     for name, (fn, args) in cases.items():
         res["ms"][name] = ms = timed(fn, args, a.iters)
-        print(f"  {name:45s} {ms:8.3f}")
+        print(f"  {name:60s} {ms:8.3f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

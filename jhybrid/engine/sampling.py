@@ -388,6 +388,10 @@ def _apply_bans(logits: Float[Array, "B V"], bans: Int[Array, "B NW W"], recent:
     return logits.at[rows, jnp.where(banned, last, vocab)].set(-jnp.inf, mode="drop")
 
 
+TOP_K_TOP_P_IMPL = "xla"  # how `_filter_top_k_top_p` finds its thresholds on a GPU: "xla" (radix passes of XLA row
+# reductions) or "pallas" (one kernel for both: pallas_kernels/sampling; benchmarks/sampler_kernels.py); read at trace time
+
+
 def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"],
                         rolled: bool | None = None) -> Array:
     """Masks (to -inf) tokens outside each row's top-k and top-p sets, as vLLM defines them: the top-k set is
@@ -397,9 +401,17 @@ def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top
 
     No sort of the vocabulary: both thresholds are found by `_radix_threshold` (a few masked reductions over the
     row); a sort of [64, 151936] was most of what top-k / top-p cost a decode step (benchmarks/RESULTS.md).
-    `rolled`: the form of the radix passes (`_radix_threshold`; None: the backend's)."""
+    `rolled`: the form of the radix passes (`_radix_threshold`; None: the backend's).
+
+    With `TOP_K_TOP_P_IMPL == "pallas"` on a GPU both thresholds come from one Pallas kernel instead
+    (`pallas_kernels.sampling`: the same keys and thresholds; top-p equal up to float32 rounding of the sums)."""
     vocab = logits.shape[-1]
     keys = _order_keys(logits)
+    if TOP_K_TOP_P_IMPL == "pallas" and jax.default_backend() == "gpu":
+        from pallas_kernels.sampling import top_k_top_p_thresholds
+
+        kth, pth = top_k_top_p_thresholds(logits, top_k, top_p, impl="pallas")
+        return jnp.where(keys >= jnp.maximum(kth, pth)[:, None], logits, -jnp.inf)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab).astype(jnp.float32)
     kth = _radix_threshold(keys, jnp.ones_like(logits), k, rolled)
     in_top_k = keys >= kth[:, None]

@@ -1,0 +1,200 @@
+"""Pallas (Triton lowering) kernel for the top-k / top-p thresholds of `reference.py`: both in one launch.
+
+Grid `(B,)`: program b owns row b of the logits `[B, V]` and walks it in tiles of BV tokens (the last one masked:
+keys past V are 0, below every float, with weight 0), once per radix pass, so the row is re-read from L2 rather
+than HBM. Keys are int32 whose *signed* order is the float order (the uint32 order key xor 2**31).
+
+  1. top-k: `32 / R` passes, each deciding R more bits of kth from the top. A pass sums, over the tokens whose
+     key starts with the bits decided so far (the *bucket*), `digit >= c` for every candidate digit c of the next
+     R bits (a `[BV, 2**R]` compare and column sum per tile); with the count above the bucket carried from the
+     previous pass, the digit is the number of candidates c >= 1 whose count reaches k. The first pass also
+     takes the row's max logit, its min key (k = V: kth is the min key, the other passes are skipped) and each
+     tile's max key.
+  2. the softmax of the top-k set: weights `exp(x - max)` of the tokens with key >= kth (0 elsewhere); their sum
+     Z comes from the first top-p pass (the mass at candidate 0, the whole row).
+  3. top-p: the same passes over those weights, with target `top_p * Z` (skipped where top_p >= 1: pth = 0).
+
+`skip`: a pass reads a tile only if the tile's max key (from pass 1) reaches the smallest key that can change a
+candidate sum, and does the `[BV, 2**R]` work only if a token of the tile lies in the bucket; after a few passes
+the bucket holds a handful of tokens, so most tiles cost nothing, or a read.
+
+Exactness: counts are int32 (exact); the masses are float32 sums in another order than XLA's softmax + row
+sums, and compared as `mass >= top_p * Z` rather than `mass / Z >= top_p`, so pth can differ from the
+reference's only where a cumulative mass lies within float32 rounding of `top_p`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.sampling.reference import clamp_top_k
+
+INT_MIN = -(2**31)
+INT_MAX = 2**31 - 1
+_WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
+RADIX_BITS = (1, 2, 4, 8)  # bits a pass (R) the kernel takes: divisors of 32
+
+
+def _srl(x, n: int):
+    return jax.lax.shift_right_logical(x, jnp.int32(n))
+
+
+def signed_keys(x: Float[Array, "..."]) -> Array:
+    """int32 keys whose signed order is the float32 order of `x` (the order keys xor 2**31)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ (jax.lax.shift_right_arithmetic(bits, jnp.int32(31)) & INT_MAX)
+
+
+def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, block: int, bits: int, skip: bool,
+                       eviction: str | None):
+    # x_ref [B, V] float32 (whole); k_ref [B] int32 counts in [1, V]; p_ref [B] float32; kth_ref / pth_ref [B]
+    # int32: the thresholds as uint32 order keys (bit patterns)
+    row = pl.program_id(0)
+    num_tiles = pl.cdiv(vocab, block)
+    width = 1 << bits
+    num_passes = 32 // bits
+    digits = jnp.arange(width, dtype=jnp.int32)  # [W] candidate digits
+    lanes = jnp.arange(block, dtype=jnp.int32)  # [BV]
+    tile_ids = jnp.arange(pl.next_power_of_2(num_tiles), dtype=jnp.int32)  # [NT]
+    k = k_ref[row]
+    p = p_ref[row]
+
+    def load(i):
+        start = pl.multiple_of(i * block, block)
+        valid = start + lanes < vocab
+        x = plt.load(x_ref.at[row, pl.ds(start, block)], mask=valid, other=-jnp.inf, eviction_policy=eviction)
+        return x, jnp.where(valid, signed_keys(x), INT_MIN), valid  # [BV] logits, keys (padding: lowest), mask
+
+    def digit_ge(s, shift, ans):
+        """[BV, W]: the token is in the bucket of `ans` (prefix above bit shift + R) and its digit is >= c."""
+        u = s ^ INT_MIN  # unsigned-order bit pattern
+        d = _srl(u, shift) & (width - 1)
+        if shift + bits < 32:
+            d = jnp.where(_srl(u ^ ans, shift + bits) == 0, d, -1)
+        return d[:, None] >= digits[None, :]
+
+    def bucket_sums(shift, ans, lo, tile_max, weigh, dtype, first):
+        """[W]: per candidate digit, the summed weight (count if `weigh` is None) of the bucket's tokens at or
+        above it; tiles whose max key is below `lo` (signed) are skipped."""
+
+        def tile_sums(x, s):
+            ge = digit_ge(s, shift, ans)
+            if weigh is None:
+                return jnp.sum(ge.astype(jnp.int32), axis=0)
+            return jnp.sum(jnp.where(ge, weigh(x, s)[:, None], 0.0), axis=0)
+
+        def body(i, acc):
+            if not skip:
+                return acc + tile_sums(*load(i)[:2])
+
+            def read(acc):
+                x, s, _ = load(i)
+                if first:
+                    return acc + tile_sums(x, s)
+                in_bucket = jnp.max(jnp.where(_srl((s ^ INT_MIN) ^ ans, shift + bits) == 0, s, INT_MIN)) >= lo
+                return jax.lax.cond(in_bucket, lambda a: a + tile_sums(x, s), lambda a: a, acc)
+
+            needed = jnp.max(jnp.where(tile_ids == i, tile_max, INT_MIN)) >= lo
+            return jax.lax.cond(needed, read, lambda a: a, acc)
+
+        return jax.lax.fori_loop(0, num_tiles, body, jnp.zeros(width, dtype))
+
+    def choose(sums, above, target, shift, ans):
+        """The next digit: how many candidates c >= 1 reach `target`; and the sum above the new bucket."""
+        total = above + sums  # [W]
+        digit = jnp.sum(((total >= target) & (digits >= 1)).astype(jnp.int32))
+        nxt = digit + 1
+        above = jnp.sum(jnp.where(digits == nxt, total, 0)) + jnp.where(nxt == width, above, 0)
+        return ans | jax.lax.shift_left(digit, jnp.int32(shift)), above.astype(total.dtype)
+
+    # ---- top-k, pass 1 (+ the row's max logit, min key and each tile's max key)
+    top = 32 - bits
+
+    def first_body(i, carry):
+        acc, tile_max, x_max, s_min = carry
+        x, s, valid = load(i)
+        acc = acc + jnp.sum((_srl(s ^ INT_MIN, top)[:, None] >= digits[None, :]).astype(jnp.int32), axis=0)
+        tile_max = jnp.where(tile_ids == i, jnp.max(s), tile_max)
+        s_min = jnp.minimum(s_min, jnp.min(jnp.where(valid, s, INT_MAX)))
+        return acc, tile_max, jnp.maximum(x_max, jnp.max(x)), s_min
+
+    init = (jnp.zeros(width, jnp.int32), jnp.full(tile_ids.shape, INT_MIN, jnp.int32), jnp.float32(-jnp.inf),
+            jnp.int32(INT_MAX))
+    counts, tile_max, x_max, s_min = jax.lax.fori_loop(0, num_tiles, first_body, init)
+    kth, above = choose(counts, jnp.int32(0), k, top, jnp.int32(0))
+
+    def rest_of_top_k(kth, above):
+        for j in range(1, num_passes):
+            shift = top - bits * j
+            lo = (kth | (1 << shift)) ^ INT_MIN
+            sums = bucket_sums(shift, kth, lo, tile_max, None, jnp.int32, first=False)
+            kth, above = choose(sums, above, k, shift, kth)
+        return kth
+
+    kth = jax.lax.cond(k >= vocab, lambda *_: s_min ^ INT_MIN, rest_of_top_k, kth, above)
+    kth_s = kth ^ INT_MIN
+    m = jnp.where(x_max == -jnp.inf, 0.0, x_max)
+
+    def weigh(x, s):
+        return jnp.where(s >= kth_s, jnp.exp(x - m), 0.0)
+
+    # ---- top-p over the softmax of the top-k set
+    def top_p_passes(_):
+        sums = bucket_sums(top, jnp.int32(0), kth_s, tile_max, weigh, jnp.float32, first=True)
+        target = p * jnp.sum(jnp.where(digits == 0, sums, 0.0))  # top_p * Z (no slicing in Triton)
+        pth, above = choose(sums, jnp.float32(0.0), target, top, jnp.int32(0))
+        for j in range(1, num_passes):
+            shift = top - bits * j
+            lo = jnp.maximum((pth | (1 << shift)) ^ INT_MIN, kth_s)
+            sums = bucket_sums(shift, pth, lo, tile_max, weigh, jnp.float32, first=False)
+            pth, above = choose(sums, above, target, shift, pth)
+        return pth
+
+    # (a branch of a Triton `cond` must return values computed in it, not constants)
+    pth = jax.lax.cond(p < 1.0, top_p_passes, lambda kth: kth & 0, kth)
+    kth_ref[row] = kth
+    pth_ref[row] = pth
+
+
+@functools.partial(jax.jit, static_argnames=("block", "bits", "num_warps", "num_stages", "skip", "eviction",
+                                             "interpret"))
+def top_k_top_p_thresholds_pallas(
+    logits: Float[Array, "B V"],
+    top_k: Int[Array, "B"],
+    top_p: Float[Array, "B"],
+    *,
+    block: int = 1024,
+    bits: int = 4,
+    num_warps: int = 4,
+    num_stages: int = 1,
+    skip: bool = True,
+    eviction: str | None = None,
+    interpret: bool = False,
+) -> tuple[Array, Array]:
+    """Same arguments and result as `top_k_top_p_thresholds_reference`: (kth, pth) `[B]` uint32 order keys.
+    `block` (BV, a power of two) is the tile of the vocabulary, `bits` (R, one of `RADIX_BITS`) the key bits a
+    pass decides, `skip` the tile skipping of the module docstring, `eviction` the loads' L2 eviction policy
+    (e.g. "evict_last")."""
+    if block <= 0 or block & (block - 1) or bits not in RADIX_BITS:
+        raise ValueError(f"top_k_top_p_thresholds_pallas needs a power-of-two block and bits in {RADIX_BITS}, "
+                         f"got {block=} {bits=}")
+    num_rows, vocab = logits.shape
+    kernel = functools.partial(_thresholds_kernel, vocab=vocab, block=block, bits=bits, skip=skip,
+                               eviction=eviction)
+    kth, pth = pl.pallas_call(
+        kernel,
+        grid=(num_rows,),
+        in_specs=[_WHOLE, _WHOLE, _WHOLE],
+        out_specs=[_WHOLE, _WHOLE],
+        out_shape=[jax.ShapeDtypeStruct((num_rows,), jnp.int32)] * 2,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"top_k_top_p_bv{block}_r{bits}_w{num_warps}_st{num_stages}{'_skip' if skip else ''}",
+    )(logits.astype(jnp.float32), clamp_top_k(top_k, vocab), top_p.astype(jnp.float32))
+    return (jax.lax.bitcast_convert_type(kth, jnp.uint32), jax.lax.bitcast_convert_type(pth, jnp.uint32))
