@@ -11,7 +11,7 @@ dispatch, the same for every case). Before timing, the filter's kept set is chec
 row (they must agree exactly: same thresholds, ties kept).
 
 The Pallas kernel of both thresholds (`pallas_kernels.sampling`, issue 19) runs in several configurations
-(`PALLAS_CONFIGS`: tile BV, key bits a pass R, warps, tile skipping, L2 eviction policy); each is first checked to
+(`PALLAS_CONFIGS`: tile of the vocabulary, key bits a pass R, warps, tile skipping, L2 eviction policy); each is first checked to
 keep exactly the tokens of the shipped XLA filter on every row (a mismatch is printed and the case not timed),
 on the benchmark's rows (top-k 50, top-p 0.9) and on rows of top-p 0.9 alone (k off: the top-p set over the whole
 vocabulary). `--interpret` runs them in the Pallas interpreter (CPU smoke test; without it they are skipped off
@@ -78,7 +78,7 @@ def timed(fn, args, iters: int) -> float:
     return float(np.median(out)) * 1e3
 
 
-# Pallas configurations timed: (tile BV, key bits a pass R, warps, tile skipping, L2 eviction policy of the loads)
+# Pallas configurations timed: (tile, key bits a pass R, warps, tile skipping, L2 eviction policy of the loads)
 PALLAS_CONFIGS = [
     (1024, 4, 4, True, None), (1024, 4, 8, True, None), (2048, 4, 8, True, None), (512, 4, 4, True, None),
     (1024, 2, 4, True, None), (2048, 2, 8, True, None), (256, 8, 4, True, None), (512, 8, 8, True, None),
@@ -111,7 +111,7 @@ def pallas_variants(logits, top_k, top_p, interpret: bool) -> dict:
             return apply_thresholds(x, *top_k_top_p_thresholds_pallas(x, k, p, **tuning))
 
         fn = jax.jit(fn)
-        label = (f"Pallas BV{block} R{bits} w{warps}{'' if skip else ' no-skip'}"
+        label = (f"Pallas blk{block} R{bits} w{warps}{'' if skip else ' no-skip'}"
                  f"{' ' + eviction if eviction else ''}")
         for suffix, args in inputs.items():
             want = np.isfinite(np.asarray(xla(*args)))

@@ -56,16 +56,17 @@ def _kept(x):
 @pytest.mark.parametrize("vocab, tuning", [
     (1000, dict(block=128, bits=4, skip=True)),
     (2999, dict(block=256, bits=8, skip=False)),
-], ids=["V1000-BV128-R4-skip", "V2999-BV256-R8"])
+], ids=["vocab1000-block128-R4-skip", "vocab2999-block256-R8"])
 def test_kernel_keeps_the_tokens_of_the_xla_filter(vocab, tuning):
     """The kernel (interpret mode) keeps exactly the tokens of `_filter_top_k_top_p` (the XLA radix passes) and of
     the pure-jnp reference on every row of `_rows`, and its kth equals the reference's wherever a row has a
     finite token; two configurations (skipping tiles with 4 bits a pass, and every tile read with 8 bits a
     pass; fewer bits only compile longer in the interpreter), vocabularies with a ragged last tile. Checked to fail with the kernel's last top-k pass dropped
     (`range(1, num_passes - 1)`: ties of the high bits get in), with the top-p target not scaled by Z (`target
-    = p`), with the count above the bucket not carried (`above` reset to 0 each pass), with the padded keys of
-    the last tile left as the loaded -inf's keys instead of the lowest key, and with `skip` reading a tile only
-    when its max reaches the bucket's top rather than the lowest candidate."""
+    = p`), with the count above the bucket not carried (`above` reset to 0 each top-k pass), and with `skip`
+    passing over tiles whose bucket tokens all have the lowest candidate digit (`>= lo + (1 << shift)`). (The
+    padded keys of the last tile left as the keys of the loaded -inf's is not caught, and is harmless: such keys
+    only count where the row's -inf tokens are in the top-k set already, and weigh nothing.)"""
     x, k, p = _rows(np.random.default_rng(vocab), vocab)
     want = _kept(jax.jit(sampling._filter_top_k_top_p)(x, k, p))
     kth, pth = top_k_top_p_thresholds_pallas(x, k, p, interpret=True, **tuning)
@@ -101,11 +102,11 @@ def test_kernel_lowers_for_h200_and_the_engine_switch_selects_it(monkeypatch):
     fail with a `sums[0]` slice in the kernel (no Triton lowering for `slice`), with a constant-returning branch
     of the top-p `cond` (the Triton lowering rejects it), and with the switch ignored."""
     specs = (jnp.zeros((64, 151936), jnp.float32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.float32))
-    for tuning, name in [(dict(block=1024, bits=4, num_warps=4), "top_k_top_p_bv1024_r4_w4_st1_skip"),
-                         (dict(block=256, bits=8, num_warps=8, skip=False), "top_k_top_p_bv256_r8_w8_st1")]:
+    for tuning, name in [(dict(block=1024, bits=4, num_warps=4), "top_k_top_p_blk1024_r4_w4_st1_skip"),
+                         (dict(block=256, bits=8, num_warps=8, skip=False), "top_k_top_p_blk256_r8_w8_st1")]:
         lower_for_h200(functools.partial(top_k_top_p_thresholds_pallas, **tuning), *specs, kernels=[name])
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(sampling, "TOP_K_TOP_P_IMPL", "pallas")
-    lower_for_h200(lambda *a: sampling._filter_top_k_top_p(*a), *specs, kernels=["top_k_top_p_bv1024_r4_w4_st1_skip"])
+    lower_for_h200(lambda *a: sampling._filter_top_k_top_p(*a), *specs, kernels=["top_k_top_p_blk1024_r4_w4_st1_skip"])
     monkeypatch.setattr(sampling, "TOP_K_TOP_P_IMPL", "xla")  # a new function: jit's cache ignores the switch
     lower_for_h200(lambda *a: sampling._filter_top_k_top_p(*a), *specs, kernels=[])

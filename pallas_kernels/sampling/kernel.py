@@ -1,12 +1,12 @@
 """Pallas (Triton lowering) kernel for the top-k / top-p thresholds of `reference.py`: both in one launch.
 
-Grid `(B,)`: program b owns row b of the logits `[B, V]` and walks it in tiles of BV tokens (the last one masked:
-keys past V are 0, below every float, with weight 0), once per radix pass, so the row is re-read from L2 rather
-than HBM. Keys are int32 whose *signed* order is the float order (the uint32 order key xor 2**31).
+Grid `(B,)`: program b owns row b of the logits `[B, V]` (V: the vocabulary here, as in `jhybrid.engine.sampling`)
+and walks it in tiles of `block` tokens (the last one masked: keys past V are the lowest key, with weight 0), once
+per radix pass, so the row is re-read from L2 rather than HBM. Keys are int32 whose *signed* order is the float order (the uint32 order key xor 2**31).
 
   1. top-k: `32 / R` passes, each deciding R more bits of kth from the top. A pass sums, over the tokens whose
      key starts with the bits decided so far (the *bucket*), `digit >= c` for every candidate digit c of the next
-     R bits (a `[BV, 2**R]` compare and column sum per tile); with the count above the bucket carried from the
+     R bits (a `[block, 2**R]` compare and column sum per tile); with the count above the bucket carried from the
      previous pass, the digit is the number of candidates c >= 1 whose count reaches k. The first pass also
      takes the row's max logit, its min key (k = V: kth is the min key, the other passes are skipped) and each
      tile's max key.
@@ -15,7 +15,7 @@ than HBM. Keys are int32 whose *signed* order is the float order (the uint32 ord
   3. top-p: the same passes over those weights, with target `top_p * Z` (skipped where top_p >= 1: pth = 0).
 
 `skip`: a pass reads a tile only if the tile's max key (from pass 1) reaches the smallest key that can change a
-candidate sum, and does the `[BV, 2**R]` work only if a token of the tile lies in the bucket; after a few passes
+candidate sum, and does the `[block, 2**R]` work only if a token of the tile lies in the bucket; after a few passes
 the bucket holds a handful of tokens, so most tiles cost nothing, or a read.
 
 Exactness: counts are int32 (exact); the masses are float32 sums in another order than XLA's softmax + row
@@ -60,7 +60,7 @@ def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, blo
     width = 1 << bits
     num_passes = 32 // bits
     digits = jnp.arange(width, dtype=jnp.int32)  # [W] candidate digits
-    lanes = jnp.arange(block, dtype=jnp.int32)  # [BV]
+    lanes = jnp.arange(block, dtype=jnp.int32)  # [block]
     tile_ids = jnp.arange(pl.next_power_of_2(num_tiles), dtype=jnp.int32)  # [NT]
     k = k_ref[row]
     p = p_ref[row]
@@ -69,10 +69,10 @@ def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, blo
         start = pl.multiple_of(i * block, block)
         valid = start + lanes < vocab
         x = plt.load(x_ref.at[row, pl.ds(start, block)], mask=valid, other=-jnp.inf, eviction_policy=eviction)
-        return x, jnp.where(valid, signed_keys(x), INT_MIN), valid  # [BV] logits, keys (padding: lowest), mask
+        return x, jnp.where(valid, signed_keys(x), INT_MIN), valid  # [block] logits, keys (padding: lowest), mask
 
     def digit_ge(s, shift, ans):
-        """[BV, W]: the token is in the bucket of `ans` (prefix above bit shift + R) and its digit is >= c."""
+        """[block, W]: the token is in the bucket of `ans` (prefix above bit shift + R) and its digit is >= c."""
         u = s ^ INT_MIN  # unsigned-order bit pattern
         d = _srl(u, shift) & (width - 1)
         if shift + bits < 32:
@@ -178,7 +178,7 @@ def top_k_top_p_thresholds_pallas(
     interpret: bool = False,
 ) -> tuple[Array, Array]:
     """Same arguments and result as `top_k_top_p_thresholds_reference`: (kth, pth) `[B]` uint32 order keys.
-    `block` (BV, a power of two) is the tile of the vocabulary, `bits` (R, one of `RADIX_BITS`) the key bits a
+    `block` (a power of two) is the tile of the vocabulary, `bits` (R, one of `RADIX_BITS`) the key bits a
     pass decides, `skip` the tile skipping of the module docstring, `eviction` the loads' L2 eviction policy
     (e.g. "evict_last")."""
     if block <= 0 or block & (block - 1) or bits not in RADIX_BITS:
@@ -195,6 +195,6 @@ def top_k_top_p_thresholds_pallas(
         out_shape=[jax.ShapeDtypeStruct((num_rows,), jnp.int32)] * 2,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"top_k_top_p_bv{block}_r{bits}_w{num_warps}_st{num_stages}{'_skip' if skip else ''}",
+        name=f"top_k_top_p_blk{block}_r{bits}_w{num_warps}_st{num_stages}{'_skip' if skip else ''}",
     )(logits.astype(jnp.float32), clamp_top_k(top_k, vocab), top_p.astype(jnp.float32))
     return (jax.lax.bitcast_convert_type(kth, jnp.uint32), jax.lax.bitcast_convert_type(pth, jnp.uint32))
