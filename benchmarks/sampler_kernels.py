@@ -115,7 +115,11 @@ def pallas_variants(logits, top_k, top_p, interpret: bool) -> dict:
                  f"{' ' + eviction if eviction else ''}")
         for suffix, args in inputs.items():
             want = np.isfinite(np.asarray(xla(*args)))
-            got = np.isfinite(np.asarray(fn(*args)))
+            try:
+                got = np.isfinite(np.asarray(fn(*args)))
+            except Exception as e:  # a configuration Triton cannot compile: say so, time the others
+                print(f"FAILED {label}{suffix}: {type(e).__name__}: {str(e)[:300]}")
+                break
             if (got != want).any():
                 print(f"MISMATCH {label}{suffix}: {int((got != want).sum())} tokens in rows "
                       f"{np.flatnonzero((got != want).any(-1)).tolist()} differ from the XLA filter; not timed")
