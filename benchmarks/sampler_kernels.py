@@ -11,8 +11,8 @@ dispatch, the same for every case). Before timing, the filter's kept set is chec
 row (they must agree exactly: same thresholds, ties kept).
 
 The Pallas kernel of both thresholds (`pallas_kernels.sampling`, issue 19) runs in several configurations
-(`PALLAS_CONFIGS`: tile of the vocabulary, key bits a pass R, warps, tile skipping, L2 eviction policy); each is first checked to
-keep exactly the tokens of the shipped XLA filter on every row (a mismatch is printed and the case not timed),
+(`PALLAS_CONFIGS`: tile of the vocabulary, tiles a loop iteration, key bits a pass R, warps, tile skipping, L2
+eviction policy); each is first checked to keep exactly the tokens of the shipped XLA filter on every row (a mismatch is printed and the case not timed),
 on the benchmark's rows (top-k 50, top-p 0.9) and on rows of top-p 0.9 alone (k off: the top-p set over the whole
 vocabulary). `--interpret` runs them in the Pallas interpreter (CPU smoke test; without it they are skipped off
 the GPU); `--no-xla-variants` leaves out the radix variants of the XLA filter (all but the shipped one).
@@ -78,13 +78,13 @@ def timed(fn, args, iters: int) -> float:
     return float(np.median(out)) * 1e3
 
 
-# Pallas configurations timed: (tile, key bits a pass R, warps, tile skipping, L2 eviction policy of the loads)
+# Pallas configurations timed: (tile, tiles a loop iteration, key bits a pass R, warps, tile skipping, eviction policy)
 PALLAS_CONFIGS = [
-    (1024, 4, 4, True, None), (1024, 4, 8, True, None), (2048, 4, 8, True, None), (512, 4, 4, True, None),
-    (1024, 2, 4, True, None), (2048, 2, 8, True, None), (256, 8, 4, True, None), (512, 8, 8, True, None),
-    (1024, 4, 4, False, None), (1024, 4, 4, True, "evict_last"),
+    (256, 4, 4, 4, True, None), (256, 8, 4, 4, True, None), (512, 4, 4, 8, True, None), (128, 8, 4, 4, True, None),
+    (256, 4, 4, 8, True, None), (256, 4, 2, 4, True, None), (512, 4, 2, 4, True, None), (1024, 4, 2, 8, True, None),
+    (256, 4, 4, 4, False, None), (256, 4, 4, 4, True, "evict_last"),
 ]
-PALLAS_CONFIGS_INTERPRET = [(256, 4, 4, True, None), (512, 2, 4, False, None)]  # CPU smoke test: a few only
+PALLAS_CONFIGS_INTERPRET = [(256, 4, 4, 4, True, None), (512, 2, 2, 4, False, None)]  # CPU smoke test: a few only
 
 
 def pallas_variants(logits, top_k, top_p, interpret: bool) -> dict:
@@ -104,14 +104,15 @@ def pallas_variants(logits, top_k, top_p, interpret: bool) -> dict:
     k_off = jnp.zeros_like(top_k)
     inputs = {"": (logits, top_k, top_p), ", top-p 0.9 alone": (logits, k_off, top_p)}
     cases = {"top-k/top-p, XLA radix, top-p 0.9 alone": (xla, inputs[", top-p 0.9 alone"])}
-    for block, bits, warps, skip, eviction in (PALLAS_CONFIGS_INTERPRET if interpret else PALLAS_CONFIGS):
-        tuning = dict(block=block, bits=bits, num_warps=warps, skip=skip, eviction=eviction, interpret=interpret)
+    for block, unroll, bits, warps, skip, eviction in (PALLAS_CONFIGS_INTERPRET if interpret else PALLAS_CONFIGS):
+        tuning = dict(block=block, unroll=unroll, bits=bits, num_warps=warps, skip=skip, eviction=eviction,
+                      interpret=interpret)
 
         def fn(x, k, p, tuning=tuning):
             return apply_thresholds(x, *top_k_top_p_thresholds_pallas(x, k, p, **tuning))
 
         fn = jax.jit(fn)
-        label = (f"Pallas blk{block} R{bits} w{warps}{'' if skip else ' no-skip'}"
+        label = (f"Pallas blk{block}x{unroll} R{bits} w{warps}{'' if skip else ' no-skip'}"
                  f"{' ' + eviction if eviction else ''}")
         for suffix, args in inputs.items():
             want = np.isfinite(np.asarray(xla(*args)))

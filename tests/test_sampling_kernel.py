@@ -16,6 +16,7 @@ import pytest
 from jhybrid.engine import sampling
 from pallas_kernels.sampling import (
     apply_thresholds,
+    order_keys,
     top_k_top_p_thresholds,
     top_k_top_p_thresholds_pallas,
     top_k_top_p_thresholds_reference,
@@ -49,14 +50,30 @@ def _rows(rng, vocab: int):
     return jnp.asarray(np.stack(rows)), jnp.asarray(ks, jnp.int32), jnp.asarray(ps, jnp.float32)
 
 
+def _assert_same_or_rounding(x, in_top_k, got, want, p, label, tol=1e-5):
+    """`got` keeps the tokens `want` keeps, but for tokens on the top-p boundary: a token is kept iff the mass
+    above it (the top-k set's softmax) is below p, and where that mass is within `tol` of p (float64 here) the
+    kernel's float32 sums, in another order than XLA's, may decide either way (the kernel's documented
+    exactness). The top-k set itself must be equal (the caller compares kth exactly)."""
+    differ = np.flatnonzero(got != want)
+    if not differ.size:
+        return
+    probs = np.where(in_top_k, np.exp(x.astype(np.float64) - x.max()), 0.0)
+    probs /= probs.sum()
+    for j in differ:
+        above = probs[x > x[j]].sum()
+        assert abs(above - p) <= tol, f"{label}: token {j} (logit {x[j]}) kept={got[j]} vs {want[j]}, mass above " \
+                                      f"{above:.9f} is not within {tol} of top_p"
+
+
 def _kept(x):
     return np.isfinite(np.asarray(x))
 
 
 @pytest.mark.parametrize("vocab, tuning", [
-    (1000, dict(block=128, bits=4, skip=True)),
-    (2999, dict(block=256, bits=8, skip=False)),
-], ids=["vocab1000-block128-R4-skip", "vocab2999-block256-R8"])
+    (1000, dict(block=64, unroll=4, bits=4, skip=True)),
+    (2999, dict(block=128, unroll=1, bits=8, skip=False)),
+], ids=["vocab1000-block64x4-R4-skip", "vocab2999-block128-R8"])
 def test_kernel_keeps_the_tokens_of_the_xla_filter(vocab, tuning):
     """The kernel (interpret mode) keeps exactly the tokens of `_filter_top_k_top_p` (the XLA radix passes) and of
     the pure-jnp reference on every row of `_rows`, and its kth equals the reference's wherever a row has a
@@ -71,13 +88,14 @@ def test_kernel_keeps_the_tokens_of_the_xla_filter(vocab, tuning):
     want = _kept(jax.jit(sampling._filter_top_k_top_p)(x, k, p))
     kth, pth = top_k_top_p_thresholds_pallas(x, k, p, interpret=True, **tuning)
     got = _kept(apply_thresholds(x, kth, pth))
+    ref_kth, ref_pth = top_k_top_p_thresholds_reference(x, k, p)
+    in_top_k = np.asarray(order_keys(x) >= ref_kth[:, None])
     for i in range(x.shape[0]):
-        np.testing.assert_array_equal(got[i], want[i], err_msg=f"row {i}: k={int(k[i])} p={float(p[i])} {tuning}")
-    ref_kth, _ = top_k_top_p_thresholds_reference(x, k, p)
+        _assert_same_or_rounding(np.asarray(x[i]), in_top_k[i], got[i], want[i], float(p[i]), f"row {i}: k={int(k[i])} "
+                                 f"p={float(p[i])} {tuning}")
     finite = np.isfinite(np.asarray(x)).any(-1)
     np.testing.assert_array_equal(np.asarray(kth)[finite], np.asarray(ref_kth)[finite])
-    np.testing.assert_array_equal(_kept(apply_thresholds(x, ref_kth, top_k_top_p_thresholds_reference(x, k, p)[1])),
-                                  want)
+    np.testing.assert_array_equal(_kept(apply_thresholds(x, ref_kth, ref_pth)), want)
     assert 1 <= got.sum(-1)[finite].min() and got.sum(-1).max() == vocab  # from one token up to all
 
 
@@ -102,11 +120,11 @@ def test_kernel_lowers_for_h200_and_the_engine_switch_selects_it(monkeypatch):
     fail with a `sums[0]` slice in the kernel (no Triton lowering for `slice`), with a constant-returning branch
     of the top-p `cond` (the Triton lowering rejects it), and with the switch ignored."""
     specs = (jnp.zeros((64, 151936), jnp.float32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.float32))
-    for tuning, name in [(dict(block=1024, bits=4, num_warps=4), "top_k_top_p_blk1024_r4_w4_st1_skip"),
-                         (dict(block=256, bits=8, num_warps=8, skip=False), "top_k_top_p_blk256_r8_w8_st1")]:
+    for tuning, name in [(dict(), "top_k_top_p_blk256x4_r4_w4_st1_skip"),
+                         (dict(block=64, unroll=2, bits=8, num_warps=8, skip=False), "top_k_top_p_blk64x2_r8_w8_st1")]:
         lower_for_h200(functools.partial(top_k_top_p_thresholds_pallas, **tuning), *specs, kernels=[name])
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(sampling, "TOP_K_TOP_P_IMPL", "pallas")
-    lower_for_h200(lambda *a: sampling._filter_top_k_top_p(*a), *specs, kernels=["top_k_top_p_blk1024_r4_w4_st1_skip"])
+    lower_for_h200(lambda *a: sampling._filter_top_k_top_p(*a), *specs, kernels=["top_k_top_p_blk256x4_r4_w4_st1_skip"])
     monkeypatch.setattr(sampling, "TOP_K_TOP_P_IMPL", "xla")  # a new function: jit's cache ignores the switch
     lower_for_h200(lambda *a: sampling._filter_top_k_top_p(*a), *specs, kernels=[])

@@ -51,17 +51,19 @@ def signed_keys(x: Float[Array, "..."]) -> Array:
     return bits ^ (jax.lax.shift_right_arithmetic(bits, jnp.int32(31)) & INT_MAX)
 
 
-def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, block: int, bits: int, skip: bool,
-                       eviction: str | None):
+def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, block: int, unroll: int, bits: int,
+                       skip: bool, eviction: str | None):
     # x_ref [B, V] float32 (whole); k_ref [B] int32 counts in [1, V]; p_ref [B] float32; kth_ref / pth_ref [B]
     # int32: the thresholds as uint32 order keys (bit patterns)
     row = pl.program_id(0)
     num_tiles = pl.cdiv(vocab, block)
     width = 1 << bits
     num_passes = 32 // bits
+    group = block * unroll  # tokens read per loop iteration: `unroll` tiles, all loads issued before any use
+    num_groups = pl.cdiv(vocab, group)
     digits = jnp.arange(width, dtype=jnp.int32)  # [W] candidate digits
     lanes = jnp.arange(block, dtype=jnp.int32)  # [block]
-    tile_ids = jnp.arange(pl.next_power_of_2(num_tiles), dtype=jnp.int32)  # [NT]
+    group_ids = jnp.arange(pl.next_power_of_2(num_groups), dtype=jnp.int32)  # [NG]
     k = k_ref[row]
     p = p_ref[row]
 
@@ -71,6 +73,9 @@ def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, blo
         x = plt.load(x_ref.at[row, pl.ds(start, block)], mask=valid, other=-jnp.inf, eviction_policy=eviction)
         return x, jnp.where(valid, signed_keys(x), INT_MIN), valid  # [block] logits, keys (padding: lowest), mask
 
+    def load_group(g):
+        return [load(g * unroll + t) for t in range(unroll)]
+
     def digit_ge(s, shift, ans):
         """[block, W]: the token is in the bucket of `ans` (prefix above bit shift + R) and its digit is >= c."""
         u = s ^ INT_MIN  # unsigned-order bit pattern
@@ -79,31 +84,25 @@ def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, blo
             d = jnp.where(_srl(u ^ ans, shift + bits) == 0, d, -1)
         return d[:, None] >= digits[None, :]
 
-    def bucket_sums(shift, ans, lo, tile_max, weigh, dtype, first):
+    def bucket_sums(shift, ans, lo, group_max, weigh, dtype):
         """[W]: per candidate digit, the summed weight (count if `weigh` is None) of the bucket's tokens at or
-        above it; tiles whose max key is below `lo` (signed) are skipped."""
+        above it. Sums stay per lane ([block, W], elementwise adds) until the pass ends; with `skip`, groups whose
+        max key is below `lo` (signed) are not read."""
 
-        def tile_sums(x, s):
-            ge = digit_ge(s, shift, ans)
-            if weigh is None:
-                return jnp.sum(ge.astype(jnp.int32), axis=0)
-            return jnp.sum(jnp.where(ge, weigh(x, s)[:, None], 0.0), axis=0)
+        def group_sums(g, acc):
+            for x, s, _ in load_group(g):
+                ge = digit_ge(s, shift, ans)
+                acc = acc + (ge.astype(jnp.int32) if weigh is None else jnp.where(ge, weigh(x, s)[:, None], 0.0))
+            return acc
 
-        def body(i, acc):
+        def body(g, acc):
             if not skip:
-                return acc + tile_sums(*load(i)[:2])
+                return group_sums(g, acc)
+            needed = jnp.max(jnp.where(group_ids == g, group_max, INT_MIN)) >= lo
+            return jax.lax.cond(needed, functools.partial(group_sums, g), lambda a: a, acc)
 
-            def read(acc):
-                x, s, _ = load(i)
-                if first:
-                    return acc + tile_sums(x, s)
-                in_bucket = jnp.max(jnp.where(_srl((s ^ INT_MIN) ^ ans, shift + bits) == 0, s, INT_MIN)) >= lo
-                return jax.lax.cond(in_bucket, lambda a: a + tile_sums(x, s), lambda a: a, acc)
-
-            needed = jnp.max(jnp.where(tile_ids == i, tile_max, INT_MIN)) >= lo
-            return jax.lax.cond(needed, read, lambda a: a, acc)
-
-        return jax.lax.fori_loop(0, num_tiles, body, jnp.zeros(width, dtype))
+        acc = jax.lax.fori_loop(0, num_groups, body, jnp.zeros((block, width), dtype))
+        return jnp.sum(acc, axis=0)
 
     def choose(sums, above, target, shift, ans):
         """The next digit: how many candidates c >= 1 reach `target`; and the sum above the new bucket."""
@@ -113,27 +112,31 @@ def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, blo
         above = jnp.sum(jnp.where(digits == nxt, total, 0)) + jnp.where(nxt == width, above, 0)
         return ans | jax.lax.shift_left(digit, jnp.int32(shift)), above.astype(total.dtype)
 
-    # ---- top-k, pass 1 (+ the row's max logit, min key and each tile's max key)
+    # ---- top-k, pass 1 (+ the row's max logit, min key and each group's max key)
     top = 32 - bits
 
-    def first_body(i, carry):
-        acc, tile_max, x_max, s_min = carry
-        x, s, valid = load(i)
-        acc = acc + jnp.sum((_srl(s ^ INT_MIN, top)[:, None] >= digits[None, :]).astype(jnp.int32), axis=0)
-        tile_max = jnp.where(tile_ids == i, jnp.max(s), tile_max)
-        s_min = jnp.minimum(s_min, jnp.min(jnp.where(valid, s, INT_MAX)))
-        return acc, tile_max, jnp.maximum(x_max, jnp.max(x)), s_min
+    def first_body(g, carry):
+        acc, group_max, x_max, s_min = carry
+        g_max = jnp.full((block,), INT_MIN, jnp.int32)
+        for x, s, valid in load_group(g):
+            acc = acc + (_srl(s ^ INT_MIN, top)[:, None] >= digits[None, :]).astype(jnp.int32)
+            g_max = jnp.maximum(g_max, s)
+            s_min = jnp.minimum(s_min, jnp.where(valid, s, INT_MAX))
+            x_max = jnp.maximum(x_max, x)
+        group_max = jnp.where(group_ids == g, jnp.max(g_max), group_max)
+        return acc, group_max, x_max, s_min
 
-    init = (jnp.zeros(width, jnp.int32), jnp.full(tile_ids.shape, INT_MIN, jnp.int32), jnp.float32(-jnp.inf),
-            jnp.int32(INT_MAX))
-    counts, tile_max, x_max, s_min = jax.lax.fori_loop(0, num_tiles, first_body, init)
-    kth, above = choose(counts, jnp.int32(0), k, top, jnp.int32(0))
+    init = (jnp.zeros((block, width), jnp.int32), jnp.full(group_ids.shape, INT_MIN, jnp.int32),
+            jnp.full((block,), -jnp.inf, jnp.float32), jnp.full((block,), INT_MAX, jnp.int32))
+    acc, group_max, x_max, s_min = jax.lax.fori_loop(0, num_groups, first_body, init)
+    x_max, s_min = jnp.max(x_max), jnp.min(s_min)
+    kth, above = choose(jnp.sum(acc, axis=0), jnp.int32(0), k, top, jnp.int32(0))
 
     def rest_of_top_k(kth, above):
         for j in range(1, num_passes):
             shift = top - bits * j
             lo = (kth | (1 << shift)) ^ INT_MIN
-            sums = bucket_sums(shift, kth, lo, tile_max, None, jnp.int32, first=False)
+            sums = bucket_sums(shift, kth, lo, group_max, None, jnp.int32)
             kth, above = choose(sums, above, k, shift, kth)
         return kth
 
@@ -146,13 +149,13 @@ def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, blo
 
     # ---- top-p over the softmax of the top-k set
     def top_p_passes(_):
-        sums = bucket_sums(top, jnp.int32(0), kth_s, tile_max, weigh, jnp.float32, first=True)
+        sums = bucket_sums(top, jnp.int32(0), kth_s, group_max, weigh, jnp.float32)
         target = p * jnp.sum(jnp.where(digits == 0, sums, 0.0))  # top_p * Z (no slicing in Triton)
         pth, above = choose(sums, jnp.float32(0.0), target, top, jnp.int32(0))
         for j in range(1, num_passes):
             shift = top - bits * j
             lo = jnp.maximum((pth | (1 << shift)) ^ INT_MIN, kth_s)
-            sums = bucket_sums(shift, pth, lo, tile_max, weigh, jnp.float32, first=False)
+            sums = bucket_sums(shift, pth, lo, group_max, weigh, jnp.float32)
             pth, above = choose(sums, above, target, shift, pth)
         return pth
 
@@ -162,14 +165,15 @@ def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, blo
     pth_ref[row] = pth
 
 
-@functools.partial(jax.jit, static_argnames=("block", "bits", "num_warps", "num_stages", "skip", "eviction",
+@functools.partial(jax.jit, static_argnames=("block", "unroll", "bits", "num_warps", "num_stages", "skip", "eviction",
                                              "interpret"))
 def top_k_top_p_thresholds_pallas(
     logits: Float[Array, "B V"],
     top_k: Int[Array, "B"],
     top_p: Float[Array, "B"],
     *,
-    block: int = 1024,
+    block: int = 256,
+    unroll: int = 4,
     bits: int = 4,
     num_warps: int = 4,
     num_stages: int = 1,
@@ -178,14 +182,15 @@ def top_k_top_p_thresholds_pallas(
     interpret: bool = False,
 ) -> tuple[Array, Array]:
     """Same arguments and result as `top_k_top_p_thresholds_reference`: (kth, pth) `[B]` uint32 order keys.
-    `block` (a power of two) is the tile of the vocabulary, `bits` (R, one of `RADIX_BITS`) the key bits a
+    `block` (a power of two) is the tile of the vocabulary, `unroll` the tiles read per loop iteration (their
+    loads in flight together), `bits` (R, one of `RADIX_BITS`) the key bits a
     pass decides, `skip` the tile skipping of the module docstring, `eviction` the loads' L2 eviction policy
     (e.g. "evict_last")."""
     if block <= 0 or block & (block - 1) or bits not in RADIX_BITS:
         raise ValueError(f"top_k_top_p_thresholds_pallas needs a power-of-two block and bits in {RADIX_BITS}, "
                          f"got {block=} {bits=}")
     num_rows, vocab = logits.shape
-    kernel = functools.partial(_thresholds_kernel, vocab=vocab, block=block, bits=bits, skip=skip,
+    kernel = functools.partial(_thresholds_kernel, vocab=vocab, block=block, unroll=unroll, bits=bits, skip=skip,
                                eviction=eviction)
     kth, pth = pl.pallas_call(
         kernel,
@@ -195,6 +200,6 @@ def top_k_top_p_thresholds_pallas(
         out_shape=[jax.ShapeDtypeStruct((num_rows,), jnp.int32)] * 2,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"top_k_top_p_blk{block}_r{bits}_w{num_warps}_st{num_stages}{'_skip' if skip else ''}",
+        name=f"top_k_top_p_blk{block}x{unroll}_r{bits}_w{num_warps}_st{num_stages}{'_skip' if skip else ''}",
     )(logits.astype(jnp.float32), clamp_top_k(top_k, vocab), top_p.astype(jnp.float32))
     return (jax.lax.bitcast_convert_type(kth, jnp.uint32), jax.lax.bitcast_convert_type(pth, jnp.uint32))
