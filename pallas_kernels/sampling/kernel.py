@@ -2,21 +2,23 @@
 
 Grid `(B,)`: program b owns row b of the logits `[B, V]` (V: the vocabulary here, as in `jhybrid.engine.sampling`)
 and walks it in tiles of `block` tokens (the last one masked: keys past V are the lowest key, with weight 0), once
-per radix pass, so the row is re-read from L2 rather than HBM. Keys are int32 whose *signed* order is the float order (the uint32 order key xor 2**31).
+per radix pass, so the row is re-read from L2 rather than HBM. Keys are int32 whose *signed* order is the float
+order (the uint32 order key xor 2**31).
 
-  1. top-k: `32 / R` passes, each deciding R more bits of kth from the top. A pass sums, over the tokens whose
+  1. top-k: `32 / R` passes, each deciding R more bits of kth from the top. A pass counts, over the tokens whose
      key starts with the bits decided so far (the *bucket*), `digit >= c` for every candidate digit c of the next
-     R bits (a `[block, 2**R]` compare and column sum per tile); with the count above the bucket carried from the
-     previous pass, the digit is the number of candidates c >= 1 whose count reaches k. The first pass also
-     takes the row's max logit, its min key (k = V: kth is the min key, the other passes are skipped) and each
-     tile's max key.
+     R bits: a `[block, 2**R]` compare added elementwise into per-lane sums carried across the tiles (one
+     reduction at the end of the pass, none per tile). With the count above the bucket carried from the previous
+     pass, the digit is the number of candidates c >= 1 whose count reaches k. The first pass also takes the row's
+     max logit, its min key (k = V: kth is the min key, the other passes are skipped) and each group's max key.
   2. the softmax of the top-k set: weights `exp(x - max)` of the tokens with key >= kth (0 elsewhere); their sum
      Z comes from the first top-p pass (the mass at candidate 0, the whole row).
   3. top-p: the same passes over those weights, with target `top_p * Z` (skipped where top_p >= 1: pth = 0).
 
-`skip`: a pass reads a tile only if the tile's max key (from pass 1) reaches the smallest key that can change a
-candidate sum, and does the `[block, 2**R]` work only if a token of the tile lies in the bucket; after a few passes
-the bucket holds a handful of tokens, so most tiles cost nothing, or a read.
+A loop iteration reads a *group* of `unroll` tiles, all loads issued before the first use (one program per row
+has only its own loads to hide the memory latency with). `skip`: a pass reads a group only if the group's max key
+(from pass 1) reaches the smallest key that can change a candidate sum; after a few passes the bucket holds a
+handful of tokens, so most groups are not read at all.
 
 Exactness: counts are int32 (exact); the masses are float32 sums in another order than XLA's softmax + row
 sums, and compared as `mass >= top_p * Z` rather than `mass / Z >= top_p`, so pth can differ from the
