@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--interpret", action="store_true", help="run the Pallas cases in the interpreter (CPU)")
     parser.add_argument("--no-xla-variants", action="store_true", help="time only the shipped XLA radix filter")
+    parser.add_argument("--filters-only", action="store_true", help="leave out the draw and sample() cases")
     a = parser.parse_args(argv)
 
     import jax
@@ -214,6 +215,8 @@ def main(argv=None) -> int:
 
         cases["sample(): temperature, top-k 50, top-p 0.9, Pallas"] = (
             jax.jit(sample_pallas), (logits, sampling_arrays(b, 0.8), tables, history))
+    if a.filters_only:
+        cases = {n: c for n, c in cases.items() if not n.startswith(("sample()", "categorical"))}
     print(f"{res['device']}, batch {b}, vocab {v}: ms per call (median of {a.iters})")
     for name, (fn, args) in cases.items():
         res["ms"][name] = ms = timed(fn, args, a.iters)
