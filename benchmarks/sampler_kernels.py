@@ -78,13 +78,14 @@ def timed(fn, args, iters: int) -> float:
     return float(np.median(out)) * 1e3
 
 
-# Pallas configurations timed: (tile, tiles a loop iteration, key bits a pass R, warps, tile skipping, eviction policy)
+# Pallas configurations timed: (tile, tiles a loop iteration, key bits a pass R, warps, skipping: "table" (group
+# maxima read back from memory) / "vector" (picked out of registers) / None, eviction policy)
 PALLAS_CONFIGS = [
-    (256, 4, 4, 4, True, None), (256, 8, 4, 4, True, None), (512, 4, 4, 8, True, None), (128, 8, 4, 4, True, None),
-    (256, 4, 4, 8, True, None), (256, 4, 2, 4, True, None), (512, 4, 2, 4, True, None), (1024, 4, 2, 8, True, None),
-    (256, 4, 4, 4, False, None), (256, 4, 4, 4, True, "evict_last"),
+    (256, 4, 4, 4, "table", None), (256, 4, 4, 4, "vector", None), (256, 8, 4, 4, "table", None),
+    (512, 4, 4, 8, "table", None), (128, 8, 4, 4, "table", None), (256, 4, 2, 4, "table", None),
+    (512, 4, 2, 8, "table", None), (256, 4, 4, 4, None, None), (256, 4, 4, 4, "table", "evict_last"),
 ]
-PALLAS_CONFIGS_INTERPRET = [(256, 4, 4, 4, True, None), (512, 2, 2, 4, False, None)]  # CPU smoke test: a few only
+PALLAS_CONFIGS_INTERPRET = [(256, 4, 4, 4, "table", None), (512, 2, 2, 4, None, None)]  # CPU smoke test: a few only
 
 
 def pallas_variants(logits, top_k, top_p, interpret: bool) -> dict:
@@ -105,14 +106,14 @@ def pallas_variants(logits, top_k, top_p, interpret: bool) -> dict:
     inputs = {"": (logits, top_k, top_p), ", top-p 0.9 alone": (logits, k_off, top_p)}
     cases = {"top-k/top-p, XLA radix, top-p 0.9 alone": (xla, inputs[", top-p 0.9 alone"])}
     for block, unroll, bits, warps, skip, eviction in (PALLAS_CONFIGS_INTERPRET if interpret else PALLAS_CONFIGS):
-        tuning = dict(block=block, unroll=unroll, bits=bits, num_warps=warps, skip=skip, eviction=eviction,
-                      interpret=interpret)
+        tuning = dict(block=block, unroll=unroll, bits=bits, num_warps=warps, skip=skip is not None,
+                      table=skip == "table", eviction=eviction, interpret=interpret)
 
         def fn(x, k, p, tuning=tuning):
             return apply_thresholds(x, *top_k_top_p_thresholds_pallas(x, k, p, **tuning))
 
         fn = jax.jit(fn)
-        label = (f"Pallas blk{block}x{unroll} R{bits} w{warps}{'' if skip else ' no-skip'}"
+        label = (f"Pallas blk{block}x{unroll} R{bits} w{warps}{' skip-' + skip if skip else ' no-skip'}"
                  f"{' ' + eviction if eviction else ''}")
         for suffix, args in inputs.items():
             want = np.isfinite(np.asarray(xla(*args)))

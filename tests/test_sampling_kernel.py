@@ -72,13 +72,14 @@ def _kept(x):
 
 @pytest.mark.parametrize("vocab, tuning", [
     (1000, dict(block=64, unroll=4, bits=4, skip=True)),
-    (2999, dict(block=128, unroll=1, bits=8, skip=False)),
-], ids=["vocab1000-block64x4-R4-skip", "vocab2999-block128-R8"])
+    (2999, dict(block=128, unroll=1, bits=8, table=False)),
+], ids=["vocab1000-block64x4-R4-skip", "vocab2999-block128-R8-vector"])
 def test_kernel_keeps_the_tokens_of_the_xla_filter(vocab, tuning):
     """The kernel (interpret mode) keeps exactly the tokens of `_filter_top_k_top_p` (the XLA radix passes) and of
     the pure-jnp reference on every row of `_rows`, and its kth equals the reference's wherever a row has a
-    finite token; two configurations (skipping tiles with 4 bits a pass, and every tile read with 8 bits a
-    pass; fewer bits only compile longer in the interpreter), vocabularies with a ragged last tile. Checked to fail with the kernel's last top-k pass dropped
+    finite token; two configurations (4 bits a pass, 4 tiles an iteration, groups skipped by maxima kept in
+    memory; 8 bits a pass, maxima kept in registers; fewer bits only compile longer in the interpreter),
+    vocabularies with a ragged last tile. Checked to fail with the kernel's last top-k pass dropped
     (`range(1, num_passes - 1)`: ties of the high bits get in), with the top-p target not scaled by Z (`target
     = p`), with the count above the bucket not carried (`above` reset to 0 each top-k pass), and with `skip`
     passing over tiles whose bucket tokens all have the lowest candidate digit (`>= lo + (1 << shift)`). (The
@@ -120,11 +121,11 @@ def test_kernel_lowers_for_h200_and_the_engine_switch_selects_it(monkeypatch):
     fail with a `sums[0]` slice in the kernel (no Triton lowering for `slice`), with a constant-returning branch
     of the top-p `cond` (the Triton lowering rejects it), and with the switch ignored."""
     specs = (jnp.zeros((64, 151936), jnp.float32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.float32))
-    for tuning, name in [(dict(), "top_k_top_p_blk256x4_r4_w4_st1_skip"),
+    for tuning, name in [(dict(), "top_k_top_p_blk256x4_r4_w4_st1_skipt"),
                          (dict(block=64, unroll=2, bits=8, num_warps=8, skip=False), "top_k_top_p_blk64x2_r8_w8_st1")]:
         lower_for_h200(functools.partial(top_k_top_p_thresholds_pallas, **tuning), *specs, kernels=[name])
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(sampling, "TOP_K_TOP_P_IMPL", "pallas")
-    lower_for_h200(lambda *a: sampling._filter_top_k_top_p(*a), *specs, kernels=["top_k_top_p_blk256x4_r4_w4_st1_skip"])
+    lower_for_h200(lambda *a: sampling._filter_top_k_top_p(*a), *specs, kernels=["top_k_top_p_blk256x4_r4_w4_st1_skipt"])
     monkeypatch.setattr(sampling, "TOP_K_TOP_P_IMPL", "xla")  # a new function: jit's cache ignores the switch
     lower_for_h200(lambda *a: sampling._filter_top_k_top_p(*a), *specs, kernels=[])

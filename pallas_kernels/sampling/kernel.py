@@ -53,8 +53,8 @@ def signed_keys(x: Float[Array, "..."]) -> Array:
     return bits ^ (jax.lax.shift_right_arithmetic(bits, jnp.int32(31)) & INT_MAX)
 
 
-def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, block: int, unroll: int, bits: int,
-                       skip: bool, eviction: str | None):
+def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, gmax_ref, *, vocab: int, block: int, unroll: int,
+                       bits: int, skip: bool, table: bool, eviction: str | None):
     # x_ref [B, V] float32 (whole); k_ref [B] int32 counts in [1, V]; p_ref [B] float32; kth_ref / pth_ref [B]
     # int32: the thresholds as uint32 order keys (bit patterns)
     row = pl.program_id(0)
@@ -100,7 +100,10 @@ def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, blo
         def body(g, acc):
             if not skip:
                 return group_sums(g, acc)
-            needed = jnp.max(jnp.where(group_ids == g, group_max, INT_MIN)) >= lo
+            if table:  # written by this program in pass 1 (every thread stores the value and reads it back)
+                needed = gmax_ref[row, g] >= lo
+            else:  # a reduction over the group max vector, each iteration
+                needed = jnp.max(jnp.where(group_ids == g, group_max, INT_MIN)) >= lo
             return jax.lax.cond(needed, functools.partial(group_sums, g), lambda a: a, acc)
 
         acc = jax.lax.fori_loop(0, num_groups, body, jnp.zeros((block, width), dtype))
@@ -125,7 +128,11 @@ def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, blo
             g_max = jnp.maximum(g_max, s)
             s_min = jnp.minimum(s_min, jnp.where(valid, s, INT_MAX))
             x_max = jnp.maximum(x_max, x)
-        group_max = jnp.where(group_ids == g, jnp.max(g_max), group_max)
+        g_max = jnp.max(g_max)
+        if table:
+            gmax_ref[row, g] = g_max
+        else:
+            group_max = jnp.where(group_ids == g, g_max, group_max)
         return acc, group_max, x_max, s_min
 
     init = (jnp.zeros((block, width), jnp.int32), jnp.full(group_ids.shape, INT_MIN, jnp.int32),
@@ -167,8 +174,8 @@ def _thresholds_kernel(x_ref, k_ref, p_ref, kth_ref, pth_ref, *, vocab: int, blo
     pth_ref[row] = pth
 
 
-@functools.partial(jax.jit, static_argnames=("block", "unroll", "bits", "num_warps", "num_stages", "skip", "eviction",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("block", "unroll", "bits", "num_warps", "num_stages", "skip", "table",
+                                             "eviction", "interpret"))
 def top_k_top_p_thresholds_pallas(
     logits: Float[Array, "B V"],
     top_k: Int[Array, "B"],
@@ -180,28 +187,33 @@ def top_k_top_p_thresholds_pallas(
     num_warps: int = 4,
     num_stages: int = 1,
     skip: bool = True,
+    table: bool = True,
     eviction: str | None = None,
     interpret: bool = False,
 ) -> tuple[Array, Array]:
     """Same arguments and result as `top_k_top_p_thresholds_reference`: (kth, pth) `[B]` uint32 order keys.
     `block` (a power of two) is the tile of the vocabulary, `unroll` the tiles read per loop iteration (their
-    loads in flight together), `bits` (R, one of `RADIX_BITS`) the key bits a
-    pass decides, `skip` the tile skipping of the module docstring, `eviction` the loads' L2 eviction policy
-    (e.g. "evict_last")."""
+    loads in flight together), `bits` (R, one of `RADIX_BITS`) the key bits a pass decides, `skip` the group
+    skipping of the module docstring (`table`: the group maxima kept in a scratch output `[B, NG]` and read back
+    as scalars, rather than picked out of a register vector by a reduction each iteration), `eviction` the
+    loads' L2 eviction policy (e.g. "evict_last")."""
     if block <= 0 or block & (block - 1) or bits not in RADIX_BITS:
         raise ValueError(f"top_k_top_p_thresholds_pallas needs a power-of-two block and bits in {RADIX_BITS}, "
                          f"got {block=} {bits=}")
     num_rows, vocab = logits.shape
     kernel = functools.partial(_thresholds_kernel, vocab=vocab, block=block, unroll=unroll, bits=bits, skip=skip,
+                               table=table,
                                eviction=eviction)
-    kth, pth = pl.pallas_call(
+    num_groups = pl.cdiv(vocab, block * unroll)
+    kth, pth, _ = pl.pallas_call(
         kernel,
         grid=(num_rows,),
         in_specs=[_WHOLE, _WHOLE, _WHOLE],
-        out_specs=[_WHOLE, _WHOLE],
-        out_shape=[jax.ShapeDtypeStruct((num_rows,), jnp.int32)] * 2,
+        out_specs=[_WHOLE, _WHOLE, _WHOLE],
+        out_shape=[jax.ShapeDtypeStruct((num_rows,), jnp.int32)] * 2  # kth, pth
+        + [jax.ShapeDtypeStruct((num_rows, num_groups), jnp.int32)],  # each group's max key (`table`; scratch)
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"top_k_top_p_blk{block}x{unroll}_r{bits}_w{num_warps}_st{num_stages}{'_skip' if skip else ''}",
+        name=f"top_k_top_p_blk{block}x{unroll}_r{bits}_w{num_warps}_st{num_stages}{('_skipt' if table else '_skip') if skip else ''}",
     )(logits.astype(jnp.float32), clamp_top_k(top_k, vocab), top_p.astype(jnp.float32))
     return (jax.lax.bitcast_convert_type(kth, jnp.uint32), jax.lax.bitcast_convert_type(pth, jnp.uint32))
