@@ -81,8 +81,9 @@ def test_kernel_keeps_the_tokens_of_the_xla_filter(vocab, tuning):
     memory; 8 bits a pass, maxima kept in registers; fewer bits only compile longer in the interpreter),
     vocabularies with a ragged last tile. Checked to fail with the kernel's last top-k pass dropped
     (`range(1, num_passes - 1)`: ties of the high bits get in), with the top-p target not scaled by Z (`target
-    = p`), with the count above the bucket not carried (`above` reset to 0 each top-k pass), and with `skip`
-    passing over tiles whose bucket tokens all have the lowest candidate digit (`>= lo + (1 << shift)`). (The
+    = p`), with the count above the bucket not carried (`above` reset to 0 each top-k pass), and with groups
+    skipped whose max key is only the lowest candidate (`needed = ... >= lo + (1 << shift)`, in either form of
+    the group maxima: each configuration fails). (The
     padded keys of the last tile left as the keys of the loaded -inf's is not caught, and is harmless: such keys
     only count where the row's -inf tokens are in the top-k set already, and weigh nothing.)"""
     x, k, p = _rows(np.random.default_rng(vocab), vocab)
@@ -121,9 +122,10 @@ def test_kernel_lowers_for_h200_and_the_engine_switch_selects_it(monkeypatch):
     fail with a `sums[0]` slice in the kernel (no Triton lowering for `slice`), with a constant-returning branch
     of the top-p `cond` (the Triton lowering rejects it), and with the switch ignored."""
     specs = (jnp.zeros((64, 151936), jnp.float32), jnp.zeros(64, jnp.int32), jnp.zeros(64, jnp.float32))
-    for tuning, name in [(dict(), "top_k_top_p_blk256x4_r4_w4_st1_skipt"),
-                         (dict(block=64, unroll=2, bits=8, num_warps=8, skip=False), "top_k_top_p_blk64x2_r8_w8_st1")]:
-        lower_for_h200(functools.partial(top_k_top_p_thresholds_pallas, **tuning), *specs, kernels=[name])
+    tuning = dict(block=64, unroll=2, bits=8, num_warps=8, skip=False)
+    lower_for_h200(functools.partial(top_k_top_p_thresholds_pallas, **tuning), *specs,
+                   kernels=["top_k_top_p_blk64x2_r8_w8_st1"])
+    # the default configuration, through the engine's switch
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(sampling, "TOP_K_TOP_P_IMPL", "pallas")
     lower_for_h200(lambda *a: sampling._filter_top_k_top_p(*a), *specs, kernels=["top_k_top_p_blk256x4_r4_w4_st1_skipt"])
