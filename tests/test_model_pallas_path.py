@@ -47,3 +47,29 @@ def test_pallas_path_equals_reference_path(ckpt, dtype, tol):
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert np.isfinite(got).all()
     assert err <= tol, f"{dtype}: Pallas path logits differ from the reference path, relative error {err:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["minimax", "nemotron_h"])
+def test_scalar_decay_families_pallas_path_equals_reference_path(family):
+    """Lightning attention (MiniMax) and Mamba2 (NemotronH) layers through the simple-GLA Pallas kernels (chunked
+    prefill in two chunks, then decode steps), interpreted, against the reference path: logits of every step,
+    fp32. Head dims are 16 so that the kernels apply (their tiles need powers of two >= 16). Checked to fail with
+    the decay dropped from the decode kernel (`fused_recurrent.py`) and from the chunk kernel's state update."""
+    import dataclasses
+
+    from jhybrid.models.params import init_params
+    from tests.tp_worker import family_config
+
+    cfg = family_config(family)
+    if family == "minimax":  # lightning first: the last layer of a model barely decays (lightning_slopes)
+        cfg = dataclasses.replace(cfg, layer_kinds=cfg.layer_kinds[::-1])
+    if family == "nemotron_h":
+        cfg = dataclasses.replace(cfg, mamba_head_dim=16, ssm_state_size=16)
+    params = init_params(cfg, seed=3, scale=0.3)
+    ids = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 37))
+    want = run(cfg, params, ids, (20, 17), 3, kernel_impl="reference")
+    got = run(cfg, params, ids, (20, 17), 3, kernel_impl="pallas", interpret=True)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert np.isfinite(got).all()
+    assert err <= 1e-5, f"{family}: Pallas path logits differ from the reference path, relative error {err:.2e}"

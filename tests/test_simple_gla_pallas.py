@@ -188,8 +188,8 @@ def test_mesh_dispatch_lowers_per_shard():
     state = sds((s, hv, dk, dv), f32, P(None, "tp", None, None))
     qk, vv, gg = sds((t, h, dk), bf, heads), sds((t, hv, dv), bf, heads), sds((t, hv), f32, P(None, "tp"))
     lower(lambda *a: chunk_simple_gla(*a, impl="pallas", mesh=mesh), qk, qk, vv, gg, sds((b + 1,), i32), state,
-          sds((b,), i32), local="tensor<5x4x64x32xf32>", kernels=CHUNK_KERNELS["split"][:1] + [
-              r"sgla_chunk_output_c64_bv32_w4", r"sgla_chunk_single_bv32_w4"])
+          sds((b,), i32), local="tensor<5x4x64x32xf32>", kernels=CHUNK_KERNELS["fused"][:1] + [
+              r"sgla_chunk_single_bv32_w4"])  # the default form: the output inside the sequential pass
     qd, vd, gd = sds((b, h, dk), bf, heads), sds((b, hv, dv), bf, heads), sds((b, hv), f32, P(None, "tp"))
     lower(lambda *a: fused_recurrent_simple_gla(*a, impl="pallas", mesh=mesh), qd, qd, vd, gd, state,
           sds((b,), i32), local="tensor<4x2x64xbf16>", kernels=[r"sgla_fused_recurrent_bv32_w4"])

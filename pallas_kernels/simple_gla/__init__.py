@@ -3,15 +3,14 @@ Pallas kernels and dispatch.
 
 `chunk_simple_gla` (prefill, ragged packed sequences) and `fused_recurrent_simple_gla` (decode, one token
 per sequence) are the entry points the model calls. `impl` picks the implementation:
-  * "reference" (and, for now, "auto" everywhere): the pure-jnp references; "recurrent" (chunk form only):
-    the token-by-token scan;
+  * "auto": the Pallas kernels on a GPU where they apply (`pallas_supported`), else the references;
+  * "reference": the pure-jnp references; "recurrent" (chunk form only): the token-by-token scan;
   * "pallas": the Pallas kernels (`fused_recurrent.py`, `chunk.py`; power-of-two K and V >= 16);
     `interpret=True` runs them in the Pallas interpreter (CPU tests);
   * with `mesh` (a 1-D device mesh whose axis splits the heads: tensor parallelism) the Pallas kernels run
     per shard under `jax.shard_map` (key heads, value heads and the state slots' heads split alike); the
     references need no wrapping (XLA SPMD partitions them).
-"auto" stays on the references until the kernels are checked on the H200 (benchmarks/simple_gla_kernels.py);
-`_AUTO_PALLAS` then lists the kernels it routes to on GPU.
+`_AUTO_PALLAS` lists the kernels "auto" routes to on GPU (checked by benchmarks/simple_gla_kernels.py).
 The arguments mirror `pallas_kernels.gated_delta_rule` without `beta`.
 """
 
@@ -30,8 +29,10 @@ from pallas_kernels.simple_gla.reference import (
 
 _IMPLS = ("auto", "reference", "recurrent", "pallas")
 
-# Which kernels "auto" routes to on GPU: none until they are checked correct and faster on the H200.
-_AUTO_PALLAS: frozenset[str] = frozenset()
+# Which kernels "auto" routes to on GPU: both, checked against the fp32 reference and timed on the H200 at the
+# MiniMax lightning and NemotronH Mamba2 shapes (decode 1.5-4.5x, chunked prefill 1.8-15x the references;
+# benchmarks/RESULTS.md, session 16).
+_AUTO_PALLAS: frozenset[str] = frozenset({"chunk", "fused_recurrent"})
 
 
 def _pow2(x: int) -> bool:

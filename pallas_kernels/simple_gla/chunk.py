@@ -282,7 +282,7 @@ def chunk_simple_gla_pallas(
     *,
     scale: float = 1.0,
     chunk_size: int = 64,
-    fused_output: bool = False,
+    fused_output: bool = True,
     block_v: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
