@@ -53,9 +53,10 @@ def _workloads():
 
 def test_dispatch_thread_changes_no_token(model):
     """The same workloads give the same tokens and finish reasons with the calls on the dispatch thread (each
-    made late) as with them inline. Checked to fail: without the `drain()` in `ModelRunner.state` (zeroing,
-    snapshot copies and restores read the state before the step's call) the run raises on a deleted
-    (donated) array. (The `drain()` in `execute`, before the sampling tables and token history are written,
+    made late) as with them inline. Zeroing, snapshot copies and restores are queued on the dispatch thread
+    behind the step's call (`ModelRunner._state_op`). Checked to fail: with `_state_op` taking the state when
+    it queues the copy instead of when it runs (the state before the step's call), the run raises on a deleted
+    (donated) array; likewise, before `_state_op`, without the `drain()` in `ModelRunner.state`. (The `drain()` in `execute`, before the sampling tables and token history are written,
     is not reached first on today's paths: a row whose history is written is new in its slot, and the
     engine zeroes new slots, through `state`, before `execute`.)"""
     workloads, aborts = _workloads(), [{2: 3, 7: 9}, {}, {}, {}]

@@ -9,6 +9,8 @@ Rows whose last fed token was sampled by the previous step (not yet read on the 
 step's device output (`token_src`), so step n+1 is dispatched before step n's tokens reach the host. The call
 of the step program runs on a dispatch thread of the runner (`dispatch_thread`, on the GPU), so the engine reads
 step n and schedules step n+2 while it launches; `state`, `drain()` and `StepResult`'s outputs wait for that call.
+The state programs between steps (zeroing new slots, prefix-cache snapshot copies and restores) are queued on
+the same thread behind it (`_state_op`).
 
 Programs. Sampling settings are runtime arrays (`jhybrid.engine.sampling`), so a step's program depends only
 on its shape: decode steps bucket their rows (powers of two from 4), mixed (prefill) steps carry `max_rows`
@@ -290,7 +292,7 @@ class ModelRunner:
                 raise AssertionError(f"{len(slots)} new slots in one step exceed {self.max_rows} rows")
             padded = np.zeros(self.max_rows, np.int32)
             padded[: len(slots)] = slots
-            self.state = zero_slots(self.state, padded)
+            self._state_op(zero_slots, padded)
 
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the linear state of state row `src` into row `dst` for each `(src, dst)` (prefix-cache snapshots
@@ -299,7 +301,24 @@ class ModelRunner:
             chunk = pairs[at : at + self.max_rows]
             src, dst = np.zeros(self.max_rows, np.int32), np.zeros(self.max_rows, np.int32)
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
-            self.state = copy_slots(self.state, src, dst)
+            self._state_op(copy_slots, src, dst)
+
+    def _state_op(self, program, *args) -> None:
+        """`state = program(state, *args)`. With a dispatch thread the call is queued there behind the step in
+        flight, and the engine goes on (a prefix-cache snapshot after a step used to wait here for the step's
+        call, ~2 ms on the H200, then make its own); whatever reads the state next drains it. A failed call
+        before it fails it too, so that `drain` raises what the step raised."""
+        if not self.dispatch_thread:
+            self.state = program(self.state, *args)
+            return
+        before = self._pending
+
+        def run():
+            if before is not None:
+                before.result()
+            self._state = program(self._state, *args)
+
+        self._pending = self._dispatcher().submit(run)
 
     def _sync_table(self, seq) -> None:
         slot, table = seq.slot, seq.block_table
