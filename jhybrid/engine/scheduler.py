@@ -4,8 +4,10 @@ Continuous batching in the vLLM V1 style: one step is a ragged batch mixing deco
 prefill chunks. Running sequences go first: those decoding (one pending token to feed), then those still
 prefilling, each group in arrival order; each takes the tokens it still has to feed up to the step's token
 budget, `max_num_batched_tokens`; once the step has decode rows, its prefill rows together take at most
-`max_prefill_tokens_with_decodes` tokens, so prompts are fed in chunks beside running decodes instead of
-stalling every running request for one long step (inter-token latency against time to first token). When a sequence needs a block and none
+`max_prefill_tokens_with_decodes` tokens (then up to the end of the runner's token bucket that this lands the
+step in, `token_bucket`: the program runs over the whole bucket, so its padding is free prefill), so prompts are
+fed in chunks beside running decodes instead of stalling every running request for one long step (inter-token
+latency against time to first token). When a sequence needs a block and none
 is free, the newest running sequence not yet scheduled this step is preempted: its blocks and slot are
 freed and it re-enters the waiting queue at the front. It is either *recomputed* (it keeps its generated
 tokens as part of what it will re-prefill) or, with a host tier, *swapped*: its KV and state move to host
