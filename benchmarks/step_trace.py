@@ -9,7 +9,11 @@ CLOCK_MONOTONIC on Linux, the same clock in every process, so a client's load wi
 
 `summarize(steps, t0, t1)` describes the steps that ended inside [t0, t1]: the interval between successive
 step ends (what a decoding row waits between two tokens when the engine is the only delay), split into steps
-that carried prompt tokens ("mixed") and steps that did not, with the host phases of each.
+that carried prompt tokens ("mixed") and steps that did not, with the host phases of each. The engine
+dispatches a step before it reads the previous one, so a step ends when the previous step's results are read:
+when the device is the bottleneck an interval is mostly the previous step's device time, and the host phases
+of a step include waiting for the previous step's call (dispatch thread). The distribution of intervals is what
+rows see either way; a slow interval's labels (rows, prompt tokens) are those of the step that ended it.
 """
 
 from __future__ import annotations
