@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.gated_delta_rule import _per_head_shard
+from pallas_kernels.gated_delta_rule import _per_head_shard, pallas_supported  # the same tile rule
 from pallas_kernels.simple_gla.chunk import chunk_simple_gla_pallas
 from pallas_kernels.simple_gla.fused_recurrent import fused_recurrent_simple_gla_pallas
 from pallas_kernels.simple_gla.reference import (
@@ -34,14 +34,6 @@ _IMPLS = ("auto", "reference", "recurrent", "pallas")
 # benchmarks/RESULTS.md, session 16).
 _AUTO_PALLAS: frozenset[str] = frozenset({"chunk", "fused_recurrent"})
 
-
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
-def pallas_supported(q, v) -> bool:
-    """Static check: Triton tiles need power-of-two key and value head dims of at least 16."""
-    return _pow2(q.shape[-1]) and _pow2(v.shape[-1]) and q.shape[-1] >= 16 and v.shape[-1] >= 16
 
 
 def _pick(impl: str, kind: str, q, v) -> str:
