@@ -334,7 +334,7 @@ def worker_offline(args) -> int:
         step_times, n_out, n_prompt, first = [], 0, 0, None
         itls, seen = [], {}  # per request: time between successive output tokens, as a client would see them
         if spec.get("step_log"):
-            eng.step_log = []
+            eng.step_log, eng.runner.call_log = [], []
         start = last = time.perf_counter()
         while queue or inflight:
             while queue and len(inflight) < c:
@@ -374,8 +374,11 @@ def worker_offline(args) -> int:
 
         extra = {"itl_s": percentiles(itls)}
         if eng.step_log is not None:
+            from benchmarks.step_trace import summarize_calls
+
             extra["steps"] = summarize([list(r) for r in eng.step_log])
-            eng.step_log = None
+            extra["calls"] = summarize_calls([list(r) for r in eng.runner.call_log])
+            eng.step_log = eng.runner.call_log = None
         return {**extra, "num_requests": len(prompts), "wall_s": wall, "output_tokens_per_s": n_out / wall,
                 "num_output_tokens": n_out, "mean_prompt_tokens": n_prompt / max(1, len(prompts)),
                 "inloop_decode_step_ms": steps[len(steps) // 2] * 1e3 if steps else float("nan"),
@@ -414,6 +417,8 @@ def worker_offline(args) -> int:
                 f"{r['itl_s']['p50'] * 1e3:.2f}/{r['itl_s']['p99'] * 1e3:.2f} ms")
         if r.get("steps"):
             log_steps(f"offline c={c:4d} steps", r["steps"])
+            if r.get("calls"):
+                log_calls(f"offline c={c:4d} calls", r["calls"])
         r["concurrency"] = c
         res["runs"].append(r)
         save()
@@ -463,13 +468,15 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def hist_quantiles(before: str, after: str, name: str) -> dict[str, float]:
+def hist_quantiles(before: str, after: str, name: str, label: str = "") -> dict[str, float]:
     """P50/P90/P99 of a Prometheus histogram's observations between two scrapes (the upper edge of the bucket the
-    quantile falls in; seconds)."""
+    quantile falls in; seconds); `label` (e.g. 'stage="server_queue"') keeps only the series that carry it."""
     def buckets(text):
         out: dict[float, float] = {}
-        for m in re.finditer(rf'^{re.escape(name)}_bucket\{{[^}}]*le="([^"]+)"[^}}]*\}}\s+(\S+)$', text, re.M):
-            le = float(m.group(1))
+        for m in re.finditer(rf'^{re.escape(name)}_bucket\{{([^}}]*)\}}\s+(\S+)$', text, re.M):
+            if label not in m.group(1):
+                continue
+            le = float(re.search(r'le="([^"]+)"', m.group(1)).group(1))
             out[le] = out.get(le, 0.0) + float(m.group(2))
         return out
 
@@ -681,6 +688,10 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     s["concurrency"], s["warmup_requests"] = c, a.warmup_requests
     s["window"] = [start, start + wall]  # perf_counter (CLOCK_MONOTONIC): slices the engine's step log (--step-log)
     s["server_itl_hist"] = hist_quantiles(before_text, after_text, "jhybrid:inter_token_latency_seconds")
+    # where a token waits between the engine and the stream (histograms of the server process; warm-up included)
+    s["delivery_hist"] = {stage: hist_quantiles(before_text, after_text, "jhybrid:output_delivery_seconds",
+                                                f'stage="{stage}"') for stage in ("engine_to_server", "server_queue")}
+    s["event_loop_lag_hist"] = hist_quantiles(before_text, after_text, "jhybrid:event_loop_lag_seconds")
     s["server_cpu"] = cpu  # warm-up included
     s["client_cores"] = client_cores
     log(f"[load] c={c}: client {client_cores:.2f} cores; server process {fmt(cpu['process_cores'])} cores; busiest threads " + ", ".join(
@@ -910,19 +921,31 @@ def main(argv=None) -> int:
                     f"compiled after ready {fmt(s['after_ready_compiled'], '.0f')} (XLA log {s['xla_compiles']}); "
                     f"server ITL histogram p50/p99 <= {fmt(s['server_itl_hist'].get('p50'), '.1f', 1e3)}/"
                     f"{fmt(s['server_itl_hist'].get('p99'), '.1f', 1e3)} ms")
+                d = s["delivery_hist"]
+                log(f"[load] c={c}: delivery p50/p99 <= engine->server {fmt(d['engine_to_server'].get('p50'), '.2f', 1e3)}/"
+                    f"{fmt(d['engine_to_server'].get('p99'), '.2f', 1e3)} ms, server queue "
+                    f"{fmt(d['server_queue'].get('p50'), '.2f', 1e3)}/{fmt(d['server_queue'].get('p99'), '.2f', 1e3)} ms; "
+                    f"event-loop lag p50/p99 <= {fmt(s['event_loop_lag_hist'].get('p50'), '.2f', 1e3)}/"
+                    f"{fmt(s['event_loop_lag_hist'].get('p99'), '.2f', 1e3)} ms")
                 for e in s["first_errors"][:3]:
                     log(f"  error: {e}")
                 write_json()
             results["server_log_stats"] = {"xla_compiles_total": st.child.counts()[0] - st.child.counts()[1]}
             results["phases"]["stop_s"] = st.child.stop(grace=15)
             if a.step_log:
-                from benchmarks.step_trace import summarize
+                from benchmarks.step_trace import load, summarize, summarize_calls, summarize_gc
 
                 path = step_logs[-1]
-                steps = json.loads(path.read_text()) if path.exists() else []
+                steps, calls, collections = load(path) if path.exists() else ([], [], [])
                 for s in results["load"]:
                     s["server_steps"] = summarize(steps, *s["window"])
+                    s["server_calls"] = summarize_calls(calls, *s["window"])
+                    s["server_gc"] = summarize_gc(collections, *s["window"])
+                    log(f"[gc] engine process c={s['concurrency']}: " + ", ".join(
+                        f"{g} {v['n']} passes" + (f" (max {v['max']:.1f} ms)" if v["n"] else "")
+                        for g, v in s["server_gc"].items()))
                     log_steps(f"[steps] served c={s['concurrency']}", s["server_steps"])
+                    log_calls(f"[calls] served c={s['concurrency']}", s["server_calls"])
                 if not steps:
                     log(f"[steps] no step log at {path} (did the engine process exit normally?)")
         results["phases"]["server_s"] = time.perf_counter() - t0 - results["phases"]["build_s"]
@@ -1003,6 +1026,19 @@ def log_steps(label: str, st: dict) -> None:
                 f"{st[kind]['prompt_tokens']['p50']:.0f}")
     log(f"{label} slowest: " + "; ".join(f"{x['interval_ms']:.1f} ms ({x['rows']} rows, {x['prompt_tokens']} prompt)"
                                          for x in st["slowest"][:5]))
+
+
+def log_calls(label: str, st: dict) -> None:
+    if not st.get("num_calls"):
+        log(f"{label}: no program calls in the window")
+        return
+    for name, v in list(st["by_program"].items())[:8]:
+        c, d = v["call_ms"], v["drain_wait_ms"]
+        log(f"{label} {name:18s}: {c['n']:5d} calls, call p50/p99/max {c['p50']:.2f}/{c['p99']:.2f}/{c['max']:.1f} ms; "
+            f"engine waited for the call before p50/p99 {d['p50']:.2f}/{d['p99']:.2f} ms")
+    log(f"{label} slowest: " + "; ".join(
+        f"{x['program']} {x['call_ms']:.1f} ms (after {x['previous']}, same program {x['same_program_calls_since']} "
+        f"calls before)" for x in st["slowest"][:6]))
 
 
 def ratios(results: dict, max_num_seqs: int) -> list[dict]:

@@ -3,8 +3,8 @@
     JHYBRID_ENGINE_SETUP=benchmarks.step_trace:record JHYBRID_STEP_LOG=/tmp/steps.json jhybrid serve ...
 
 `record` (the engine set-up hook, run where the engine runs: the engine process by default) turns on
-`LLMEngine.step_log` and writes it as JSON (a list of `StepRecord` fields, perf_counter seconds) when that
-process exits normally (the server stopped by SIGTERM or SIGINT stops its engine in order). perf_counter is
+`LLMEngine.step_log` and the runner's `call_log` and writes them as JSON (`{"steps": [StepRecord fields...],
+"calls": [CallRecord fields...]}`, perf_counter seconds) when that process exits normally (the server stopped by SIGTERM or SIGINT stops its engine in order). perf_counter is
 CLOCK_MONOTONIC on Linux, the same clock in every process, so a client's load window slices the log.
 
 `summarize(steps, t0, t1)` describes the steps that ended inside [t0, t1]: the interval between successive
@@ -19,8 +19,10 @@ rows see either way; a slow interval's labels (rows, prompt tokens) are those of
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +36,38 @@ def record(engine) -> None:
     if not path:
         raise RuntimeError("benchmarks.step_trace:record needs JHYBRID_STEP_LOG=PATH (where the step log goes)")
     engine.step_log = []
+    engine.runner.call_log = []
+    collections = watch_gc()
 
     def dump():
-        Path(path).write_text(json.dumps([list(r) for r in engine.step_log]))
+        Path(path).write_text(json.dumps({"steps": [list(r) for r in engine.step_log],
+                                          "calls": [list(r) for r in engine.runner.call_log], "gc": collections}))
 
     atexit.register(dump)
+
+
+def watch_gc() -> list[list[float]]:
+    """A list that gets `[start, seconds, generation]` (perf_counter) of every garbage collection from now on."""
+    out: list[list[float]] = []
+    started = [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            out.append([started[0], time.perf_counter() - started[0], info["generation"]])
+
+    gc.callbacks.append(callback)
+    return out
+
+
+def summarize_gc(collections: list[list[float]], t0: float = float("-inf"), t1: float = float("inf")) -> dict:
+    """Per generation: how many collections started inside [t0, t1] and their milliseconds."""
+    out = {}
+    for gen in (0, 1, 2):
+        ms = [d * 1e3 for start, d, g in collections if g == gen and t0 <= start <= t1]
+        out[f"gen{gen}"] = _pct(ms)
+    return out
 
 
 def _pct(values) -> dict[str, float]:
@@ -82,4 +111,43 @@ def summarize(steps: list[list[float]], t0: float = float("-inf"), t1: float = f
     return out
 
 
-__all__ = ["FIELDS", "record", "summarize"]
+CALL_FIELDS = ("program", "queued", "started", "returned", "drain_wait")
+
+
+def load(path) -> tuple[list, list, list]:
+    """(steps, calls, garbage collections) of a file `record` wrote (an older file held the steps alone)."""
+    data = json.loads(Path(path).read_text())
+    return (data, [], []) if isinstance(data, list) else (data["steps"], data["calls"], data.get("gc", []))
+
+
+def summarize_calls(calls: list[list], t0: float = float("-inf"), t1: float = float("inf")) -> dict:
+    """Milliseconds, for the program calls that returned inside [t0, t1]: per program, how long its calls took
+    (host time inside the call: argument handling, the CUDA graph's update and launch) and how long the engine
+    waited for the call before each step; the slowest calls, with the program called just before each."""
+    rows = [dict(zip(CALL_FIELDS, c)) for c in calls]
+    picked = [(i, c) for i, c in enumerate(rows) if t0 <= c["returned"] <= t1]
+    ms = 1e3
+    by_program: dict[str, list] = {}
+    for _, c in picked:
+        by_program.setdefault(c["program"], []).append(c)
+    out = {"num_calls": len(picked), "by_program": {
+        name: {"call_ms": _pct([(c["returned"] - c["started"]) * ms for c in cs]),
+               "drain_wait_ms": _pct([c["drain_wait"] * ms for c in cs])}
+        for name, cs in sorted(by_program.items(), key=lambda kv: -len(kv[1]))}}
+    slow = sorted(picked, key=lambda ic: ic[1]["started"] - ic[1]["returned"])[:12]
+    out["slowest"] = [{"program": c["program"], "call_ms": (c["returned"] - c["started"]) * ms,
+                       "queued_to_start_ms": (c["started"] - c["queued"]) * ms, "drain_wait_ms": c["drain_wait"] * ms,
+                       "previous": rows[i - 1]["program"] if i else None,
+                       "same_program_calls_since": _since_same(rows, i)} for i, c in slow]
+    return out
+
+
+def _since_same(rows: list[dict], i: int) -> int | None:
+    """How many calls ago the program of call i was last called (None: never before)."""
+    for back in range(1, i + 1):
+        if rows[i - back]["program"] == rows[i]["program"]:
+            return back
+    return None
+
+
+__all__ = ["CALL_FIELDS", "FIELDS", "load", "record", "summarize", "summarize_calls", "summarize_gc", "watch_gc"]

@@ -100,7 +100,8 @@ def scrape(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#"):
             key, value = line.rsplit(" ", 1)
-            out[re.sub(r',?model_name="[^"]*"', "", key).replace("{}", "")] = float(value)
+            key = re.sub(r'model_name="[^"]*"', "", key).replace("{,", "{").replace(",}", "}").replace("{}", "")
+            out[key] = float(value)
     return out
 
 
@@ -295,6 +296,10 @@ def test_200_concurrent_streams(servers):
     assert delta("jhybrid:inter_token_latency_seconds_count") == 600
     assert delta("jhybrid:e2e_request_latency_seconds_count") == 200
     assert delta("jhybrid:prompt_tokens_total") > 200
+    # where the outputs wait on their way to the streams (a removed observe() call fails these)
+    assert delta('jhybrid:output_delivery_seconds_count{stage="engine_to_server"}') >= 1
+    assert delta('jhybrid:output_delivery_seconds_count{stage="server_queue"}') >= 1
+    assert delta("jhybrid:event_loop_lag_seconds_count") >= 1
 
 
 def test_disconnects_abort_and_free(servers):

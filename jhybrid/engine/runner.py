@@ -42,6 +42,7 @@ import os
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -272,6 +273,8 @@ class ModelRunner:
         self.num_compiled = 0
         self.compile_seconds = 0.0  # lowering included
         self.dispatch_seconds = 0.0  # host time inside the step programs' calls (`LLMEngine.stats`)
+        # a list to trace every program call into (benchmarks/step_trace.py), one CallRecord per call
+        self.call_log: list[CallRecord] | None = None
         self.lower_seconds = 0.0
         self.num_compiled_after_seal = 0
         self.compiled_shapes: set[tuple] = set()  # every (layout, decode, host layout) a step ran with
@@ -313,10 +316,16 @@ class ModelRunner:
             return
         before = self._pending
 
+        queued = time.perf_counter()
+
         def run():
             if before is not None:
                 before.result()
+            t0 = time.perf_counter()
             self._state = program(self._state, *args)
+            if self.call_log is not None:
+                self.call_log.append(CallRecord(getattr(program, "__name__", "state_op"), queued, t0,
+                                                time.perf_counter(), 0.0))
 
         self._pending = self._dispatcher().submit(run)
 
@@ -443,7 +452,9 @@ class ModelRunner:
                       recent=recent)
         meta = np.concatenate([np.asarray(fields[name], np.int32).ravel() for name, _ in _FIELDS])
         token_mask, constrained = self._token_mask(rows, num_rows)
+        t_drain = time.perf_counter()
         self.drain()  # the previous call has returned: its state, history and outputs are ours to pass on
+        drain_wait = time.perf_counter() - t_drain
         keeper = self.slot_tables
         keeper.sync(rows)
         if self.host_attn is not None:
@@ -472,18 +483,23 @@ class ModelRunner:
             program = self._program(decode, num_tokens, num_rows, plp)
             args = (self.params, self._state, meta, prev_out, keeper.tables, keeper.history)
             kwargs = dict(plp_args, token_mask=token_mask)
+            name = f"{'decode' if decode else 'mixed'}:{num_tokens}:{num_rows}{':plp' if plp else ''}"
+            trace = (name, time.perf_counter(), drain_wait) if self.call_log is not None else None
             if self.dispatch_thread:
-                self._pending = self._dispatcher().submit(self._call, program, args, kwargs)
+                self._pending = self._dispatcher().submit(self._call, program, args, kwargs, trace)
                 return StepResult(sched, None, plp_rows, constrained, bool(want_logprobs.any()), self._pending)
-            out, top_lp, top_ids, plp_out = self._call(program, args, kwargs)
+            out, top_lp, top_ids, plp_out = self._call(program, args, kwargs, trace)
         return StepResult(sched, (out, top_lp, top_ids, plp_out), plp_rows, constrained, bool(want_logprobs.any()))
 
-    def _call(self, program, args: tuple, kwargs: dict):
+    def _call(self, program, args: tuple, kwargs: dict, trace: tuple | None = None):
         """Calls a step program and takes its state and token history as the runner's (on the dispatch thread
-        when there is one)."""
+        when there is one). `trace`: (name, queued at, drain wait) for `call_log`."""
         t0 = time.perf_counter()
         out, top_lp, top_ids, self._state, self.slot_tables.history, *plp_out = program(*args, **kwargs)
-        self.dispatch_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.dispatch_seconds += t1 - t0
+        if trace is not None and self.call_log is not None:
+            self.call_log.append(CallRecord(trace[0], trace[1], t0, t1, trace[2]))
         return out, top_lp, top_ids, plp_out
 
     def _dispatcher(self) -> ThreadPoolExecutor:
@@ -676,6 +692,19 @@ class ModelRunner:
         if seq.params.seed is not None:
             return seq.params.seed
         return (self.seed * 1_000_003 + seq.seq_id * 7919) % 2**32
+
+
+class CallRecord(NamedTuple):
+    """One program call as `ModelRunner.call_log` records it: the program (`decode:T:R`, `mixed:T:R`, or a state
+    op's name), perf_counter seconds when it was queued, when the call began (after the call before it) and when
+    it returned (the step is then queued on the device, not run); for a step, the seconds the engine waited for
+    the call before it to return first."""
+
+    program: str
+    queued: float
+    started: float
+    returned: float
+    drain_wait: float
 
 
 def _key(decode: bool, num_tokens: int, num_rows: int, plp: bool = False) -> tuple:

@@ -104,13 +104,31 @@ class ServerConfig:
             raise ValueError(f"body_timeout must be positive (or None), got {self.body_timeout=}")
 
 
+LOOP_LAG_PERIOD = 0.005
+
+
+async def _watch_loop_lag(histogram, period: float = LOOP_LAG_PERIOD) -> None:
+    """Observes how late the event loop wakes a timer set `period` ahead: while the loop runs something else
+    (parsing a burst of requests, tokenizing, a long callback) no stream gets its tokens, and this shows for how
+    long. 200 wake-ups a second cost the loop well under 1% of a core."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + period
+        await asyncio.sleep(period)
+        histogram.observe(max(0.0, loop.time() - due))
+
+
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The app; it starts `engine` on startup if it is not running. Stopping the engine is the caller's job."""
     from jhybrid import __version__
 
     async def lifespan(app):
         engine.start()
-        yield
+        monitor = asyncio.create_task(_watch_loop_lag(engine.metrics.loop_lag))
+        try:
+            yield
+        finally:
+            monitor.cancel()
 
     app = FastAPI(title="jhybrid", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(HTTPMetricsMiddleware, counter=engine.metrics.http, routes=ROUTES)

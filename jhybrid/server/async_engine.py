@@ -332,8 +332,10 @@ class AsyncEngine:
                     m.e2e.observe(now - r.arrival)
         if out.gauges is not None:
             m.set_engine_gauges(out.gauges, num_queued=queued)
+        if out.sent_at:
+            m.delivery_pipe.observe(max(0.0, now - out.sent_at))
         for loop, items in delivered.items():
-            _deliver(loop, items)
+            _deliver(loop, items, since=now, queue_delay=m.delivery_queue)
 
     def _on_fatal(self, error: BaseException) -> None:
         """The engine cannot continue: every open request fails, `on_fatal` is called."""
@@ -366,8 +368,12 @@ class AsyncEngine:
             _deliver(loop, items)
 
 
-def _deliver(loop: asyncio.AbstractEventLoop, items: list) -> None:
+def _deliver(loop: asyncio.AbstractEventLoop, items: list, *, since: float | None = None, queue_delay=None) -> None:
+    """Hands `items` to their sinks on `loop`; `queue_delay` (a histogram) observes how long after `since` (monotonic)
+    the loop got to it."""
     def put_all():
+        if queue_delay is not None:
+            queue_delay.observe(time.monotonic() - since)
         for sink, tag, delta in items:
             sink.put_nowait((tag, delta))
 

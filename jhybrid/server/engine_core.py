@@ -78,6 +78,8 @@ class Outputs:
     taken: adds taken from the inbox since the loop started, `(requests, prompt tokens)`.
     waiting: the scheduler's waiting queue after the iteration, `(requests, prompt tokens not yet prefilled)`.
     gauges: `engine_gauges(engine)` at most every GAUGE_PERIOD seconds, else None.
+    sent_at: `time.monotonic()` when the loop emitted it (CLOCK_MONOTONIC is one clock for every process of the
+    machine, so the server process can time the hop from the engine process: `jhybrid:output_delivery_seconds`).
     """
 
     items: list[tuple[Any, Delta]]
@@ -85,6 +87,7 @@ class Outputs:
     taken: tuple[int, int]
     waiting: tuple[int, int]
     gauges: dict[str, float] | None = None
+    sent_at: float = 0.0
 
 
 def engine_gauges(engine) -> dict[str, float]:
@@ -271,7 +274,7 @@ class EngineLoop:
         gauges = None
         if force_gauges or now - self._last_gauges >= GAUGE_PERIOD:
             gauges, self._last_gauges = engine_gauges(self.engine), now
-        self.emit(Outputs(items, admitted, self._taken, waiting, gauges))
+        self.emit(Outputs(items, admitted, self._taken, waiting, gauges, time.monotonic()))
 
 
 __all__ = ["ADDS_PER_ITERATION", "Add", "Delta", "EngineLoop", "Outputs", "engine_gauges"]

@@ -25,6 +25,8 @@ Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
 | `jhybrid:offload_copy_bytes_total` | counter | `kv_offload="copy"`: host blocks copied to the device |
 | `jhybrid:prefix_cache_queries_total`, `jhybrid:prefix_cache_hits_total` | counter | prefix caching: prompt tokens looked up at admission / found in the cache (vLLM's names) |
 | `jhybrid:prefix_cache_snapshots_held` / `_total`, `jhybrid:prefix_cache_cached_blocks` | gauge | prefix caching: state snapshots held (of the pool), KV blocks indexed by content |
+| `jhybrid:output_delivery_seconds{stage}` | histogram | a step's outputs on their way to the streams: `engine_to_server` (the engine loop's emit -> the server process's receiver: pickling, the pipe, the receiver's wait for the GIL), `server_queue` (the receiver -> the event loop running the hand-off to each stream) |
+| `jhybrid:event_loop_lag_seconds` | histogram | how late the event loop runs a timer it set 5 ms ahead: the longest it leaves streams unserved |
 | `jhybrid:request_success_total{finished_reason}` | counter | finished requests: stop, length, abort, error |
 | `jhybrid:http_requests_total{method,route,status}` | counter | HTTP responses (rejections included) |
 | `jhybrid:startup_programs_compiled`, `jhybrid:startup_compile_seconds` | gauge | programs compiled (or loaded) before ready, and the seconds it took |
@@ -47,6 +49,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0)
+DELIVERY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015,
+                    0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -67,6 +71,13 @@ class EngineMetrics:
         self.ttft = hist("jhybrid:time_to_first_token_seconds", "Time to first token (s).", TTFT_BUCKETS)
         self.itl = hist("jhybrid:inter_token_latency_seconds", "Time between successive tokens of a request (s).", ITL_BUCKETS)
         self.e2e = hist("jhybrid:e2e_request_latency_seconds", "Request latency from arrival to finish (s).", E2E_BUCKETS)
+        delivery = Histogram("jhybrid:output_delivery_seconds", "Engine emit -> server receiver (engine_to_server), "
+                             "receiver -> event loop hand-off (server_queue) (s).", ["model_name", "stage"],
+                             buckets=DELIVERY_BUCKETS, registry=r)
+        self.delivery_pipe = delivery.labels(model_name=model_name, stage="engine_to_server")
+        self.delivery_queue = delivery.labels(model_name=model_name, stage="server_queue")
+        self.loop_lag = hist("jhybrid:event_loop_lag_seconds", "How late the event loop ran a timer (s).",
+                             DELIVERY_BUCKETS)
         self.running = gauge("jhybrid:num_requests_running", "Requests being computed.")
         self.waiting = gauge("jhybrid:num_requests_waiting", "Requests waiting for admission.")
         self.preempted = gauge("jhybrid:num_requests_preempted", "Waiting requests that were preempted.")
