@@ -41,7 +41,7 @@ import logging
 import os
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from typing import NamedTuple
 
 import jax
@@ -599,26 +599,28 @@ class ModelRunner:
         return [(False, t, self.max_rows, True) for t in sorted({least, most})]
 
     def compile_all(self, grid: list[tuple[bool, int, int]], *, threads: int | None = None, progress=None) -> int:
-        """Compiles the programs of `grid` not compiled yet: traced here one by one, compiled by XLA on
-        `threads` threads at once (default: one per CPU core, at most 8). Returns how many it compiled."""
-        todo = [key for key in grid if key not in self._programs]
+        """Compiles the programs of `grid` not compiled yet: traced here one by one (tracing holds the GIL), each
+        handed to XLA on one of `threads` threads (default: one per CPU core, at most 8) as soon as it is traced,
+        so that tracing the next overlaps compiling the last; the largest token buckets first, so that the
+        longest compiles do not come last. Returns how many it compiled."""
+        todo = sorted((key for key in grid if key not in self._programs), key=lambda key: -key[1])
         if not todo:
             return 0
         threads = threads or max(1, min(8, os.cpu_count() or 1, len(todo)))
         t0 = time.perf_counter()
 
-        lowered = []
-        for key in todo:  # tracing holds the GIL: one at a time
-            t1 = time.perf_counter()
-            lowered.append((key, self._lower(*key)))
-            self.lower_seconds += time.perf_counter() - t1
-
-        def build(item):
-            key, low = item
+        def build(key, low):
             return key, low.compile()
 
         with ThreadPoolExecutor(threads, thread_name_prefix="jhybrid-compile") as pool:
-            for key, program in pool.map(build, lowered):
+            futures = []
+            for key in todo:  # a trace that raises leaves the pool's exit to wait for the compiles in flight
+                t1 = time.perf_counter()
+                low = self._lower(*key)
+                self.lower_seconds += time.perf_counter() - t1
+                futures.append(pool.submit(build, key, low))
+            for future in as_completed(futures):
+                key, program = future.result()
                 self._programs[key] = program
                 if progress is not None:
                     progress(key)
