@@ -32,7 +32,9 @@ leaves room for the wheel install and clean-up inside a 10-minute device call):
 3. Load, against the cached server, per concurrency c: `benchmarks.serve_load`'s request bodies and client
    (streaming /v1/completions, ignore_eos, greedy, ~`--prompt-tokens` tokens of prompt, `--max-tokens` new),
    max(4c, 32) requests after min(c, 8) warm-up ones, at most c in flight, under a deadline (requests still
-   open then are cancelled and counted). /metrics before and after (saved to the out folder): programs
+   open then are cancelled and counted). The client runs in a process of its own (this one reads the servers'
+   logs on threads, which would share its GIL), and reports where long gaps come from: tokens the server merged
+   into one event, events read back to back, and its own event loop's lag. /metrics before and after (saved to the out folder): programs
    compiled after ready (`jhybrid:programs_compiled_after_ready_total`, expected 0), and the fresh XLA
    compiles the server's log shows meanwhile.
 4. Offline, after the server has stopped: `jhybrid.LLM(DIR, max_num_seqs=64, max_model_len=2048)` (the
@@ -66,12 +68,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
 import importlib.metadata
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -557,10 +561,12 @@ def start_server(label: str, cmd_tail: list[str], env: dict, out: Path, timeout:
 
 
 # ===================================================================================== load
-async def load_run(port: int, a: argparse.Namespace, deadline: float) -> tuple[list, float, int, list, float]:
+async def load_run(port: int, a: argparse.Namespace, deadline: float,
+                   lags: list | None = None) -> tuple[list, float, int, list, float]:
     """serve_load's request list (same order of draws as its run_load) under a deadline: returns the
     finished results, the wall time, the number cancelled, the warm-up results and the perf_counter time the
-    timed requests started at."""
+    timed requests started at. `lags` gets how late this event loop ran a timer set LAG_PERIOD_S ahead, during
+    the timed requests (the client's own share of the gaps it measures)."""
     from benchmarks.serve_load import make_body, one_request
 
     rng = random.Random(a.seed)
@@ -584,13 +590,36 @@ async def load_run(port: int, a: argparse.Namespace, deadline: float) -> tuple[l
         await asyncio.gather(*pending, return_exceptions=True)
     left = deadline - (time.perf_counter() - t0)
     start = time.perf_counter()
+    monitor = asyncio.ensure_future(_watch_lag(lags)) if lags is not None else None
     tasks = [asyncio.ensure_future(bounded(p, b, done)) for p, b in requests]
     _, pending = await asyncio.wait(tasks, timeout=max(1.0, left))
     wall = time.perf_counter() - start
+    if monitor is not None:
+        monitor.cancel()
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     return done, wall, len(pending), warm, start
+
+
+def client_main(port: int, a: argparse.Namespace, timeout: float) -> tuple[tuple, list[float], float]:
+    """`load_run` in a process of its own: (its result, the client loop's lags, the cores this process used)."""
+    lags: list[float] = []
+    c0, t0 = time.process_time(), time.perf_counter()
+    out = asyncio.run(load_run(port, a, timeout, lags))
+    return out, lags, (time.process_time() - c0) / (time.perf_counter() - t0)
+
+
+LAG_PERIOD_S = 0.005
+BACK_TO_BACK_S = 0.0005  # a gap this short between two events of one stream: they were read together
+
+
+async def _watch_lag(out: list) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + LAG_PERIOD_S
+        await asyncio.sleep(LAG_PERIOD_S)
+        out.append(max(0.0, loop.time() - due))
 
 
 def wait_idle(port: int, timeout: float) -> bool:
@@ -650,11 +679,12 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     before, (x0, h0) = parse_metrics(before_text), st.child.counts()
     pid = st.child.proc.pid
     engines = child_pids(pid)  # the engine process, when the engine runs in one
-    cpu0, t0, client0 = thread_cpu(pid), time.perf_counter(), time.process_time()
+    cpu0, t0 = thread_cpu(pid), time.perf_counter()
     ecpu0 = {e: thread_cpu(e) for e in engines}
-    results, wall, cancelled, warm, start = asyncio.run(load_run(port, a, timeout))
+    # the client in a process of its own: here the servers' log readers would share its GIL and delay its reads
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        (results, wall, cancelled, warm, start), lags, client_cores = pool.submit(client_main, port, a, timeout).result()
     elapsed = time.perf_counter() - t0
-    client_cores = (time.process_time() - client0) / elapsed  # this process: the load's client (and log readers)
     cpu = thread_cpu_delta(pid, cpu0, thread_cpu(pid), elapsed)
     cpu["engine_processes"] = [thread_cpu_delta(e, ecpu0[e], thread_cpu(e), elapsed) for e in engines]
     after_text = http_get(port, "/metrics", 10)[1]
@@ -671,6 +701,13 @@ def load_phase(st: Startup, c: int, a: argparse.Namespace, timeout: float, out: 
     s["tpot_s"] = percentiles([(r.e2e - r.ttft) / (r.num_output_tokens - 1) for r in results
                                if r.ok and r.num_output_tokens > 1])
     s["num_gaps_over_1s"] = sum(1 for x in itls if x > 1.0)
+    # where a long gap comes from: tokens the server sent merged into one event (its stream fell a step behind), or
+    # events read back to back here (delayed between the server's write and this client's read)
+    tokens = sum(r.num_output_tokens for r in results if r.ok)
+    s["num_merged_tokens"] = tokens - sum(r.num_events for r in results if r.ok)
+    s["num_back_to_back"] = sum(1 for x in itls if x < BACK_TO_BACK_S)
+    s["num_itls"] = len(itls)
+    s["client_loop_lag_s"] = percentiles(lags)
 
     def delta(name):
         b, e = metric(before, name), metric(after, name)
@@ -921,6 +958,10 @@ def main(argv=None) -> int:
                     f"compiled after ready {fmt(s['after_ready_compiled'], '.0f')} (XLA log {s['xla_compiles']}); "
                     f"server ITL histogram p50/p99 <= {fmt(s['server_itl_hist'].get('p50'), '.1f', 1e3)}/"
                     f"{fmt(s['server_itl_hist'].get('p99'), '.1f', 1e3)} ms")
+                log(f"[load] c={c}: {s['num_merged_tokens']} tokens came merged into another's event, "
+                    f"{s['num_back_to_back']} of {s['num_itls']} gaps < {BACK_TO_BACK_S * 1e3:.1f} ms (read together); "
+                    f"client loop lag p50/p99 {fmt(s['client_loop_lag_s'].get('p50'), '.2f', 1e3)}/"
+                    f"{fmt(s['client_loop_lag_s'].get('p99'), '.2f', 1e3)} ms")
                 d = s["delivery_hist"]
                 log(f"[load] c={c}: delivery p50/p99 <= engine->server {fmt(d['engine_to_server'].get('p50'), '.2f', 1e3)}/"
                     f"{fmt(d['engine_to_server'].get('p99'), '.2f', 1e3)} ms, server queue "

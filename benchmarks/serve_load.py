@@ -46,6 +46,7 @@ class Result:
     num_prompt_tokens: int = 0  # from the final usage event (stream_options.include_usage)
     num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (prefix caching)
     token_ids: list[int] = dataclasses.field(default_factory=list)  # with logprobs, on a server without tokenizer
+    num_events: int = 0  # events that carried output (fewer than the tokens when the server merged deltas)
 
 
 async def _read_events(reader: asyncio.StreamReader, chunked: bool):
@@ -110,6 +111,7 @@ async def one_request(host: str, port: int, path: str, body: dict, api_key: str 
                     res.token_ids += [int(t[9:]) for t in tokens if t.startswith("token_id:")]
                     if text or tokens:
                         now = time.perf_counter()
+                        res.num_events += 1
                         if last is None:
                             res.ttft = now - start
                         else:
