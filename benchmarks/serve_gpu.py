@@ -72,6 +72,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -302,6 +303,69 @@ def worker_build(args) -> int:
 
 
 # ===================================================================================== worker: offline
+def closed_loop(eng, prompts: list, c: int, params, tag: str, trace: bool = False) -> dict:
+    """`prompts` (text or token ids) through the engine with at most `c` requests in flight (the offline twin of
+    the load client): throughput, the per-request ITL as a client would see it, the median all-decode step and,
+    with `trace`, the engine's step log and the runner's call log summarized (`benchmarks.step_trace`). Request
+    ids are `tag`-i."""
+    queue, inflight = list(enumerate(prompts)), {}
+    step_times, n_out, n_prompt, first = [], 0, 0, None
+    itls, seen = [], {}  # per request: time between successive output tokens, as a client would see them
+    digest: dict[int, tuple] = {}
+    if trace:
+        eng.step_log, eng.runner.call_log = [], []
+    start = last = time.perf_counter()
+    while queue or inflight:
+        while queue and len(inflight) < c:
+            i, p = queue.pop(0)
+            rid = f"{tag}-{i}"
+            inflight[rid] = eng.add_request(rid, p, params)
+        sched = eng.scheduler
+        decode_only = (bool(sched.running) and not sched.waiting
+                       and all(s.num_uncomputed <= 1 for s in sched.running))
+        eng.step()
+        now = time.perf_counter()
+        if decode_only:
+            step_times.append(now - last)
+        last = now
+        for rid, seq in inflight.items():
+            n = len(seq.output_ids)
+            prev = seen.get(rid)
+            if prev is None or n > prev[0]:
+                if prev is not None and prev[0] > 0:
+                    itls.append(now - prev[1])
+                seen[rid] = (n, now)
+        for rid, seq in list(inflight.items()):
+            if seq.is_finished:
+                if seq.error:
+                    raise RuntimeError(f"offline request failed: {seq.error}")
+                n_out += len(seq.output_ids)
+                n_prompt += len(seq.prompt_ids)
+                first = first or list(seq.output_ids[:16])
+                digest[int(rid.rsplit("-", 1)[1])] = tuple(seq.output_ids)  # by prompt, not by this run's tag
+                eng.release(rid)
+                del inflight[rid]
+    while eng.has_unfinished():
+        eng.step()
+    wall = time.perf_counter() - start
+    steps = sorted(step_times)
+    from benchmarks.serve_load import percentiles
+    from benchmarks.step_trace import summarize
+
+    extra = {"itl_s": percentiles(itls)}
+    if eng.step_log is not None:
+        from benchmarks.step_trace import summarize_calls
+
+        extra["steps"] = summarize([list(r) for r in eng.step_log])
+        extra["calls"] = summarize_calls([list(r) for r in eng.runner.call_log])
+        eng.step_log = eng.runner.call_log = None
+    return {**extra, "num_requests": len(prompts), "wall_s": wall, "output_tokens_per_s": n_out / wall,
+            "num_output_tokens": n_out, "mean_prompt_tokens": n_prompt / max(1, len(prompts)),
+            "inloop_decode_step_ms": steps[len(steps) // 2] * 1e3 if steps else float("nan"),
+            "num_decode_steps": len(steps), "first_output_ids": first,
+            "outputs_sha1": hashlib.sha1(repr(sorted(digest.items())).encode()).hexdigest()}
+
+
 def worker_offline(args) -> int:
     """Offline baseline; reads a spec JSON, writes results to spec['out'] after every measurement."""
     spec = json.loads(Path(args.spec).read_text())
@@ -332,61 +396,9 @@ def worker_offline(args) -> int:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     run_id = [0]
 
-    def closed_loop(prompts: list[str], c: int) -> dict:
+    def run(prompts: list[str], c: int) -> dict:
         run_id[0] += 1
-        queue, inflight = list(enumerate(prompts)), {}
-        step_times, n_out, n_prompt, first = [], 0, 0, None
-        itls, seen = [], {}  # per request: time between successive output tokens, as a client would see them
-        if spec.get("step_log"):
-            eng.step_log, eng.runner.call_log = [], []
-        start = last = time.perf_counter()
-        while queue or inflight:
-            while queue and len(inflight) < c:
-                i, p = queue.pop(0)
-                rid = f"r{run_id[0]}-{i}"
-                inflight[rid] = eng.add_request(rid, p, params)
-            sched = eng.scheduler
-            decode_only = (bool(sched.running) and not sched.waiting
-                           and all(s.num_uncomputed <= 1 for s in sched.running))
-            eng.step()
-            now = time.perf_counter()
-            if decode_only:
-                step_times.append(now - last)
-            last = now
-            for rid, seq in inflight.items():
-                n = len(seq.output_ids)
-                prev = seen.get(rid)
-                if prev is None or n > prev[0]:
-                    if prev is not None and prev[0] > 0:
-                        itls.append(now - prev[1])
-                    seen[rid] = (n, now)
-            for rid, seq in list(inflight.items()):
-                if seq.is_finished:
-                    if seq.error:
-                        raise RuntimeError(f"offline request failed: {seq.error}")
-                    n_out += len(seq.output_ids)
-                    n_prompt += len(seq.prompt_ids)
-                    first = first or list(seq.output_ids[:16])
-                    eng.release(rid)
-                    del inflight[rid]
-        while eng.has_unfinished():
-            eng.step()
-        wall = time.perf_counter() - start
-        steps = sorted(step_times)
-        from benchmarks.serve_load import percentiles
-        from benchmarks.step_trace import summarize
-
-        extra = {"itl_s": percentiles(itls)}
-        if eng.step_log is not None:
-            from benchmarks.step_trace import summarize_calls
-
-            extra["steps"] = summarize([list(r) for r in eng.step_log])
-            extra["calls"] = summarize_calls([list(r) for r in eng.runner.call_log])
-            eng.step_log = eng.runner.call_log = None
-        return {**extra, "num_requests": len(prompts), "wall_s": wall, "output_tokens_per_s": n_out / wall,
-                "num_output_tokens": n_out, "mean_prompt_tokens": n_prompt / max(1, len(prompts)),
-                "inloop_decode_step_ms": steps[len(steps) // 2] * 1e3 if steps else float("nan"),
-                "num_decode_steps": len(steps), "first_output_ids": first}
+        return closed_loop(eng, prompts, c, params, f"r{run_id[0]}", trace=bool(spec.get("step_log")))
 
     def batch_run(prompts: list[str], n: int) -> tuple[float, float]:
         """All of `prompts` at once with max_tokens=n: (wall s, median ms of the steps with every row decoding)."""
@@ -415,7 +427,7 @@ def worker_offline(args) -> int:
     for c, n in zip(spec["concurrencies"], spec["num_requests"]):
         prompts = texts[:n]
         for rep in ("warm-up", "timed"):
-            r = closed_loop(prompts, c)
+            r = run(prompts, c)
             log(f"offline c={c:4d} {rep:8s}: {r['output_tokens_per_s']:9.1f} tok/s, {n} requests in "
                 f"{r['wall_s']:.2f} s, in-loop decode step {r['inloop_decode_step_ms']:.3f} ms, ITL p50/p99 "
                 f"{r['itl_s']['p50'] * 1e3:.2f}/{r['itl_s']['p99'] * 1e3:.2f} ms")
@@ -866,8 +878,13 @@ def main(argv=None) -> int:
             log(f"[build] {'tiny' if tiny else '2.2 B'} checkpoint -> {model_dir}")
             cmd = [sys.executable, "-m", "benchmarks.serve_gpu", "--worker", "build", "--model-dir", str(model_dir)]
             child = Child(cmd + (["--tiny"] if tiny else []), out / "build.log", env, echo=True)
-            rc = child.wait(budget.phase(240, reserve=MIN_COLD + MIN_CACHED + MIN_LOAD * len(conc) + MIN_OFFLINE))
+            limit = budget.phase(240, reserve=MIN_COLD + MIN_CACHED + MIN_LOAD * len(conc) + MIN_OFFLINE)
+            rc = child.wait(limit)
             child.kill()
+            if rc is None:  # the phases after it keep their reserves: a small --time-budget leaves the build seconds
+                raise RuntimeError(f"the build did not finish in the {limit:.0f} s the --time-budget left it; build "
+                                   f"first (`python -m benchmarks.serve_gpu --worker build --model-dir DIR`) and pass "
+                                   f"--model-dir DIR, or give a larger --time-budget")
             if rc != 0:
                 raise RuntimeError(f"the build failed (rc {rc}); see {out / 'build.log'}")
         else:

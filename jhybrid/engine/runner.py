@@ -275,6 +275,9 @@ class ModelRunner:
         self.dispatch_seconds = 0.0  # host time inside the step programs' calls (`LLMEngine.stats`)
         # a list to trace every program call into (benchmarks/step_trace.py), one CallRecord per call
         self.call_log: list[CallRecord] | None = None
+        # XLA options for the step programs compiled from now on (`Lowered.compile(compiler_options)`, e.g.
+        # {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}): benchmarks/compile_options.py compares them
+        self.compiler_options: dict[str, str | bool | int] | None = None
         self.lower_seconds = 0.0
         self.num_compiled_after_seal = 0
         self.compiled_shapes: set[tuple] = set()  # every (layout, decode, host layout) a step ran with
@@ -570,7 +573,7 @@ class ModelRunner:
                 log.warning("compiling a step program on the request path: decode=%s tokens=%d rows=%d prompt "
                             "logprobs=%s", decode, num_tokens, num_rows, plp)
             t0 = time.perf_counter()
-            program = self._programs[key] = self._lower(*key).compile()
+            program = self._programs[key] = self._lower(*key).compile(self.compiler_options)
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - t0
             freeze_startup_heap("step program compiled", collect=False)  # jax's new cache entries: heap.py
@@ -610,7 +613,7 @@ class ModelRunner:
         t0 = time.perf_counter()
 
         def build(key, low):
-            return key, low.compile()
+            return key, low.compile(self.compiler_options)
 
         with ThreadPoolExecutor(threads, thread_name_prefix="jhybrid-compile") as pool:
             futures = []
