@@ -213,6 +213,12 @@ def child_main() -> None:
     # reaches this process too, and dying by it would fail the requests the server is still draining.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The step program's call runs on the runner's dispatch thread and returns into Python while this process's
+    # engine loop builds and sends the last step's outputs: with Python's 5 ms switch interval the call may wait
+    # that long for the GIL. JHYBRID_ENGINE_SWITCH_INTERVAL (seconds) sets this process's interval, to measure
+    # that on the GPU (unmeasured yet; the server process's 1 ms, launch.py, was measured).
+    if os.environ.get("JHYBRID_ENGINE_SWITCH_INTERVAL"):
+        sys.setswitchinterval(float(os.environ["JHYBRID_ENGINE_SWITCH_INTERVAL"]))
     for path in reversed(json.loads(os.environ.pop("JHYBRID_ENGINE_SYS_PATH", "[]"))):
         if path not in sys.path:
             sys.path.insert(0, path)
