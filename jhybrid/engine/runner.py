@@ -326,9 +326,9 @@ class ModelRunner:
                 before.result()
             t0 = time.perf_counter()
             self._state = program(self._state, *args)
-            if self.call_log is not None:
-                self.call_log.append(CallRecord(getattr(program, "__name__", "state_op"), queued, t0,
-                                                time.perf_counter(), 0.0))
+            calls = self.call_log  # read once: the engine's thread may turn the log off meanwhile
+            if calls is not None:
+                calls.append(CallRecord(getattr(program, "__name__", "state_op"), queued, t0, time.perf_counter(), 0.0))
 
         self._pending = self._dispatcher().submit(run)
 
@@ -501,8 +501,9 @@ class ModelRunner:
         out, top_lp, top_ids, self._state, self.slot_tables.history, *plp_out = program(*args, **kwargs)
         t1 = time.perf_counter()
         self.dispatch_seconds += t1 - t0
-        if trace is not None and self.call_log is not None:
-            self.call_log.append(CallRecord(trace[0], trace[1], t0, t1, trace[2]))
+        calls = self.call_log  # read once: the engine's thread may turn the log off meanwhile
+        if trace is not None and calls is not None:
+            calls.append(CallRecord(trace[0], trace[1], t0, t1, trace[2]))
         return out, top_lp, top_ids, plp_out
 
     def _dispatcher(self) -> ThreadPoolExecutor:
