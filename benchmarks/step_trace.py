@@ -5,7 +5,8 @@
 `record` (the engine set-up hook, run where the engine runs: the engine process by default) turns on
 `LLMEngine.step_log` and the runner's `call_log` and writes them as JSON (`{"steps": [StepRecord fields...],
 "calls": [CallRecord fields...], "gc": [...]}`, perf_counter seconds) when that process exits normally (the
-server stopped by SIGTERM or SIGINT stops its engine in order). perf_counter is CLOCK_MONOTONIC on Linux, the same clock in every process, so a client's load window slices the log.
+server stopped by SIGTERM or SIGINT stops its engine in order). perf_counter is CLOCK_MONOTONIC on Linux, the
+same clock in every process, so a client's load window slices the log.
 
 `summarize(steps, t0, t1)` describes the steps that ended inside [t0, t1]: the interval between successive
 step ends (what a decoding row waits between two tokens when the engine is the only delay), split into steps
