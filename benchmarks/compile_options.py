@@ -9,16 +9,18 @@ workload's steps and program calls with each option set.
 
 Why one process: the batch-1 step moves by 1-2 ms between processes on the H200 (benchmarks/RESULTS.md, session 15),
 more than an option is worth. Here one engine (the 2.2 B Qwen3-Next-shaped model of benchmarks/generate.py, random
-bf16 weights, vocab 4096 as `benchmarks.serve_gpu` serves; `max_num_seqs=64`, `max_model_len=2048`) compiles its
-whole program grid once per variant ("default" first: no options; each `--variant` sets one or more options,
-`NAME=VALUE[,NAME=VALUE]`), each without the persistent cache, and runs each program once. Then `--rounds`
-rounds of `benchmarks.serve_gpu.closed_loop` (the offline twin of serve_gpu's load: `--requests` requests of
-~300-token random prompts, 64 new tokens, greedy, at most 64 in flight; `--cap` is
-`max_prefill_tokens_with_decodes`, 192 by default: the setting whose decode steps change program after runs of
-mixed steps) run the same requests with the variants' program tables swapped in turn, the state and weights
-shared. Reported per variant: compile seconds, output tokens/s, the ITL a client would see (P50/P99), the step
-intervals (P50/P99/max), the host time of the step programs' calls (per program: P50/P99/max) and whether the
-tokens equal the default's (they must: an option changes speed, not results).
+bf16 weights, vocab 4096 as `benchmarks.serve_gpu` serves; `max_num_seqs=64`, `max_model_len=2048`) compiles its whole
+program grid once per variant ("default" first: no options, XLA's defaults, not the engine's; each `--variant` sets
+one or more options, `NAME=VALUE[,NAME=VALUE]`), each without the persistent cache, and runs each program once. XLA
+keeps the GEMM autotuner's results in the process, so a variant compiled after another that met the same fusions
+compiles faster: only the first row's compile seconds are a cold start's (benchmarks.startup times each in a fresh
+process). Then `--rounds` rounds of `benchmarks.serve_gpu.closed_loop` (the offline twin of serve_gpu's load:
+`--requests` requests of ~300-token random prompts, 64 new tokens, greedy, at most 64 in flight; `--cap` is
+`max_prefill_tokens_with_decodes`, 192 by default: the setting whose decode steps change program after runs of mixed
+steps) run the same requests with the variants' program tables swapped in turn, the state and weights shared. Tokens
+may differ where an option changes the GEMMs' algorithms (bf16 rounding, near-tied logits of random weights). Reported
+per variant: compile seconds, output tokens/s, the ITL a client would see (P50/P99), the step intervals (P50/P99/max),
+the host time of the step programs' calls (per program: P50/P99/max) and whether the tokens equal the default's.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2, default=str)
-    return 0 if all(v["same_tokens"] for v in res["variants"].values()) else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -36,11 +36,14 @@ FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expe
 
 def pytest_configure(config):
     """One persistent compilation cache per test run, shared by its xdist workers and their subprocesses; fast
-    unoptimised XLA:CPU compiles (`FAST_COMPILE_FLAGS`; JHYBRID_TEST_OPTIMIZED=1 keeps XLA's defaults)."""
+    unoptimised XLA:CPU compiles (`FAST_COMPILE_FLAGS`; JHYBRID_TEST_OPTIMIZED=1 keeps XLA's defaults); the heap
+    not frozen per engine (`JHYBRID_GC_FREEZE=0`)."""
     if os.environ.get("JHYBRID_TEST_OPTIMIZED") != "1" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE_FLAGS}".strip()
     run = getattr(config, "workerinput", {}).get("testrunuid") or os.environ.get("JHYBRID_TEST_RUN") or uuid.uuid4().hex
     os.environ["JHYBRID_TEST_RUN"] = run
+    # no full collection and freeze per engine built (jhybrid/engine/heap.py; tests/test_heap.py turns it back on)
+    os.environ.setdefault("JHYBRID_GC_FREEZE", "0")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), f"jhybrid-test-jax-cache-{run}")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.5"
     import jax

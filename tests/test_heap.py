@@ -6,8 +6,24 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
+
 from jhybrid.engine.llm_engine import LLMEngine
 from tests.conftest import ENGINE
+
+
+@pytest.fixture(autouse=True)
+def freezing(monkeypatch):
+    """The suite turns the freeze off (tests/conftest.py); these tests are of the freeze."""
+    monkeypatch.setenv("JHYBRID_GC_FREEZE", "1")
+
+
+def test_the_freeze_can_be_turned_off(tiny, monkeypatch):
+    """`JHYBRID_GC_FREEZE=0`: an engine built leaves nothing frozen (fails if the switch is ignored)."""
+    monkeypatch.setenv("JHYBRID_GC_FREEZE", "0")
+    gc.unfreeze()
+    engine = LLMEngine(tiny[1], **ENGINE)
+    assert gc.get_freeze_count() == 0 and not _frozen(engine.scheduler)
 
 
 class _Node:

@@ -137,3 +137,13 @@ def test_logit_bias_moves_the_choice_and_not_the_logprobs(model):
     assert [o.token_ids for o in outs] == [[second], [first]]
     (after,) = llm.generate([prompt], SamplingParams(max_tokens=1, **GREEDY))
     assert after.token_ids == [first]
+
+
+def test_step_programs_use_cublas_gemms_on_the_gpu_unless_xla_flags_say(monkeypatch):
+    # Fails if the GPU default is dropped (the first assert) or if it overrides a user's XLA_FLAGS (the last).
+    from jhybrid.engine.runner import default_compiler_options
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=4")
+    assert default_compiler_options("gpu") == {"xla_gpu_enable_triton_gemm": False}
+    assert default_compiler_options("cpu") is None
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
+    assert default_compiler_options("gpu") is None

@@ -79,6 +79,16 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 _ROW_MATRICES = {"block_tables": lambda m: m, "recent": lambda m: MAX_BAN_TOKENS - 1}  # [B, ...] fields
 
 
+def default_compiler_options(backend: str) -> dict[str, str | bool | int] | None:
+    """XLA options for the step programs on `backend`. On the GPU: matmuls through cuBLAS, not Triton GEMM
+    fusions (`xla_gpu_enable_triton_gemm=false`): the autotuner then only picks among cuBLAS algorithms, which cut
+    the step programs' cold compilation by about a third on the H200 with the steps as fast (benchmarks/
+    RESULTS.md, "Session 18"). An `xla_gpu_enable_triton_gemm` in XLA_FLAGS is the user's choice and is kept."""
+    if backend != "gpu" or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
+        return None
+    return {"xla_gpu_enable_triton_gemm": False}
+
+
 def _pow2(n: int, minimum: int) -> int:
     return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
@@ -277,7 +287,7 @@ class ModelRunner:
         self.call_log: list[CallRecord] | None = None
         # XLA options for the step programs compiled from now on (`Lowered.compile(compiler_options)`, e.g.
         # {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}): benchmarks/compile_options.py compares them
-        self.compiler_options: dict[str, str | bool | int] | None = None
+        self.compiler_options = default_compiler_options(jax.default_backend())
         self.lower_seconds = 0.0
         self.num_compiled_after_seal = 0
         self.compiled_shapes: set[tuple] = set()  # every (layout, decode, host layout) a step ran with
