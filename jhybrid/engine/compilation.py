@@ -34,14 +34,23 @@ def default_cache_dir() -> str:
 def enable_compilation_cache(path: str | None = None) -> str:
     """Turns on JAX's persistent compilation cache in `path` (created if missing; default
     `default_cache_dir()`) for every program, however quick to compile, so a second start of the same
-    engine loads its programs from disk. Process-wide (a JAX setting). Returns the folder."""
+    engine loads its programs from disk, and the step-program cache of engines built from now on
+    (`jhybrid.engine.program_cache`, in `path`/programs: a start finds them without tracing). Process-wide (a JAX
+    setting). Returns the folder."""
     path = os.path.abspath(os.path.expanduser(path or default_cache_dir()))
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    global program_cache_dir
+    program_cache_dir = os.path.join(path, "programs")
     log.info("JAX compilation cache: %s", path)
     return path
+
+
+# where engines built from now on keep their step programs' executables (`jhybrid.engine.program_cache`), set by
+# `enable_compilation_cache`; None: no such cache
+program_cache_dir: str | None = None
 
 
 class CompileWatch:

@@ -210,11 +210,12 @@ class LLMEngine:
             except (ImportError, ValueError) as e:
                 log.warning("structured output is unavailable: %s", e)
         self._after_ready = CompileWatch()  # every program the process compiles from now on
-        self.startup_programs_compiled += watch.count
+        hits = self.runner.program_cache.hits if self.runner.program_cache else 0  # loaded without XLA's event
+        self.startup_programs_compiled += watch.count + hits
         self.startup_compile_seconds += time.perf_counter() - t0
         freeze_startup_heap("warmup")
-        log.info("start-up compilation: %d programs (%d step programs) compiled or loaded in %.1f s", watch.count,
-                 len(grid), time.perf_counter() - t0)
+        log.info("start-up compilation: %d programs (%d step programs, %d of them from the step-program cache) "
+                 "compiled or loaded in %.1f s", watch.count + hits, len(grid), hits, time.perf_counter() - t0)
         return compiled
 
     def _host_tier(self, config: EngineConfig, max_num_batched_tokens: int, needs_cost: bool = False):

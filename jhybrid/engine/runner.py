@@ -288,6 +288,16 @@ class ModelRunner:
         # XLA options for the step programs compiled from now on (`Lowered.compile(compiler_options)`, e.g.
         # {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}): benchmarks/compile_options.py compares them
         self.compiler_options = default_compiler_options(jax.default_backend())
+        # step programs found on disk without tracing (jhybrid/engine/program_cache.py): on where
+        # `enable_compilation_cache` was called before this engine was built, on one GPU (XLA:CPU crashes running
+        # the second of two step executables deserialised in one process)
+        from jhybrid.engine import compilation
+
+        self.program_cache = None
+        if compilation.program_cache_dir is not None and self.mesh is None and jax.default_backend() == "gpu":
+            from jhybrid.engine.program_cache import ProgramCache
+
+            self.program_cache = ProgramCache(compilation.program_cache_dir)
         self.lower_seconds = 0.0
         self.num_compiled_after_seal = 0
         self.compiled_shapes: set[tuple] = set()  # every (layout, decode, host layout) a step ran with
@@ -566,14 +576,39 @@ class ModelRunner:
         return mask, True
 
     # ----------------------------------------------------------------- programs
-    def _lower(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
+    def _step_args(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
+        """engine_step's arguments for bucket (decode, num_tokens, num_rows, plp): (args, kwargs)."""
         layout = (num_tokens, num_rows, self.max_blocks)
         meta = jax.ShapeDtypeStruct((meta_size(layout),), jnp.int32)
         extra = dict(plp_meta=jax.ShapeDtypeStruct((num_tokens + 1,), jnp.int32)) if plp else {}
         extra["token_mask"] = jax.ShapeDtypeStruct((num_rows, bitmask_width(self.cfg.vocab_size)), jnp.int32)
-        return engine_step.lower(self.cfg, self.params, self.state, meta, self._no_prev, self.slot_tables.tables,
-                                 self.slot_tables.history, **extra, layout=layout, decode=decode,
-                                 max_rows=self.max_rows, mesh=self.mesh)
+        return ((self.cfg, self.params, self.state, meta, self._no_prev, self.slot_tables.tables,
+                 self.slot_tables.history),
+                dict(**extra, layout=layout, decode=decode, max_rows=self.max_rows, mesh=self.mesh))
+
+    def _lower(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
+        args, kwargs = self._step_args(decode, num_tokens, num_rows, plp)
+        return engine_step.lower(*args, **kwargs)
+
+    def _cache_key(self, key: tuple) -> str | None:
+        """The step-program cache's key of bucket `key` (None: no cache)."""
+        if self.program_cache is None:
+            return None
+        (cfg, *args), kwargs = self._step_args(*key)
+        static = (repr(cfg), key, tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k in ("layout", "decode",
+                  "max_rows"))), repr(sorted((self.compiler_options or {}).items())))
+        return self.program_cache.key(static, (args, {k: v for k, v in kwargs.items() if k in ("plp_meta", "token_mask")}))
+
+    def _cached(self, key: tuple):
+        """(the program of bucket `key` from the step-program cache or None, its cache key or None)."""
+        cache_key = self._cache_key(key)
+        return (None if cache_key is None else self.program_cache.load(cache_key)), cache_key
+
+    def _compile(self, low, cache_key: str | None):
+        program = low.compile(self.compiler_options)
+        if cache_key is not None:
+            self.program_cache.store(cache_key, program)
+        return program
 
     def _program(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
         key = _key(decode, num_tokens, num_rows, plp)
@@ -584,7 +619,10 @@ class ModelRunner:
                 log.warning("compiling a step program on the request path: decode=%s tokens=%d rows=%d prompt "
                             "logprobs=%s", decode, num_tokens, num_rows, plp)
             t0 = time.perf_counter()
-            program = self._programs[key] = self._lower(*key).compile(self.compiler_options)
+            program, cache_key = self._cached(key)
+            if program is None:
+                program = self._compile(self._lower(*key), cache_key)
+            self._programs[key] = program
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - t0
             freeze_startup_heap("step program compiled", collect=False)  # jax's new cache entries: heap.py
@@ -623,16 +661,28 @@ class ModelRunner:
         threads = threads or max(1, min(8, os.cpu_count() or 1, len(todo)))
         t0 = time.perf_counter()
 
-        def build(key, low):
-            return key, low.compile(self.compiler_options)
+        def build(key, low, cache_key):
+            return key, self._compile(low, cache_key)
 
+        def load(key):
+            return key, self.program_cache.load(cache_keys[key])
+
+        cache_keys = {key: self._cache_key(key) for key in todo}
         with ThreadPoolExecutor(threads, thread_name_prefix="jhybrid-compile") as pool:
             futures = []
-            for key in todo:  # a trace that raises leaves the pool's exit to wait for the compiles in flight
+            if self.program_cache is not None:  # found on disk: no tracing (jhybrid/engine/program_cache.py)
+                for future in as_completed([pool.submit(load, key) for key in todo]):
+                    key, program = future.result()
+                    if program is not None:
+                        self._programs[key] = program
+                        if progress is not None:
+                            progress(key)
+            for key in [k for k in todo if k not in self._programs]:
+                # a trace that raises leaves the pool's exit to wait for the compiles in flight
                 t1 = time.perf_counter()
                 low = self._lower(*key)
                 self.lower_seconds += time.perf_counter() - t1
-                futures.append(pool.submit(build, key, low))
+                futures.append(pool.submit(build, key, low, cache_keys[key]))
             for future in as_completed(futures):
                 key, program = future.result()
                 self._programs[key] = program
