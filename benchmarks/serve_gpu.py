@@ -303,6 +303,11 @@ def worker_build(args) -> int:
 
 
 # ===================================================================================== worker: offline
+def all_decoding(sched) -> bool:
+    """Whether the next step decodes only: rows running, none waiting, each with one token left to feed."""
+    return bool(sched.running) and not sched.waiting and all(s.num_uncomputed <= 1 for s in sched.running)
+
+
 def closed_loop(eng, prompts: list, c: int, params, tag: str, trace: bool = False) -> dict:
     """`prompts` (text or token ids) through the engine with at most `c` requests in flight (the offline twin of
     the load client): throughput, the per-request ITL as a client would see it, the median all-decode step and,
@@ -320,9 +325,7 @@ def closed_loop(eng, prompts: list, c: int, params, tag: str, trace: bool = Fals
             i, p = queue.pop(0)
             rid = f"{tag}-{i}"
             inflight[rid] = eng.add_request(rid, p, params)
-        sched = eng.scheduler
-        decode_only = (bool(sched.running) and not sched.waiting
-                       and all(s.num_uncomputed <= 1 for s in sched.running))
+        decode_only = all_decoding(eng.scheduler)
         eng.step()
         now = time.perf_counter()
         if decode_only:
@@ -408,9 +411,7 @@ def worker_offline(args) -> int:
         step_times, start = [], time.perf_counter()
         last = start
         while eng.has_unfinished():
-            sched = eng.scheduler
-            full = (len(sched.running) == len(prompts) and not sched.waiting
-                    and all(s.num_uncomputed <= 1 for s in sched.running))
+            full = all_decoding(eng.scheduler) and len(eng.scheduler.running) == len(prompts)
             eng.step()
             now = time.perf_counter()
             if full:

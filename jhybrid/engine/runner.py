@@ -595,9 +595,9 @@ class ModelRunner:
         if self.program_cache is None:
             return None
         (cfg, *args), kwargs = self._step_args(*key)
-        static = (repr(cfg), key, tuple(sorted((k, repr(v)) for k, v in kwargs.items() if k in ("layout", "decode",
-                  "max_rows"))), repr(sorted((self.compiler_options or {}).items())))
-        return self.program_cache.key(static, (args, {k: v for k, v in kwargs.items() if k in ("plp_meta", "token_mask")}))
+        arrays = {k: kwargs.pop(k) for k in ("plp_meta", "token_mask") if k in kwargs}  # the rest is static
+        static = (repr(cfg), repr(sorted(kwargs.items())), repr(sorted((self.compiler_options or {}).items())))
+        return self.program_cache.key(static, (args, arrays))
 
     def _cached(self, key: tuple):
         """(the program of bucket `key` from the step-program cache or None, its cache key or None)."""
