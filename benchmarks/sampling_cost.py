@@ -15,7 +15,8 @@ engine, in the same process, so greedy is the same-run baseline. Also printed: p
 The wall time of a step is the device step or the engine's host work, whichever is longer, and on a busy host
 it moves by +-15% between identical settings (RESULTS.md). `--trace DIR` also runs each setting's second pass
 under the JAX profiler and reports the GPU kernel time per decode step: the kernels that start between the first
-and the last decode-only step, divided by the steps. The controls change only the device's sampling work, so
+and the last decode-only step, divided by the steps, and for each setting the kernels whose time grew most
+against greedy. The controls change only the device's sampling work, so
 that column is the one to compare.
 """
 
@@ -39,7 +40,7 @@ def settings(vocab: int) -> dict:
     every = dict(sampled, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
                  min_tokens=64, logit_bias={int(t): 2.0 for t in rng.integers(0, vocab, 50)},
                  bad_words=["LORD", "Egypt"], allowed_token_ids=rng.integers(0, vocab, 20000).tolist(), logprobs=5)
-    return {
+    chosen = {
         "greedy": dict(temperature=0.0),
         "sampled (temperature, top-k, top-p)": sampled,
         "penalties (presence, frequency, repetition)": dict(temperature=0.0, presence_penalty=0.5,
@@ -50,11 +51,15 @@ def settings(vocab: int) -> dict:
                                                           logit_bias=every["logit_bias"], bad_words=["LORD", "Egypt"]),
         "every control": every,
         "greedy again (run-to-run noise)": dict(temperature=0.0),
-        # structured output: the step after one with constrained rows is dispatched only once those rows' tokens
-        # are read and their masks built (no pipelining while they run)
-        "structured output (JSON schema, every row)": dict(temperature=0.0, structured_outputs=_structured()),
-        "structured output (JSON schema, sampled)": dict(sampled, structured_outputs=_structured()),
     }
+    # structured output: the step after one with constrained rows is dispatched only once those rows' tokens are
+    # read and their masks built (no pipelining while they run); left out where xgrammar is not installed
+    try:
+        chosen["structured output (JSON schema, every row)"] = dict(temperature=0.0, structured_outputs=_structured())
+        chosen["structured output (JSON schema, sampled)"] = dict(sampled, structured_outputs=_structured())
+    except ImportError as e:
+        print(f"structured output settings left out: {e}", flush=True)
+    return chosen
 
 
 def _structured():
@@ -100,7 +105,8 @@ def main(argv=None) -> int:
         line = f"{name:45s} {res['ms'][name]:7.3f} ms / step ({len(times)} all-decode steps)"
         if args.trace:
             folder = os.path.join(args.trace, f"setting{len(res['ms'])}")
-            res.setdefault("kernel_ms", {})[name] = kernel_ms_per_decode_step(eng, prompts, sp, folder)
+            res.setdefault("kernel_ms", {})[name], by_kernel = kernel_ms_per_decode_step(eng, prompts, sp, folder)
+            res.setdefault("kernel_ms_by_name", {})[name] = by_kernel
             line += f"   kernels {res['kernel_ms'][name]:7.3f} ms / step"
         print(line, flush=True)
     base = res["ms"]["greedy"]
@@ -114,14 +120,22 @@ def main(argv=None) -> int:
         if kernels:
             line += f" {kernels[name]:10.3f} {kernels[name] / kernels['greedy'] - 1:+10.1%}"
         print(line)
+    if kernels:  # where each setting's extra kernel time goes: the kernels that grew most against greedy
+        base_k = res["kernel_ms_by_name"]["greedy"]
+        for name, by_kernel in res["kernel_ms_by_name"].items():
+            if name == "greedy":
+                continue
+            grew = sorted(((ms - base_k.get(k, 0.0), k) for k, ms in by_kernel.items()), reverse=True)[:6]
+            print(f"{name}: " + "; ".join(f"{k[:60]} +{d:.3f}" for d, k in grew if d > 0.005))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     return 0
 
 
-def kernel_ms_per_decode_step(eng, prompts, sp, folder: str) -> float:
-    """GPU kernel time per decode step of `prompts` under `sp`: the engine runs them to the end under the JAX
+def kernel_ms_per_decode_step(eng, prompts, sp, folder: str) -> tuple[float, dict[str, float]]:
+    """GPU kernel time per decode step of `prompts` under `sp`, in all and by kernel name: the engine runs them to
+    the end under the JAX
     profiler; the kernels that start inside the window of decode-only steps (marked by a host annotation around
     each `step()`, on the profiler's clock) are summed and divided by the steps in it. The engine dispatches a
     step before it reads the last one, so the window is one step off at each end; over ~60 steps that is noise."""
@@ -145,13 +159,14 @@ def kernel_ms_per_decode_step(eng, prompts, sp, folder: str) -> float:
     gpu = {pid for pid, n in names.items() if "GPU" in n.upper() and "HOST" not in n.upper()} or set(names)
     marks = [e for e in events if e.get("ph") == "X" and e.get("name") == "decode_only_step"]
     if not marks:
-        return float("nan")
+        return float("nan"), {}
     start, end = min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
     busy = collections.Counter()
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu and start <= e["ts"] < end and e["name"] != "decode_only_step":
-            busy["all"] += e.get("dur", 0)
-    return busy["all"] / len(marks) / 1e3
+            busy[e["name"]] += e.get("dur", 0)
+    per_step = {name: us / len(marks) / 1e3 for name, us in busy.items()}
+    return sum(per_step.values()), per_step
 
 
 if __name__ == "__main__":
