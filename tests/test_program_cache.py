@@ -33,6 +33,7 @@ def _args():
     return (jnp.ones((4, 8), jnp.float32), {"s": jnp.zeros((3,), jnp.int32)})
 
 
+@pytest.mark.slow  # two subprocesses
 def test_key_is_the_same_in_another_process(tmp_path):
     """Two fresh processes (each with its own hash seed) give the bundled model's step programs the same keys,
     and different programs different keys. Failed before sets were written in sorted order (a frozenset
