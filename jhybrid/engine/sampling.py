@@ -340,18 +340,39 @@ def sample(
 GPU_TOPK_MAX_K = 16  # the largest k of XLA's GPU TopK kernel; a larger k is lowered to a sort of the whole row
 
 
-def top_k_exact(x: Float[Array, "B V"], k: int) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
-    """`lax.top_k(x, k)` (the same values and indices, ties in index order) for rows of finite values, as top-k
-    passes of at most `GPU_TOPK_MAX_K`: each takes the next best of the row with the ones found so far set to -inf.
+TOP_K_CHUNK = 0  # `top_k_exact` splits rows longer than two of these into chunks (0: never). Off until
+# benchmarks/topk.py has timed it on the GPU (written in session 18 after its last device call)
 
-    XLA's GPU TopK kernel takes k <= 16; above that `lax.top_k` sorts the whole row, and over a 152k vocabulary
-    that sort was most of what logprobs cost a decode step (benchmarks/RESULTS.md, "Sampling controls").
+
+def top_k_exact(x: Float[Array, "B V"], k: int, chunk: int | None = None) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
+    """`lax.top_k(x, k)` (the same values and indices, ties in index order) for rows of finite values.
+
+    A row longer than two `chunk`s (default `TOP_K_CHUNK`) is cut into chunks: the top k of every chunk, then the
+    top k of those candidates (laid out chunk after chunk, each chunk's in top-k order, so equal values keep their
+    index order). XLA's GPU TopK kernel took 0.33 ms for k = 16 of a [64, 151936] row set on the H200 (39 MB:
+    the bandwidth floor is ~0.01 ms; benchmarks/RESULTS.md, session 18); chunks give it many short rows. Each top k is taken
+    in passes of at most `GPU_TOPK_MAX_K` (the kernel's largest k; above it `lax.top_k` sorts the whole row), each
+    pass the next best with the ones found so far set to -inf.
     """
+    chunk = TOP_K_CHUNK if chunk is None else chunk
+    num_rows, width = x.shape
+    if not chunk or width <= 2 * chunk or k > chunk:
+        return _top_k_passes(x, k)
+    num_chunks = -(-width // chunk)
+    padded = jnp.pad(x, ((0, 0), (0, num_chunks * chunk - width)), constant_values=-jnp.inf)
+    values, ids = _top_k_passes(padded.reshape(num_rows * num_chunks, chunk), k)
+    ids = ids.reshape(num_rows, num_chunks, k) + (jnp.arange(num_chunks, dtype=ids.dtype) * chunk)[None, :, None]
+    best, at = _top_k_passes(values.reshape(num_rows, num_chunks * k), k)
+    return best, jnp.take_along_axis(ids.reshape(num_rows, num_chunks * k), at, axis=-1)
+
+
+def _top_k_passes(x: Float[Array, "B V"], k: int) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
+    """`lax.top_k(x, k)` as top-k passes of at most `GPU_TOPK_MAX_K` (see `top_k_exact`)."""
     if k <= GPU_TOPK_MAX_K:
         return jax.lax.top_k(x, k)
     values, ids = jax.lax.top_k(x, GPU_TOPK_MAX_K)
     rest = x.at[jnp.arange(x.shape[0])[:, None], ids].set(-jnp.inf)
-    more_values, more_ids = top_k_exact(rest, k - GPU_TOPK_MAX_K)
+    more_values, more_ids = _top_k_passes(rest, k - GPU_TOPK_MAX_K)
     return jnp.concatenate([values, more_values], axis=-1), jnp.concatenate([ids, more_ids], axis=-1)
 
 
