@@ -77,7 +77,22 @@ def main(argv=None) -> int:
     parser.add_argument("--trace", metavar="DIR", help="also measure GPU kernel time per decode step (JAX profiler "
                         "traces written under DIR)")
     parser.add_argument("--only", help="comma-separated prefixes of the settings to run (greedy always runs)")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                        help="set a module switch before the engine is built, e.g. "
+                             "jhybrid.engine.sampling.TOP_K_CHUNK=2048 (repeatable; the value is a Python literal)")
     args = parser.parse_args(argv)
+
+    import ast
+    import importlib
+
+    for item in args.set:
+        target, value = item.split("=", 1)
+        module, name = target.rsplit(".", 1)
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            parser.error(f"--set {item}: {module} has no {name}")
+        setattr(mod, name, ast.literal_eval(value))
+        print(f"{target} = {getattr(mod, name)!r}", flush=True)
 
     import jax
 
@@ -91,7 +106,8 @@ def main(argv=None) -> int:
                       warmup=True)
     eng = llm.engine
     prompts = [np.random.default_rng(i).integers(0, cfg.vocab_size, 256).tolist() for i in range(args.batch)]
-    res = {"device": str(jax.devices()[0].device_kind), "batch": args.batch, "vocab": cfg.vocab_size, "ms": {}}
+    res = {"device": str(jax.devices()[0].device_kind), "batch": args.batch, "vocab": cfg.vocab_size, "ms": {},
+           "set": args.set}
     chosen = settings(cfg.vocab_size)
     if args.only:
         prefixes = args.only.split(",")

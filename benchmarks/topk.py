@@ -1,10 +1,11 @@
-"""`jhybrid.engine.sampling.top_k_exact` on the device: rows cut into chunks of `--chunk` against the whole-row
-TopK passes (`chunk=0`, `TOP_K_CHUNK`'s default), at the logprob top-k of the sampler, checked equal first.
+"""`jhybrid.engine.sampling.top_k_exact` on the device: rows cut into chunks against the whole-row TopK passes
+(`chunk=0`, `TOP_K_CHUNK`'s default), checked equal first; and, for scale, the other full-vocabulary pieces of a
+sampled decode step (the top-k / top-p filter by radix passes and by candidates, `jax.random.categorical`, `log_softmax`).
 
-    PYTHONPATH=. python3 -m benchmarks.topk [--chunk 2048] [--json PATH]
+    PYTHONPATH=. python3 -m benchmarks.topk [--k 20,64] [--chunk 1024,2048,4096] [--json PATH]
 
-Shapes: batch 1, 64 and 256 rows (and 256 prompt positions, `prompt_logprobs`' chunk) of a 151,936-token vocabulary,
-float32, k = 20 (`MAX_LOGPROBS`); median of 50 timed calls after 5 warm-up calls, each call waited for.
+Shapes: 1, 64 and 256 rows of a 151,936-token vocabulary, float32. Each figure is the median over 7 rounds of
+(20 calls dispatched back to back, then waited for) / 20, after warm-up, so launch latency overlaps device time.
 """
 
 from __future__ import annotations
@@ -12,47 +13,99 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 
 import numpy as np
+
+
+def _chunks_by_lax(x, k, chunk):
+    import jax
+    import jax.numpy as jnp
+
+    from jhybrid.engine.sampling import top_k_exact
+
+    num_rows, width = x.shape
+    num_chunks = -(-width // chunk)
+    padded = jnp.pad(x, ((0, 0), (0, num_chunks * chunk - width)), constant_values=-jnp.inf)
+    values, ids = jax.lax.top_k(padded.reshape(num_rows * num_chunks, chunk), k)
+    ids = ids.reshape(num_rows, num_chunks, k) + (jnp.arange(num_chunks, dtype=ids.dtype) * chunk)[None, :, None]
+    best, at = top_k_exact(values.reshape(num_rows, num_chunks * k), k, 0)
+    return best, jnp.take_along_axis(ids.reshape(num_rows, num_chunks * k), at, axis=-1)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--k", default="20,64", help="comma-separated k values (20: the logprob top-k)")
+    ap.add_argument("--chunk", default="1024,2048,4096", help="comma-separated chunk widths to try")
+    ap.add_argument("--rows", default="1,64,256")
     a = ap.parse_args(argv)
     import jax
     import jax.numpy as jnp
 
-    from jhybrid.engine.sampling import MAX_LOGPROBS, top_k_exact
+    from jhybrid.engine.sampling import _filter_top_k_top_p, top_k_exact
 
-    def timed(fn, x):
-        for _ in range(5):
-            jax.block_until_ready(fn(x))
-        times = []
-        for _ in range(50):
+    def timed(fn, *args):
+        jax.block_until_ready(fn(*args))
+        rounds = []
+        for _ in range(7):
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times)) * 1e3
+            out = [fn(*args) for _ in range(20)]
+            jax.block_until_ready(out)
+            rounds.append((time.perf_counter() - t0) / 20)
+        return float(np.median(rounds)) * 1e3
 
-    rows = []
-    print(f"{jax.devices()[0].device_kind}; vocab {a.vocab}, k {MAX_LOGPROBS}, chunk {a.chunk}")
-    print("| rows | whole-row passes ms | chunks ms | speed-up | equal |\n|---:|---:|---:|---:|---|")
-    for b in (1, 64, 256):
+    ks = [int(v) for v in a.k.split(",")]
+    chunks = [int(v) for v in a.chunk.split(",")]
+    results, ok = [], True
+    print(f"{jax.devices()[0].device_kind}; vocab {a.vocab}")
+    print("| rows | k | whole-row ms | " + " | ".join(f"chunk {c} ms" for c in chunks) + " | equal |")
+    print("|---:|---:|---:|" + "---:|" * len(chunks) + "---|")
+    for b in (int(v) for v in a.rows.split(",")):
         x = jax.random.normal(jax.random.key(b), (b, a.vocab), jnp.float32)
-        whole = jax.jit(lambda y: top_k_exact(y, MAX_LOGPROBS, 0))
-        chunked = jax.jit(lambda y: top_k_exact(y, MAX_LOGPROBS, a.chunk))
-        equal = all(bool(jnp.array_equal(p, q)) for p, q in zip(whole(x), chunked(x)))
-        t_whole, t_chunked = timed(whole, x), timed(chunked, x)
-        rows.append(dict(rows=b, whole_ms=t_whole, chunked_ms=t_chunked, equal=equal))
-        print(f"| {b} | {t_whole:.3f} | {t_chunked:.3f} | {t_whole / t_chunked:.2f}x | {equal} |", flush=True)
+        for k in ks:
+            whole = jax.jit(lambda y, k=k: top_k_exact(y, k, 0))
+            want = whole(x)
+            row = dict(rows=b, k=k, whole_ms=timed(whole, x), chunk_ms={})
+            equal = True
+            for c in chunks:
+                fn = jax.jit(lambda y, k=k, c=c: top_k_exact(y, k, c))
+                equal &= all(bool(jnp.array_equal(p, q)) for p, q in zip(want, fn(x)))
+                row["chunk_ms"][c] = timed(fn, x)
+            # the chunks' top k by XLA's own lax.top_k (a sort of each chunk where k > 16), then the passes
+            c = chunks[len(chunks) // 2]
+            fn = jax.jit(lambda y, k=k, c=c: _chunks_by_lax(y, k, c))
+            equal &= all(bool(jnp.array_equal(p, q)) for p, q in zip(want, fn(x)))
+            row["chunk_lax_ms"] = timed(fn, x)
+            row["equal"] = equal
+            ok &= equal
+            results.append(row)
+            print(f"| {b} | {k} | {row['whole_ms']:.3f} | " + " | ".join(f"{row['chunk_ms'][c]:.3f}" for c in chunks)
+                  + f" | {equal} | lax.top_k chunks of {c}: {row['chunk_lax_ms']:.3f} |", flush=True)
+    others = []
+    for b in (int(v) for v in a.rows.split(",")):
+        x = jax.random.normal(jax.random.key(b), (b, a.vocab), jnp.float32)
+        keys = jax.random.split(jax.random.key(0), b)
+        tk, tp = jnp.full((b,), 50, jnp.int32), jnp.full((b,), 0.9, jnp.float32)
+        parts = {
+            "radix top-k 50 / top-p 0.9 filter": (jax.jit(partial(_filter_top_k_top_p, candidates=0)), (x, tk, tp)),
+            "candidates top-k 50 / top-p 0.9 filter": (jax.jit(partial(_filter_top_k_top_p, candidates=64)), (x, tk, tp)),
+            "jax.random.categorical": (jax.jit(jax.vmap(jax.random.categorical)), (keys, x)),
+            "log_softmax": (jax.jit(lambda y: jax.nn.log_softmax(y, axis=-1)), (x,)),
+            "argmax": (jax.jit(lambda y: jnp.argmax(y, axis=-1)), (x,)),
+        }
+        radix, cands = (np.isfinite(np.asarray(parts[n][0](*parts[n][1]))) for n in list(parts)[:2])
+        ok &= bool((radix == cands).all())
+        print(f"rows {b}: the two filters keep the same tokens: {bool((radix == cands).all())} "
+              f"({int(radix.sum())} kept)", flush=True)
+        for name, (fn, args) in parts.items():
+            others.append(dict(rows=b, part=name, ms=timed(fn, *args)))
+            print(f"rows {b}: {name}: {others[-1]['ms']:.3f} ms", flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, vocab=a.vocab, k=MAX_LOGPROBS, chunk=a.chunk,
-                           rows=rows), f, indent=2)
-    return 0 if all(r["equal"] for r in rows) else 1
+            json.dump(dict(device=jax.devices()[0].device_kind, vocab=a.vocab, topk=results, others=others), f, indent=2)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

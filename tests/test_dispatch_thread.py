@@ -24,7 +24,7 @@ def model(tiny):
     return tiny[1]
 
 
-def _slow_calls(runner, seconds: float = 0.02) -> set[str]:
+def _slow_calls(runner, seconds: float = 0.005) -> set[str]:
     """Delays every step program call by `seconds` on whichever thread runs it; returns the set that collects
     those threads' names."""
     real, names = runner._call, set()
@@ -56,7 +56,7 @@ def test_dispatch_thread_changes_no_token(model):
     made late) as with them inline. Zeroing, snapshot copies and restores are queued on the dispatch thread
     behind the step's call (`ModelRunner._state_op`). Checked to fail: with `_state_op` taking the state when
     it queues the copy instead of when it runs (the state before the step's call), the run raises on a deleted
-    (donated) array; likewise, before `_state_op`, without the `drain()` in `ModelRunner.state`. (The `drain()` in `execute`, before the sampling tables and token history are written,
+    (donated) array (checked with the 5 ms delay); likewise, before `_state_op`, without the `drain()` in `ModelRunner.state`. (The `drain()` in `execute`, before the sampling tables and token history are written,
     is not reached first on today's paths: a row whose history is written is new in its slot, and the
     engine zeroes new slots, through `state`, before `execute`.)"""
     workloads, aborts = _workloads(), [{2: 3, 7: 9}, {}, {}, {}]

@@ -29,6 +29,7 @@ from jhybrid.engine.sampling import (
     SlotTables,
     TokenHistory,
     _filter_top_k_top_p,
+    _thresholds_from_candidates,
     sample,
     top_k_exact,
 )
@@ -209,35 +210,81 @@ def _reference_top_k_top_p(x, k, p):
     return keep & (x >= s[last])
 
 
-@pytest.mark.parametrize("rolled", [False, True], ids=["unrolled", "fori_loop"])
-def test_top_k_top_p_filter_equals_a_float64_sort(rolled):
+def _filter_rows(seed, n, ks, ps, vocab=1000):
+    """Rows for the top-k / top-p filter tests: random ones of three scales, rows of few distinct values (ties at
+    the thresholds), rows mostly -inf (after min_p) and rows of neighbouring floats (thresholds that differ in the
+    lowest bits), each with a k and a p drawn from `ks` and `ps`."""
+    rng = np.random.default_rng(seed)
+    rows, row_ks, row_ps = [], [], []
+    for i in range(n):
+        x = rng.standard_normal(vocab).astype(np.float32) * rng.choice([0.5, 2.0, 6.0])
+        if i % 4 == 1:
+            x = np.round(x * 2) / 2
+        if i % 4 == 2:
+            x[rng.random(vocab) < 0.7] = -np.inf
+        if i % 4 == 3:
+            x = (np.uint32(np.float32(rng.standard_normal()).view(np.uint32)) + rng.permutation(vocab).astype(np.uint32)).view(np.float32)
+        rows.append(x)
+        row_ks.append(int(rng.choice(ks)))
+        row_ps.append(float(rng.choice(ps)))
+    return np.stack(rows), row_ks, row_ps
+
+
+@pytest.mark.parametrize("rolled,candidates", [(False, 0), (True, 0), (False, 64)],
+                         ids=["unrolled", "fori_loop", "candidates-then-radix"])
+def test_top_k_top_p_filter_equals_a_float64_sort(rolled, candidates):
     """`_filter_top_k_top_p` (thresholds by radix select, no sort) keeps exactly the tokens of a float64 sort's
     top-k / top-p (ties at either threshold kept, as vLLM does): random rows, rows of few distinct values, rows
     with -inf (after min_p), k of 1, inside and past the vocabulary, p tiny, mid and 1; with the radix passes
-    unrolled (the GPU's form) and in a `fori_loop` (the CPU's). Checked to fail with the radix select's last pass
-    dropped (`range(..., 0, ...)`: the low bits stay zero and ties of the high bits get in; and, for the loop
-    alone, `fori_loop(0, num_passes - 1, ...)`) and with the top-k set left out of the top-p softmax."""
-    rng = np.random.default_rng(3)
-    vocab = 1000
-    rows, ks, ps = [], [], []
-    for i in range(48):
-        x = rng.standard_normal(vocab).astype(np.float32) * rng.choice([0.5, 2.0, 6.0])
-        if i % 4 == 1:
-            x = np.round(x * 2) / 2  # few distinct values: ties at the thresholds
-        if i % 4 == 2:
-            x[rng.random(vocab) < 0.7] = -np.inf  # min_p dropped most of the row
-        if i % 4 == 3:  # neighbouring floats: thresholds that differ in the lowest bits
-            x = (np.uint32(np.float32(rng.standard_normal()).view(np.uint32)) + rng.permutation(vocab).astype(np.uint32)).view(np.float32)
-        rows.append(x)
-        ks.append(int(rng.choice([0, 1, 5, 50, 999, 1000, 5000])))
-        ps.append(float(rng.choice([1e-6, 0.3, 0.9, 0.99, 1.0])))
-    x = np.stack(rows)
-    fn = jax.jit(functools.partial(_filter_top_k_top_p, rolled=rolled))
+    unrolled (the GPU's form) and in a `fori_loop` (the CPU's), and behind the candidates' check (rows it cannot
+    resolve: the radix passes run). Checked to fail with the radix select's last pass dropped (`range(..., 0,
+    ...)`: the low bits stay zero and ties of the high bits get in; and, for the loop alone, `fori_loop(0,
+    num_passes - 1, ...)`) and with the top-k set left out of the top-p softmax."""
+    x, ks, ps = _filter_rows(3, 48, [0, 1, 5, 50, 999, 1000, 5000], [1e-6, 0.3, 0.9, 0.99, 1.0])
+    vocab = x.shape[1]
+    fn = jax.jit(functools.partial(_filter_top_k_top_p, rolled=rolled, candidates=candidates))
     got = np.isfinite(np.asarray(fn(jnp.asarray(x), jnp.asarray(ks, jnp.int32), jnp.asarray(ps, jnp.float32))))
-    for i in range(len(rows)):
+    for i in range(len(x)):
         want = _reference_top_k_top_p(x[i], ks[i], ps[i]) & np.isfinite(x[i])
         np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}: k={ks[i]} p={ps[i]}")
     assert 1 <= got.sum(-1).min() and got.sum(-1).max() == vocab  # from one token up to all
+
+
+@pytest.mark.parametrize("candidates", [64, 1000], ids=["64", "whole-row"])
+def test_thresholds_from_candidates_equal_a_float64_sort(candidates):
+    """`_thresholds_from_candidates` resolves a row only where its thresholds lie among its largest logits, and
+    then keeps exactly the float64 sort's tokens; the filter then takes that path (no radix passes) and keeps the
+    same. Rows of k <= 50 and top-k of the whole vocabulary with a small p, in all four kinds of rows; the
+    expected resolved rows are named independently (k within the candidates and no tie across the last one;
+    with all 1000 candidates, every row). Checked to fail with the tie check (`kth > last`) dropped (rows of few
+    distinct values lose tied tokens), with the whole row's normaliser replaced by the candidates' (top-p of
+    top-k 0 keeps too few)."""
+    x, ks, ps = _filter_rows(5, 64, [0, 1, 5, 50, 999], [1e-6, 0.07, 0.33, 1.0])  # p * k never a whole number: no float ties
+    x[0, 100:200] = 9.0  # 100 equal best logits: top-k 5 keeps them all, past any 64 candidates
+    x[4, 300:340] = 9.0  # 40 of them: within the candidates
+    ks[0], ps[0], ks[4], ps[4], ks[8], ps[8] = 5, 1.0, 5, 1.0, 999, 1.0
+    ok, threshold = jax.jit(_thresholds_from_candidates, static_argnums=3)(
+        jnp.asarray(x), jnp.asarray(ks, jnp.int32), jnp.asarray(ps, jnp.float32), candidates)
+    ok, threshold = np.asarray(ok), np.asarray(threshold)
+    resolved = 0
+    for i in range(len(x)):
+        want = _reference_top_k_top_p(x[i], ks[i], ps[i]) & np.isfinite(x[i])
+        s = np.sort(x[i])[::-1]
+        k = ks[i] if 0 < ks[i] < len(s) else len(s)
+        if candidates == len(s):
+            assert ok[i], f"row {i}: every logit is a candidate"
+        elif ps[i] == 1.0:  # top-k alone: resolved iff the k-th is a candidate with no equal past the last one
+            assert ok[i] == (k == len(s) or k <= candidates and (s[k - 1] > s[candidates - 1] or s[k - 1] == -np.inf)), f"row {i}"
+        if ok[i]:
+            resolved += 1
+            kept = np.asarray(jnp.asarray(x[i]) >= threshold[i])
+            np.testing.assert_array_equal(kept & np.isfinite(x[i]), want, err_msg=f"row {i}: k={ks[i]} p={ps[i]}")
+    assert resolved >= len(x) // 3, resolved
+    rows = np.flatnonzero(ok)
+    fn = jax.jit(functools.partial(_filter_top_k_top_p, candidates=candidates))
+    got = np.isfinite(np.asarray(fn(jnp.asarray(x[rows]), jnp.asarray(ks, jnp.int32)[rows], jnp.asarray(ps, jnp.float32)[rows])))
+    for r, i in enumerate(rows):
+        np.testing.assert_array_equal(got[r], _reference_top_k_top_p(x[i], ks[i], ps[i]) & np.isfinite(x[i]), err_msg=f"row {i}")
 
 
 def test_token_history_follows_the_holdings_of_a_slot():

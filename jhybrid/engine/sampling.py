@@ -315,7 +315,9 @@ def sample(
         floor = jnp.max(scaled, axis=-1) + jnp.log(s.min_p)
         scaled = jnp.where(scaled < floor[:, None], -jnp.inf, scaled)
         filtered = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
-        scaled = jax.lax.cond(jnp.any(filtered), lambda y: _filter_top_k_top_p(y, s.top_k, s.top_p),
+        # rows that draw nothing ask for no filter (their settings would only keep the candidates from deciding)
+        top_k, top_p = jnp.where(filtered, s.top_k, 0), jnp.where(filtered, s.top_p, 1.0)
+        scaled = jax.lax.cond(jnp.any(filtered), lambda y: _filter_top_k_top_p(y, top_k, top_p),
                               lambda y: y, scaled)
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(
             s.seeds.astype(jnp.uint32), s.counters
@@ -413,8 +415,12 @@ TOP_K_TOP_P_IMPL = "xla"  # how `_filter_top_k_top_p` finds its thresholds on a 
 # reductions) or "pallas" (one kernel for both: pallas_kernels/sampling; benchmarks/sampler_kernels.py); read at trace time
 
 
+FILTER_CANDIDATES = 0  # `_filter_top_k_top_p` on a GPU first looks for both thresholds among each row's this many
+# largest logits (0: never; see `_thresholds_from_candidates`)
+
+
 def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"],
-                        rolled: bool | None = None) -> Array:
+                        rolled: bool | None = None, candidates: int | None = None) -> Array:
     """Masks (to -inf) tokens outside each row's top-k and top-p sets, as vLLM defines them: the top-k set is
     every token at or above the k-th largest logit (ties kept); top-p then keeps, over the top-k set's softmax,
     the tokens whose more likely tokens (in descending order) hold less than `top_p` of the mass (so at least
@@ -425,8 +431,23 @@ def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top
     `rolled`: the form of the radix passes (`_radix_threshold`; None: the backend's).
 
     With `TOP_K_TOP_P_IMPL == "pallas"` on a GPU both thresholds come from one Pallas kernel instead
-    (`pallas_kernels.sampling`: the same keys and thresholds; top-p equal up to float32 rounding of the sums)."""
+    (`pallas_kernels.sampling`: the same keys and thresholds; top-p equal up to float32 rounding of the sums).
+
+    `candidates` (None: `FILTER_CANDIDATES` on a GPU, 0 elsewhere): when every row's thresholds can be read off its
+    `candidates` largest logits (`_thresholds_from_candidates`), they are, and the radix passes over the whole
+    vocabulary are skipped (`lax.cond`); the same tokens are kept, top-p up to float32 rounding of the sums."""
     vocab = logits.shape[-1]
+    if candidates is None:
+        candidates = FILTER_CANDIDATES if jax.default_backend() == "gpu" else 0
+    candidates = min(candidates, vocab)
+    if candidates:
+        ok, threshold = _thresholds_from_candidates(logits, top_k, top_p, candidates)
+        return jax.lax.cond(
+            jnp.all(ok),
+            lambda y: jnp.where(_order_keys(y) >= _order_keys(threshold)[:, None], y, -jnp.inf),
+            lambda y: _filter_top_k_top_p(y, top_k, top_p, rolled, candidates=0),
+            logits,
+        )
     keys = _order_keys(logits)
     if TOP_K_TOP_P_IMPL == "pallas" and jax.default_backend() == "gpu":
         from pallas_kernels.sampling import top_k_top_p_thresholds
@@ -440,6 +461,42 @@ def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top
     # top_p == 1 keeps everything (an unreachable target leaves the threshold at the bottom)
     pth = _radix_threshold(keys, probs, jnp.where(top_p < 1.0, top_p, 2.0), rolled)
     return jnp.where(in_top_k & (keys >= pth[:, None]), logits, -jnp.inf)
+
+
+def _thresholds_from_candidates(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"],
+                                candidates: int) -> tuple[Array, Float[Array, "B"]]:
+    """Per row, whether its top-k / top-p thresholds lie among its `candidates` largest logits, and if so the
+    threshold (keep the logits >= it; -inf keeps all) that `_filter_top_k_top_p` would find.
+
+    With the candidates `v` in descending order (`top_k_exact`, chunked on long rows), a threshold is `v[j]` for
+    some j; it is the row's own when every logit >= `v[j]` is a candidate, that is `v[j] > v[-1]` (or the whole
+    row is candidates). Top-k (k <= the candidates) is `v[k - 1]`; top-k of the whole vocabulary keeps all.
+    Top-p is `v[j]` for the first j whose cumulative mass, over the top-k set's softmax, reaches p: the set's
+    normaliser is the candidates' own when the top-k threshold is, and the whole row's (one logsumexp) when top-k
+    keeps all. A row with top-k between the candidates and the vocabulary, or a nucleus past the candidates, is
+    not resolved (its radix passes run)."""
+    vocab = logits.shape[-1]
+    values, _ = top_k_exact(logits, candidates)  # [B, C], descending
+    last = values[:, -1]
+    whole_row = candidates == vocab
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(values, jnp.clip(k - 1, 0, candidates - 1)[:, None], axis=-1)[:, 0]
+    keeps_all = k == vocab
+    kth = jnp.where(keeps_all, -jnp.inf, kth)
+    # a k past the candidates reads the last one (clipped), which fails `kth > last`; kth == -inf: every finite
+    # logit is a candidate (fewer of them than k), and the -inf ones weigh nothing
+    k_ok = keeps_all | whole_row | (kth > last) | (kth == -jnp.inf)
+    in_set = values >= kth[:, None]
+    norm = jnp.where(keeps_all, jax.nn.logsumexp(logits, axis=-1),
+                     jax.nn.logsumexp(jnp.where(in_set, values, -jnp.inf), axis=-1))
+    probs = jnp.where(in_set, jnp.exp(values - norm[:, None]), 0.0)
+    reached = jnp.cumsum(probs, axis=-1) >= top_p[:, None]
+    j = jnp.argmax(reached, axis=-1)  # the first that reaches p
+    pth = jnp.take_along_axis(values, j[:, None], axis=-1)[:, 0]
+    wants_p = top_p < 1.0
+    p_ok = ~wants_p | jnp.any(reached, axis=-1) & (whole_row | (pth > last))
+    threshold = jnp.where(wants_p, jnp.maximum(kth, pth), kth)
+    return k_ok & p_ok, threshold
 
 
 RADIX_BITS = 2  # key bits decided per pass of `_radix_threshold` (2**RADIX_BITS - 1 candidate sums per pass; 2 was
