@@ -342,14 +342,14 @@ def sample(
 GPU_TOPK_MAX_K = 16  # the largest k of XLA's GPU TopK kernel; a larger k is lowered to a sort of the whole row
 
 
-TOP_K_CHUNK = 0  # `top_k_exact` splits rows longer than two of these into chunks (0: never). Off until
+TOP_K_CHUNK = 0  # `top_k_exact` splits rows longer than this into chunks (0: never). Off until
 # benchmarks/topk.py has timed it on the GPU (written in session 18 after its last device call)
 
 
 def top_k_exact(x: Float[Array, "B V"], k: int, chunk: int | None = None) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
     """`lax.top_k(x, k)` (the same values and indices, ties in index order) for rows of finite values.
 
-    A row longer than two `chunk`s (default `TOP_K_CHUNK`) is cut into chunks: the top k of every chunk, then the
+    A row longer than `chunk` (default `TOP_K_CHUNK`) is cut into chunks: the top k of every chunk, then the
     top k of those candidates (laid out chunk after chunk, each chunk's in top-k order, so equal values keep their
     index order). XLA's GPU TopK kernel took 0.33 ms for k = 16 of a [64, 151936] row set on the H200 (39 MB:
     the bandwidth floor is ~0.01 ms; benchmarks/RESULTS.md, session 18); chunks give it many short rows. Each top k is taken
@@ -358,7 +358,7 @@ def top_k_exact(x: Float[Array, "B V"], k: int, chunk: int | None = None) -> tup
     """
     chunk = TOP_K_CHUNK if chunk is None else chunk
     num_rows, width = x.shape
-    if not chunk or width <= 2 * chunk or k > chunk:
+    if not chunk or width <= chunk or k > chunk:
         return _top_k_passes(x, k)
     num_chunks = -(-width // chunk)
     padded = jnp.pad(x, ((0, 0), (0, num_chunks * chunk - width)), constant_values=-jnp.inf)
