@@ -1,8 +1,9 @@
-"""`jhybrid.engine.sampling.top_k_exact` on the device: rows cut into chunks against the whole-row TopK passes
-(`chunk=0`, `TOP_K_CHUNK`'s default), checked equal first; and, for scale, the other full-vocabulary pieces of a
-sampled decode step (the top-k / top-p filter by radix passes and by candidates, `jax.random.categorical`, `log_softmax`).
+"""`jhybrid.engine.sampling.top_k_exact` on the device: searching only the k blocks of largest maxima (`--block`
+widths) against the whole-row TopK passes (`block=0`), checked equal first; and, for scale, the other full-vocabulary pieces of a
+sampled decode step (the top-k / top-p filter by radix passes and by 64 candidates found with the fastest block
+at k = 64, `jax.random.categorical`, `log_softmax`).
 
-    PYTHONPATH=. python3 -m benchmarks.topk [--k 20,64] [--chunk 1024,2048,4096] [--json PATH]
+    PYTHONPATH=. python3 -m benchmarks.topk [--k 20,64] [--block 32,64,128,256] [--json PATH]
 
 Shapes: 1, 64 and 256 rows of a 151,936-token vocabulary, float32. Each figure is the median over 7 rounds of
 (20 calls dispatched back to back, then waited for) / 20, after warm-up, so launch latency overlaps device time.
@@ -18,32 +19,18 @@ from functools import partial
 import numpy as np
 
 
-def _chunks_by_lax(x, k, chunk):
-    import jax
-    import jax.numpy as jnp
-
-    from jhybrid.engine.sampling import top_k_exact
-
-    num_rows, width = x.shape
-    num_chunks = -(-width // chunk)
-    padded = jnp.pad(x, ((0, 0), (0, num_chunks * chunk - width)), constant_values=-jnp.inf)
-    values, ids = jax.lax.top_k(padded.reshape(num_rows * num_chunks, chunk), k)
-    ids = ids.reshape(num_rows, num_chunks, k) + (jnp.arange(num_chunks, dtype=ids.dtype) * chunk)[None, :, None]
-    best, at = top_k_exact(values.reshape(num_rows, num_chunks * k), k, 0)
-    return best, jnp.take_along_axis(ids.reshape(num_rows, num_chunks * k), at, axis=-1)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json")
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--k", default="20,64", help="comma-separated k values (20: the logprob top-k)")
-    ap.add_argument("--chunk", default="1024,2048,4096", help="comma-separated chunk widths to try")
+    ap.add_argument("--block", default="32,64,128,256", help="comma-separated block widths to try")
     ap.add_argument("--rows", default="1,64,256")
     a = ap.parse_args(argv)
     import jax
     import jax.numpy as jnp
 
+    from jhybrid.engine import sampling
     from jhybrid.engine.sampling import _filter_top_k_top_p, top_k_exact
 
     def timed(fn, *args):
@@ -57,32 +44,31 @@ def main(argv=None) -> int:
         return float(np.median(rounds)) * 1e3
 
     ks = [int(v) for v in a.k.split(",")]
-    chunks = [int(v) for v in a.chunk.split(",")]
+    blocks = [int(v) for v in a.block.split(",")]
     results, ok = [], True
     print(f"{jax.devices()[0].device_kind}; vocab {a.vocab}")
-    print("| rows | k | whole-row ms | " + " | ".join(f"chunk {c} ms" for c in chunks) + " | equal |")
-    print("|---:|---:|---:|" + "---:|" * len(chunks) + "---|")
+    print("| rows | k | whole-row ms | " + " | ".join(f"block {c} ms" for c in blocks) + " | equal |")
+    print("|---:|---:|---:|" + "---:|" * len(blocks) + "---|")
     for b in (int(v) for v in a.rows.split(",")):
         x = jax.random.normal(jax.random.key(b), (b, a.vocab), jnp.float32)
         for k in ks:
             whole = jax.jit(lambda y, k=k: top_k_exact(y, k, 0))
             want = whole(x)
-            row = dict(rows=b, k=k, whole_ms=timed(whole, x), chunk_ms={})
+            row = dict(rows=b, k=k, whole_ms=timed(whole, x), block_ms={})
             equal = True
-            for c in chunks:
+            for c in blocks:
                 fn = jax.jit(lambda y, k=k, c=c: top_k_exact(y, k, c))
                 equal &= all(bool(jnp.array_equal(p, q)) for p, q in zip(want, fn(x)))
-                row["chunk_ms"][c] = timed(fn, x)
-            # the chunks' top k by XLA's own lax.top_k (a sort of each chunk where k > 16), then the passes
-            c = chunks[len(chunks) // 2]
-            fn = jax.jit(lambda y, k=k, c=c: _chunks_by_lax(y, k, c))
-            equal &= all(bool(jnp.array_equal(p, q)) for p, q in zip(want, fn(x)))
-            row["chunk_lax_ms"] = timed(fn, x)
+                row["block_ms"][c] = timed(fn, x)
             row["equal"] = equal
             ok &= equal
             results.append(row)
-            print(f"| {b} | {k} | {row['whole_ms']:.3f} | " + " | ".join(f"{row['chunk_ms'][c]:.3f}" for c in chunks)
-                  + f" | {equal} | lax.top_k chunks of {c}: {row['chunk_lax_ms']:.3f} |", flush=True)
+            print(f"| {b} | {k} | {row['whole_ms']:.3f} | " + " | ".join(f"{row['block_ms'][c]:.3f}" for c in blocks)
+                  + f" | {equal} |", flush=True)
+    k64 = [r for r in results if r["k"] == 64]
+    if k64:  # the candidates filter below finds its 64 candidates with the block fastest at the largest batch
+        sampling.TOP_K_BLOCK = int(min(k64[-1]["block_ms"], key=k64[-1]["block_ms"].get))
+        print(f"TOP_K_BLOCK = {sampling.TOP_K_BLOCK} for the candidates filter", flush=True)
     others = []
     for b in (int(v) for v in a.rows.split(",")):
         x = jax.random.normal(jax.random.key(b), (b, a.vocab), jnp.float32)

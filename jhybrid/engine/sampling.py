@@ -342,30 +342,34 @@ def sample(
 GPU_TOPK_MAX_K = 16  # the largest k of XLA's GPU TopK kernel; a larger k is lowered to a sort of the whole row
 
 
-TOP_K_CHUNK = 0  # `top_k_exact` splits rows longer than this into chunks (0: never). Off until
-# benchmarks/topk.py has timed it on the GPU (written in session 18 after its last device call)
+TOP_K_BLOCK = 0  # `top_k_exact` first picks each row's k best blocks of this many values by their maxima (0: never)
 
 
-def top_k_exact(x: Float[Array, "B V"], k: int, chunk: int | None = None) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
-    """`lax.top_k(x, k)` (the same values and indices, ties in index order) for rows of finite values.
+def top_k_exact(x: Float[Array, "B V"], k: int, block: int | None = None) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
+    """`lax.top_k(x, k)` (the same values and indices, ties in index order).
 
-    A row longer than `chunk` (default `TOP_K_CHUNK`) is cut into chunks: the top k of every chunk, then the
-    top k of those candidates (laid out chunk after chunk, each chunk's in top-k order, so equal values keep their
-    index order). XLA's GPU TopK kernel took 0.33 ms for k = 16 of a [64, 151936] row set on the H200 (39 MB:
-    the bandwidth floor is ~0.01 ms; benchmarks/RESULTS.md, session 18); chunks give it many short rows. Each top k is taken
-    in passes of at most `GPU_TOPK_MAX_K` (the kernel's largest k; above it `lax.top_k` sorts the whole row), each
-    pass the next best with the ones found so far set to -inf.
+    With `block` (default `TOP_K_BLOCK`) the row is cut into blocks of `block` values; the k blocks of largest
+    maxima (ties: the lower block) hold the row's top k, so only they are searched: a top k of the blocks' maxima
+    (`[B, V / block]`), a gather of those k blocks in index order, and a top k of the `k * block` values. Exact,
+    ties included: every value above the k-th block maximum m is in a chosen block (fewer than k blocks have a
+    maximum above m); the values equal to m that the top k needs are at most as many as the chosen blocks of
+    maximum m, each of which holds one and comes before every block of maximum m that was not chosen.
+
+    Otherwise the top k is taken in passes of at most `GPU_TOPK_MAX_K` (the largest k of XLA's GPU TopK kernel;
+    above it `lax.top_k` sorts the whole row), each pass the next best with the ones found so far set to -inf.
+    XLA's TopK kernel takes ~0.3 ms for [64, 151936] on the H200 whatever the k (benchmarks/RESULTS.md).
     """
-    chunk = TOP_K_CHUNK if chunk is None else chunk
+    block = TOP_K_BLOCK if block is None else block
     num_rows, width = x.shape
-    if not chunk or width <= chunk or k > chunk:
+    num_blocks = -(-width // block) if block else 0
+    if num_blocks <= k or k * block >= width:
         return _top_k_passes(x, k)
-    num_chunks = -(-width // chunk)
-    padded = jnp.pad(x, ((0, 0), (0, num_chunks * chunk - width)), constant_values=-jnp.inf)
-    values, ids = _top_k_passes(padded.reshape(num_rows * num_chunks, chunk), k)
-    ids = ids.reshape(num_rows, num_chunks, k) + (jnp.arange(num_chunks, dtype=ids.dtype) * chunk)[None, :, None]
-    best, at = _top_k_passes(values.reshape(num_rows, num_chunks * k), k)
-    return best, jnp.take_along_axis(ids.reshape(num_rows, num_chunks * k), at, axis=-1)
+    padded = jnp.pad(x, ((0, 0), (0, num_blocks * block - width)), constant_values=-jnp.inf)  # after every real value
+    blocks = padded.reshape(num_rows, num_blocks, block)
+    _, chosen = jax.lax.top_k(jnp.max(blocks, axis=-1), k)
+    chosen = jnp.sort(chosen, axis=-1)  # index order, so equal values stay in index order below
+    values, at = jax.lax.top_k(jnp.take_along_axis(blocks, chosen[:, :, None], axis=1).reshape(num_rows, k * block), k)
+    return values, jnp.take_along_axis(chosen, at // block, axis=-1) * block + at % block
 
 
 def _top_k_passes(x: Float[Array, "B V"], k: int) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
