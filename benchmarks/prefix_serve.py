@@ -215,6 +215,7 @@ def main(argv=None) -> int:
                       flush=True)
             stats = engine.engine.stats()
             res[f"compiled_after_ready_{setting}"] = stats["programs_compiled_after_ready"]
+            res[f"compiled_after_ready_names_{setting}"] = list(engine.engine._after_ready.names)
             res[f"engine_stats_{setting}"] = {k: v for k, v in stats.items() if k.startswith(("prefix", "kv_blocks", "host_"))
                                               or k in ("num_steps", "num_preemptions", "device_wait_seconds")}
         finally:
@@ -224,7 +225,10 @@ def main(argv=None) -> int:
             gc.collect()
 
     print(f"\n{res['device']}; programs compiled after ready: " + ", ".join(
-        f"{k.rsplit('_', 1)[1]} {v}" for k, v in res.items() if k.startswith("compiled_after_ready")))
+        f"{k.rsplit('_', 1)[1]} {v}" for k, v in res.items() if k.startswith("compiled_after_ready") and "names" not in k))
+    for k, v in res.items():
+        if k.startswith("compiled_after_ready_names") and v:
+            print(f"  compiled after ready ({k.rsplit('_', 1)[1]}): {', '.join(v)}")
     print(f"{'workload':10s} {'cache':>5s} {'TTFT p50 ms':>12s} {'TTFT p99 ms':>12s} {'input tok/s':>12s} "
           f"{'hit rate':>9s} {'errors':>6s}")
     for key, s in res["runs"].items():

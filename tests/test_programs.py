@@ -93,6 +93,29 @@ def test_after_warmup_a_random_mixed_workload_compiles_nothing(model):
     assert got == run(cold, work, aborts)
 
 
+def test_compile_watch_names_what_compiled(caplog):
+    """`CompileWatch` keeps the name of each program compiled while it is open and, with `warn`, logs a warning
+    naming it (how a server's log says what compiled on the request path); nothing before it opened or after it
+    closed. Checked to fail with the name left out of the warning and with `names` not appended."""
+    import jax
+    import jax.numpy as jnp
+
+    def before_the_watch(x):
+        return x * 3
+
+    def under_the_watch(x):
+        return jnp.sin(x) + 1
+
+    x = jnp.arange(5.0)
+    jax.jit(before_the_watch)(x)
+    with caplog.at_level("WARNING", logger="jhybrid.engine"), CompileWatch(warn="after ready") as watch:
+        jax.jit(under_the_watch)(x)
+    jax.jit(lambda y: y - 1)(x)
+    assert watch.names == ["jit(under_the_watch)"], watch.names
+    assert watch.count == 1
+    assert any("jit(under_the_watch)" in r.getMessage() and "after ready" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.slow
 def test_sealed_runner_runs_a_missing_bucket_in_a_larger_one(model):
     """With only the largest decode and mixed buckets compiled and the runner sealed, every step runs in those

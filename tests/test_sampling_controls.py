@@ -167,11 +167,11 @@ def test_top_k_exact_equals_a_sort_and_keeps_each_pass_small(k):
     x = rng.standard_normal((6, 300)).astype(np.float32)
     x[1] = np.round(x[1])  # a handful of distinct values: ties across the pass boundary
     x[2, :40] = 3.0
-    values, ids = jax.jit(top_k_exact, static_argnums=1)(jnp.asarray(x), k)
+    values, ids = jax.jit(top_k_exact, static_argnums=(1, 2))(jnp.asarray(x), k, 0)
     order = np.argsort(-x, axis=-1, kind="stable")[:, :k]
     np.testing.assert_array_equal(np.asarray(ids), order)
     np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, order, axis=-1))
-    jaxpr = str(jax.make_jaxpr(top_k_exact, static_argnums=1)(jnp.asarray(x), k))
+    jaxpr = str(jax.make_jaxpr(top_k_exact, static_argnums=(1, 2))(jnp.asarray(x), k, 0))
     ks = [int(m) for m in re.findall(r"top_k\[.*?k=(\d+)", jaxpr)]
     assert ks and max(ks) <= 16 and sum(ks) == k, jaxpr
 

@@ -54,20 +54,28 @@ program_cache_dir: str | None = None
 
 
 class CompileWatch:
-    """Counts XLA compilations (and persistent-cache loads) in this process while it is open."""
+    """Counts XLA compilations (and persistent-cache loads) in this process while it is open, and keeps the name
+    JAX gives each (`jit(copy_slots)`, `jit(convert_element_type)` for an eager op: `names`, in order). With
+    `warn`, each one is also logged as a warning naming it and `warn` (what was expected not to compile)."""
 
-    def __init__(self):
+    def __init__(self, warn: str | None = None):
         self._lock = threading.Lock()
         self.count = 0
         self.seconds = 0.0
+        self.names: list[str] = []
+        self._warn = warn
         self._open = True
         monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT and self._open:
+            name = str(kwargs.get("fun_name", "?"))
             with self._lock:
                 self.count += 1
                 self.seconds += duration
+                self.names.append(name)
+            if self._warn:
+                log.warning("compiled %s (%.2f s) %s", name, duration, self._warn)
 
     def close(self) -> None:
         if self._open:

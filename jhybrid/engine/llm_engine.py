@@ -209,7 +209,8 @@ class LLMEngine:
                 self._grammar_cache().warm()
             except (ImportError, ValueError) as e:
                 log.warning("structured output is unavailable: %s", e)
-        self._after_ready = CompileWatch()  # every program the process compiles from now on
+        # every program the process compiles from now on, each logged by name
+        self._after_ready = CompileWatch(warn="after the engine was ready (a stall on the request path)")
         hits = self.runner.program_cache.hits if self.runner.program_cache else 0  # loaded without XLA's event
         self.startup_programs_compiled += watch.count + hits
         self.startup_compile_seconds += time.perf_counter() - t0

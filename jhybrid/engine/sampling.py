@@ -342,7 +342,8 @@ def sample(
 GPU_TOPK_MAX_K = 16  # the largest k of XLA's GPU TopK kernel; a larger k is lowered to a sort of the whole row
 
 
-TOP_K_BLOCK = 0  # `top_k_exact` first picks each row's k best blocks of this many values by their maxima (0: never)
+TOP_K_BLOCK = 64  # `top_k_exact` first picks each row's k best blocks of this many values by their maxima (0: never;
+# the fastest width at a batch on the H200: benchmarks/RESULTS.md, "Session 19")
 
 
 def top_k_exact(x: Float[Array, "B V"], k: int, block: int | None = None) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
@@ -357,8 +358,8 @@ def top_k_exact(x: Float[Array, "B V"], k: int, block: int | None = None) -> tup
 
     Otherwise the top k is taken in passes of at most `GPU_TOPK_MAX_K` (the largest k of XLA's GPU TopK kernel;
     above it `lax.top_k` sorts the whole row), each pass the next best with the ones found so far set to -inf.
-    XLA's TopK kernel takes ~0.3 ms for [64, 151936] on the H200 whatever the k (benchmarks/RESULTS.md).
-    """
+    XLA's GPU TopK kernel takes about as long per row whatever the row's length, so the whole-row passes cost
+    several times the blocks' work at a decode step's shape (benchmarks/RESULTS.md, "Session 19")."""
     block = TOP_K_BLOCK if block is None else block
     num_rows, width = x.shape
     num_blocks = -(-width // block) if block else 0
@@ -419,8 +420,12 @@ TOP_K_TOP_P_IMPL = "xla"  # how `_filter_top_k_top_p` finds its thresholds on a 
 # reductions) or "pallas" (one kernel for both: pallas_kernels/sampling; benchmarks/sampler_kernels.py); read at trace time
 
 
-FILTER_CANDIDATES = 0  # `_filter_top_k_top_p` on a GPU first looks for both thresholds among each row's this many
-# largest logits (0: never; see `_thresholds_from_candidates`)
+FILTER_CANDIDATES = 64  # `_filter_top_k_top_p` first looks for both thresholds among each row's this many
+# largest logits (0: never; see `_thresholds_from_candidates`; faster than the radix passes alone at a batch on the
+# H200: benchmarks/RESULTS.md, "Session 19")
+FILTER_CANDIDATES_ON_CPU = False  # its second branch makes every step program slower for XLA:CPU to compile (the
+# fast test tier took a fifth longer), and a CPU engine's sampler is not its bottleneck; tests/test_engine.py turns
+# it on to check the engine's path
 
 
 def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top_p: Float[Array, "B"],
@@ -437,12 +442,12 @@ def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top
     With `TOP_K_TOP_P_IMPL == "pallas"` on a GPU both thresholds come from one Pallas kernel instead
     (`pallas_kernels.sampling`: the same keys and thresholds; top-p equal up to float32 rounding of the sums).
 
-    `candidates` (None: `FILTER_CANDIDATES` on a GPU, 0 elsewhere): when every row's thresholds can be read off its
+    `candidates` (None: `FILTER_CANDIDATES`, on the CPU only with `FILTER_CANDIDATES_ON_CPU`): when every row's thresholds can be read off its
     `candidates` largest logits (`_thresholds_from_candidates`), they are, and the radix passes over the whole
     vocabulary are skipped (`lax.cond`); the same tokens are kept, top-p up to float32 rounding of the sums."""
     vocab = logits.shape[-1]
     if candidates is None:
-        candidates = FILTER_CANDIDATES if jax.default_backend() == "gpu" else 0
+        candidates = FILTER_CANDIDATES if jax.default_backend() != "cpu" or FILTER_CANDIDATES_ON_CPU else 0
     candidates = min(candidates, vocab)
     if candidates:
         ok, threshold = _thresholds_from_candidates(logits, top_k, top_p, candidates)
