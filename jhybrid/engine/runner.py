@@ -332,8 +332,8 @@ class ModelRunner:
     def _state_op(self, program, *args) -> None:
         """`state = program(state, *args)`. With a dispatch thread the call is queued there behind the step in
         flight, and the engine goes on (a prefix-cache snapshot after a step used to wait here for the step's
-        call, ~2 ms on the H200, then make its own); whatever reads the state next drains it. A failed call
-        before it fails it too, so that `drain` raises what the step raised."""
+        call, then make its own: benchmarks/RESULTS.md, "Session 16"); whatever reads the state next drains it.
+        A failed call before it fails it too, so that `drain` raises what the step raised."""
         if not self.dispatch_thread:
             self.state = program(self.state, *args)
             return

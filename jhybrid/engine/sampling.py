@@ -346,7 +346,8 @@ TOP_K_BLOCK = 64  # `top_k_exact` first picks each row's k best blocks of this m
 # the fastest width at a batch on the H200: benchmarks/RESULTS.md, "Session 19")
 
 
-def top_k_exact(x: Float[Array, "B V"], k: int, block: int | None = None) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
+def top_k_exact(x: Float[Array, "B V"], k: int,
+                block: int | None = None) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
     """`lax.top_k(x, k)` (the same values and indices, ties in index order).
 
     With `block` (default `TOP_K_BLOCK`) the row is cut into blocks of `block` values; the k blocks of largest
@@ -442,9 +443,10 @@ def _filter_top_k_top_p(logits: Float[Array, "B V"], top_k: Int[Array, "B"], top
     With `TOP_K_TOP_P_IMPL == "pallas"` on a GPU both thresholds come from one Pallas kernel instead
     (`pallas_kernels.sampling`: the same keys and thresholds; top-p equal up to float32 rounding of the sums).
 
-    `candidates` (None: `FILTER_CANDIDATES`, on the CPU only with `FILTER_CANDIDATES_ON_CPU`): when every row's thresholds can be read off its
-    `candidates` largest logits (`_thresholds_from_candidates`), they are, and the radix passes over the whole
-    vocabulary are skipped (`lax.cond`); the same tokens are kept, top-p up to float32 rounding of the sums."""
+    `candidates` (None: `FILTER_CANDIDATES`, on the CPU only with `FILTER_CANDIDATES_ON_CPU`): when every row's
+    thresholds can be read off its `candidates` largest logits (`_thresholds_from_candidates`), they are, and the
+    radix passes over the whole vocabulary are skipped (`lax.cond`); the same tokens are kept, top-p up to float32
+    rounding of the sums."""
     vocab = logits.shape[-1]
     if candidates is None:
         candidates = FILTER_CANDIDATES if jax.default_backend() != "cpu" or FILTER_CANDIDATES_ON_CPU else 0
