@@ -348,7 +348,8 @@ TOP_K_BLOCK = 64  # `top_k_exact` first picks each row's k best blocks of this m
 
 def top_k_exact(x: Float[Array, "B V"], k: int,
                 block: int | None = None) -> tuple[Float[Array, "B k"], Int[Array, "B k"]]:
-    """`lax.top_k(x, k)` (the same values and indices, ties in index order).
+    """`lax.top_k(x, k)` (the same values and indices, ties in index order; on the whole-row path, indices past a
+    row's finite values may repeat).
 
     With `block` (default `TOP_K_BLOCK`) the row is cut into blocks of `block` values; the k blocks of largest
     maxima (ties: the lower block) hold the row's top k, so only they are searched: a top k of the blocks' maxima
@@ -479,9 +480,9 @@ def _thresholds_from_candidates(logits: Float[Array, "B V"], top_k: Int[Array, "
     """Per row, whether its top-k / top-p thresholds lie among its `candidates` largest logits, and if so the
     threshold (keep the logits >= it; -inf keeps all) that `_filter_top_k_top_p` would find.
 
-    With the candidates `v` in descending order (`top_k_exact`, chunked on long rows), a threshold is `v[j]` for
-    some j; it is the row's own when every logit >= `v[j]` is a candidate, that is `v[j] > v[-1]` (or the whole
-    row is candidates). Top-k (k <= the candidates) is `v[k - 1]`; top-k of the whole vocabulary keeps all.
+    With the candidates `v` in descending order (`top_k_exact`; only their values are read), a threshold is
+    `v[j]` for some j; it is the row's own when every logit >= `v[j]` is a candidate, that is `v[j] > v[-1]` (or
+    the whole row is candidates). Top-k (k <= the candidates) is `v[k - 1]`; top-k of the whole vocabulary keeps all.
     Top-p is `v[j]` for the first j whose cumulative mass, over the top-k set's softmax, reaches p: the set's
     normaliser is the candidates' own when the top-k threshold is, and the whole row's (one logsumexp) when top-k
     keeps all. A row with top-k between the candidates and the vocabulary, or a nucleus past the candidates, is
