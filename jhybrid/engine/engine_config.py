@@ -66,8 +66,7 @@ class EngineConfig:
         None, "prefill tokens a step that carries decode rows may take beside them (then up to the end of the "
         "token bucket, a power of two, that this lands the step in: its program runs over the whole bucket): "
         "smaller lowers running streams' inter-token latency while prompts arrive, at a cost in throughput "
-        "(192 beside 64 decodes: steps of 256 tokens, 1.47x a decode step and a quarter less throughput on the H200; "
-        "benchmarks/RESULTS.md)", metavar="N", none="the step's whole budget")
+        "(measured on the H200 in benchmarks/RESULTS.md, sessions 16-17)", metavar="N", none="the step's whole budget")
     seed: int = _option(0, "seed of requests that give none", metavar="N")
     host_kv_memory_gb: float = _option(
         0.0, "host memory (GiB) for the KV blocks and state slots of preempted sequences; 0: no host tier",

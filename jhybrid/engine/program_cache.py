@@ -1,9 +1,9 @@
 """Step programs kept on disk as executables, found again without tracing them.
 
 JAX's persistent compilation cache is keyed by the lowered program, so a cached start still traces and lowers
-every step program before it can look one up: on the H200 that was ~0.6-1.1 s of Python a program, 13.6 s of a
-24 s cached `jhybrid serve` start (benchmarks/RESULTS.md, "Session 18"). This cache is keyed by what the program
-is made from instead, so a hit skips tracing:
+every step program before it can look one up, and on the H200 that Python work was most of a cached `jhybrid
+serve` start (benchmarks/RESULTS.md, "Session 18"). This cache is keyed by what the program is made from instead,
+so a hit skips tracing:
 
 * the code: a digest of every source file of `jhybrid` and `pallas_kernels`;
 * the toolchain and the machine: jax and jaxlib versions, the backend, the kinds and number of devices;

@@ -163,8 +163,8 @@ def causal_conv1d(
     h0 = conv_state[slot_ids]  # [B, C, W-1]
     h0 = jnp.where((slot_ids == 0)[:, None, None], 0.0, h0)
     # the rows' history with the channels minor, written once: every token's tap then reads a contiguous row
-    # of C values (gathering from [B, C, W-1] directly strides by W-1 floats per channel; on the H200 that
-    # gather made the conv 5x slower than its bytes in a 512-token step)
+    # of C values (gathering from [B, C, W-1] directly strides by W-1 floats per channel: on the H200 that
+    # gather made the conv several times slower than its bytes)
     h0t = jax.lax.optimization_barrier(h0.transpose(0, 2, 1))  # [B, W-1, C]
     xf = x.astype(jnp.float32)
     t = jnp.arange(num_tokens)
