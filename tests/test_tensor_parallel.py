@@ -33,7 +33,12 @@ from jhybrid.parallel import (
 from tests.tp_worker import FAMILIES, family_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TP_SIZES = (2, 4)
+# Each family's tokens run at TP 4 over a model with two of every head, group and expert kind per shard
+# (`family_config(widen=2)`): the 4-way split and more than one head of a kind in a shard, which TP 2 of the
+# unwidened models was there for; TP 2 itself runs in the checkpoint and layout checks. Checked: with the kv heads
+# of each shard stored in reverse order (a layout bug invisible with one kv head per shard), qwen3 and llama
+# tokens at TP 4 equal TP 1 unwidened and differ at TP 2 and at TP 4 widened.
+TP_SIZES = (4,)
 
 
 def _env(num_devices: int) -> dict:
@@ -51,12 +56,12 @@ def _parse(stdout: str, stderr: str) -> dict:
 
 @pytest.fixture(scope="module")
 def worker():
-    """Two concurrent subprocesses with 4 host devices each (CI has two cores) run every family at TP 1, 2, 4
+    """Two concurrent subprocesses with 4 host devices each (CI has two cores) run every family at TP 1 and 4
     and the other checks, split so that each takes about half the time; their results are merged."""
-    second = ("llama", "granitemoehybrid")  # with the other checks: about as long as the six other families
+    second = ("granitemoehybrid",)  # with the other checks: about as long as the seven other families
     jobs = [["--checks", "tokens", "--families", ",".join(f for f in FAMILIES if f not in second)],
             ["--checks", "tokens,bad_n,unpermuted,pallas,swap,checkpoints", "--families", ",".join(second)]]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_worker", "--tp", "1,2,4", *job], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_worker", "--tp", "1,4", *job], cwd=ROOT,
                               env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for job in jobs]
     result: dict = {"tokens": {}, "fractions": {}, "timings": {}}
     for proc in procs:

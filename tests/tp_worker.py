@@ -28,8 +28,27 @@ FAMILIES = ("qwen3_next", "qwen3_5", "qwen3", "llama", "minimax", "nemotron_h", 
 PROMPT_LENGTHS = (3, 21, 30)
 
 
-def family_config(name: str):
-    """A tiny config of `name` whose head counts, groups and intermediate sizes all divide by 4."""
+def family_config(name: str, widen: int = 1):
+    """A tiny config of `name` whose head counts, groups and intermediate sizes all divide by 4. `widen` multiplies
+    every head and group count and the expert count: at `widen=2` each of 4 shards holds two of every kind (two kv
+    heads, two GDN key heads, two Mamba2 groups, two experts), which is what TP 2 reaches at `widen=1`."""
+    import dataclasses
+
+    cfg = _family_config(name)
+    if widen == 1:
+        return cfg
+    w = lambda n: n * widen  # noqa: E731
+    cfg = dataclasses.replace(cfg, num_heads=w(cfg.num_heads), num_kv_heads=w(cfg.num_kv_heads),
+                              num_experts=w(cfg.num_experts))
+    if cfg.linear_num_key_heads:
+        cfg = dataclasses.replace(cfg, linear_num_key_heads=w(cfg.linear_num_key_heads),
+                                  linear_num_value_heads=w(cfg.linear_num_value_heads))
+    if cfg.mamba_num_heads:
+        cfg = dataclasses.replace(cfg, mamba_num_heads=w(cfg.mamba_num_heads), mamba_n_groups=w(cfg.mamba_n_groups))
+    return cfg
+
+
+def _family_config(name: str):
     from jhybrid.config import ModelConfig
 
     common = dict(model_type=name, vocab_size=128, hidden_size=32, max_position_embeddings=256, rms_norm_eps=1e-6,
@@ -73,11 +92,11 @@ def family_config(name: str):
     raise ValueError(f"unknown family {name!r}; known: {FAMILIES}")
 
 
-def _model(name: str, seed: int = 0):
+def _model(name: str, seed: int = 0, widen: int = 1):
     from jhybrid.model_loader import LoadedModel
     from jhybrid.models.params import init_params
 
-    cfg = family_config(name)
+    cfg = family_config(name, widen)
     return LoadedModel(cfg=cfg, params=init_params(cfg, seed=seed, scale=0.3))
 
 
@@ -229,7 +248,7 @@ def sharded_from_leaves(cfg, params, tp: int) -> dict:
 def from_checkpoints(tp: int) -> dict:
     """`LLM(path, tensor_parallel_size=tp)` on an HF and a converted checkpoint: the parameters are read
     into host memory (`load(..., host=True)`) and go from there to their shards. Greedy tokens of each
-    against TP 1 on the same directory, and the devices the loaded (unsharded) parameters sit on."""
+    against TP 1 on the HF directory, and the devices the loaded (unsharded) parameters sit on."""
     import tempfile
 
     import jax
@@ -245,9 +264,9 @@ def from_checkpoints(tp: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         hf = write_example_checkpoint(os.path.join(tmp, "hf"))
         converted = convert(hf, os.path.join(tmp, "converted"), dtype="float32", progress=False)
+        kw = dict(dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64)
+        one = [o.token_ids for o in LLM(hf, **kw).generate(prompts, sp)]  # the converted copy holds the same fp32 values
         for name, path in (("hf", hf), ("converted", converted)):
-            kw = dict(dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64)
-            one = [o.token_ids for o in LLM(path, **kw).generate(prompts, sp)]
             many = [o.token_ids for o in LLM(path, tensor_parallel_size=tp, **kw).generate(prompts, sp)]
             host = load(path, "float32", host=True)
             platforms = sorted({d.platform for x in jax.tree.leaves(host.params) for d in x.devices()})
@@ -286,8 +305,9 @@ def _rel(a, b) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--tp", default="1,2,4")
+    ap.add_argument("--tp", default="1,4")
     ap.add_argument("--checks", default="tokens,bad_n,unpermuted,pallas,swap,checkpoints")
+    ap.add_argument("--widen", type=int, default=2, help="head, group and expert multiplier of the `tokens` models")
     ap.add_argument("--coordinator")
     ap.add_argument("--num-processes", type=int)
     ap.add_argument("--process-id", type=int)
@@ -306,7 +326,7 @@ def main(argv=None) -> int:
         result["tokens"], result["fractions"] = {}, {}
         for name in args.families.split(","):
             t0 = time.perf_counter()
-            model = _model(name)
+            model = _model(name, widen=args.widen)
             result["tokens"][name] = {}
             for tp in sizes:
                 toks, fractions = greedy_tokens(model, tp)
