@@ -747,12 +747,16 @@ class ModelRunner:
         self._tables[0], self._table_len[0], self._table_owner[0] = 0, 0, None  # the null slot's row stays zeros
 
     def warm_slot_programs(self) -> None:
-        """Compiles (and runs, on the null slot only) the slot-zeroing and sampling-table programs."""
+        """Compiles (and runs, on the null slot only) the slot-zeroing and sampling-table programs, and returns
+        once they have: with the dispatch thread the slot programs are queued there (`_state_op`), and their
+        compile would otherwise finish after the engine reports ready (on the H200 it did: benchmarks/RESULTS.md,
+        "Session 20")."""
         self.drain()  # the sampling tables and token history are the last call's outputs
         self.zero_slots([0])
         if self.cache.num_snapshot_slots:
             self.copy_slots([(0, 0)])
         self.slot_tables.warm()
+        self.drain()
 
     def _seed(self, seq) -> int:
         if seq.params.seed is not None:
