@@ -354,6 +354,9 @@ def _held(seqs) -> dict[int, int]:
 SMALL = dict(dtype=None, max_num_seqs=3, max_model_len=96, num_kv_blocks=9, max_num_batched_tokens=32,
              enable_prefix_caching=True, prefix_snapshot_slots=2)
 HOST = dict(host_kv_memory_gb=0.01, preemption_mode="swap")
+# offloaded attention: running sequences' oldest blocks move to the host instead of preemption where they can
+OFFLOAD = dict(host_kv_memory_gb=0.01, preemption_mode="recompute", kv_offload="cpu", offload_policy="always",
+               offload_overlap=False, offload_threads=1)
 
 # (prefix, its tokens kept, tail tokens, max_tokens, arrival step, abort this many steps after arrival or None)
 request_st = st.tuples(st.integers(0, 1), st.integers(10, 60), st.integers(1, 14), st.integers(1, 12),
@@ -363,7 +366,7 @@ request_st = st.tuples(st.integers(0, 1), st.integers(10, 60), st.integers(1, 14
 def _drive(model, mode: str, data) -> tuple[int, int, int]:
     """Runs the requests of `data` (see `request_st`) on a small cached engine, checking the invariants after
     every step and the outputs at the end; returns (prefix-hit tokens, preemptions, snapshots taken)."""
-    engine = SMALL | (HOST if mode == "swap" else {})
+    engine = SMALL | {"swap": HOST, "offload": OFFLOAD}.get(mode, {})
     llm = LLM(model, **engine)
     eng, pc = llm.engine, llm.engine.prefix_cache
     prefixes = [tokens(50 + k, 60) for k in range(2)]
@@ -402,6 +405,9 @@ def _drive(model, mode: str, data) -> tuple[int, int, int]:
             # 1e-4: the engine without the cache moves one such request's logprobs by 1.7e-5 between batch mixes
             # (other chunk splits of its prompt); a stale or foreign state moves them by 1e-3 and more
             assert list(g) == list(w) and err <= 1e-4, f"{rid}: position {pos}: logprobs off by {err:.2e}"
+    if mode == "offload":
+        assert eng.scheduler.num_offload_ops > 0, "the workload was meant to offload"
+        assert eng.host.blocks.num_used == 0, "host blocks leaked"
     return eng.stats()["prefix_cache_hits"], eng.num_preemptions, pc.num_snapshots_taken
 
 
@@ -423,9 +429,13 @@ FIXED = [(0, 60, 10, 12, 0, None), (1, 50, 14, 12, 0, None), (0, 60, 5, 8, 3, No
          (1, 52, 4, 3, 41, None), (0, 60, 2, 3, 100, None), (1, 52, 4, 3, 101, None)]  # the last two: after the rest
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", pytest.param("offload", marks=pytest.mark.slow)])
 def test_fixed_interleaving_hits_preempts_and_evicts(gdn, mode):
     """One workload of the property test that is known to do all of it: hits, preemptions, and more snapshots
-    taken than the pool holds (evictions), so the random test's checks cover them at least once."""
+    taken than the pool holds (evictions), so the random test's checks cover them at least once. `offload`:
+    with offloaded attention (`kv_offload`), offloading blocks of sequences whose prefix is cached and shared;
+    checked to fail with the offloaded blocks passed to the cache as device blocks (`_cache_table` returning
+    the block table as it is)."""
     hits, preemptions, snapshots = _drive(gdn, mode, FIXED)
-    assert hits > 0 and preemptions > 0 and snapshots > SMALL["prefix_snapshot_slots"], (hits, preemptions, snapshots)
+    assert hits > 0 and snapshots > SMALL["prefix_snapshot_slots"], (hits, preemptions, snapshots)
+    assert preemptions > 0 or mode == "offload", preemptions

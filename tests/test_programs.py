@@ -94,29 +94,35 @@ def test_after_warmup_a_random_mixed_workload_compiles_nothing(model):
 
 
 def test_warmup_returns_once_the_queued_slot_programs_compiled(model, monkeypatch):
-    """With the dispatch thread on, the slot programs `warmup()` runs are queued there; warm-up returns only once
-    they have compiled, so none compiles after ready (on the H200 `jit(copy_slots)` did: its compile finished
-    after the engine reported ready). The copy is slowed here so that the race is always lost without the
-    wait. Checked to fail with the final `drain()` removed from `ModelRunner.warm_slot_programs`."""
+    """With the dispatch thread on, the slot programs warm-up runs (`ModelRunner.warm_slot_programs`) are queued
+    there; it returns only once they have compiled, so none compiles after the engine reports ready (on the H200
+    `jit(copy_slots)` did: its compile finished after ready). The copy is slowed here so that the race is always
+    lost without the wait. Checked to fail with the final `drain()` removed from `warm_slot_programs`."""
     import time
 
     import jhybrid.engine.runner as runner_module
 
-    jax.clear_caches()  # copy_slots must compile in this warm-up, not come from an earlier test
     llm = LLM(model, **ENGINE, enable_prefix_caching=True)  # snapshot slots: copy_slots is warmed
     runner = llm.engine.runner
     assert runner.cache.num_snapshot_slots > 0
     runner.dispatch_thread = True
     copy_slots = runner_module.copy_slots
+    copy_slots.clear_cache()  # it must compile in this warm-up, not come from an earlier test
 
     def slow_copy(*args):
         time.sleep(0.5)
         return copy_slots(*args)
 
     monkeypatch.setattr(runner_module, "copy_slots", slow_copy)
-    llm.engine.warmup(progress=False)
-    runner.drain()  # whatever was still queued compiles now, under the after-ready watch
-    assert llm.engine.stats()["programs_compiled_after_ready"] == 0, llm.engine._after_ready.names
+    runner.warm_slot_programs()
+    with CompileWatch() as after:
+        runner.drain()  # whatever was still queued compiles now
+        for n in range(1, runner.max_rows + 1):  # every count a step can ask for runs in a warmed size
+            runner.zero_slots([0] * n)
+            runner.copy_slots([(0, 0)] * n)
+        runner.drain()
+    assert after.count == 0, after.names
+    assert runner.slot_buckets() == [1, 4] and runner.max_rows == 4
 
 
 def test_compile_watch_names_what_compiled(caplog):

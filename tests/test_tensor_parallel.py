@@ -192,6 +192,15 @@ def test_swap_and_recompute_preemption_under_tensor_parallelism(worker):
 
 
 @pytest.mark.slow
+def test_prefix_caching_under_tensor_parallelism(worker):
+    """Prefix caching at TP 4 (KV blocks shared by content, state snapshots copied between sharded slots): prompts
+    sharing a prefix give the greedy tokens of TP 1 without the cache, and the cache served some of them."""
+    r = worker["cached"]
+    assert r["equal"], f"TP 4 with the cache gave {r['tokens']}"
+    assert r["hits"] > 0, r
+
+
+@pytest.mark.slow
 def test_two_processes_over_loopback_equal_single_device(worker):
     """Two processes with two host devices each form one 4-device mesh (gloo collectives over loopback)."""
     coordinator = f"127.0.0.1:{_free_port()}"

@@ -12,7 +12,9 @@ XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts, 
     memory, then sharded) vs TP 1; `replicated`: TP 4 over 2 kv heads (each stored twice) vs TP 1;
   * `from_leaves`: parameters built leaf by leaf into their shards (`shard_params_from`) vs `shard_params`;
   * `pallas`: prefill + decode logits of the Pallas path (interpret mode) per shard under shard_map vs
-    one device.
+    one device;
+  * `swap`: preemption by swap and recompute under TP; with it, `cached`: prefix caching under TP vs TP 1
+    without the cache.
 With `--coordinator/--num-processes/--process-id` it first joins a multi-process job (gloo on CPU).
 """
 
@@ -153,6 +155,24 @@ def swap_under_tp(model, tp: int) -> dict:
         out[f"{mode}_preemptions"] = {k: stats[k] for k in ("num_swap_preemptions", "num_recompute_preemptions",
                                                              "num_swap_in")}
     return out
+
+
+def cached_under_tp(model, tp: int) -> dict:
+    """Prefix caching at TP `tp` (sharded KV blocks and state snapshots): prompts that share a 40-token prefix,
+    greedy, against TP 1 without the cache; and the prompt tokens the cache served."""
+    import numpy as np
+
+    from jhybrid import LLM, SamplingParams
+
+    rng = np.random.default_rng(3)
+    shared = rng.integers(0, model.cfg.vocab_size, size=40).tolist()
+    prompts = [shared + rng.integers(0, model.cfg.vocab_size, size=n).tolist() for n in (3, 9, 14, 6)]
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    kw = dict(dtype=None, max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=64)
+    want = [o.token_ids for o in LLM(model, **kw).generate(prompts, sp)]
+    llm = LLM(model, tensor_parallel_size=tp, enable_prefix_caching=True, **kw)
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    return {"equal": got == want, "tokens": got, "hits": llm.engine.stats()["prefix_cache_hits"]}
 
 
 def _prefill_batch(cfg, lengths, block_size=16, max_blocks=4, seed=2):
@@ -369,6 +389,7 @@ def main(argv=None) -> int:
     if "swap" in checks:
         t0 = time.perf_counter()
         result["swap"] = swap_under_tp(_model("qwen3_next"), max(sizes))
+        result["cached"] = cached_under_tp(_model("qwen3_next"), max(sizes))
         result["timings"]["swap"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(result), flush=True)
     return 0

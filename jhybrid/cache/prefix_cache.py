@@ -52,7 +52,13 @@ by the data dependence of the donated device state. A failed step clears the who
 (`PrefixCache.clear`). Requests that ask for prompt log-probabilities are not looked up (they need every
 prompt position computed). Swapped-in sequences bring their own blocks (not shared).
 
-Not yet: the host tier for cached blocks and snapshots, offloaded attention (`kv_offload`) with the cache on.
+Offloaded attention (`kv_offload`). Offloading copies a running sequence's oldest (registered) blocks to the host
+and drops its reference to the device blocks: a cached block stays cached there for other requests, evictable
+once unheld. The sequence reads its host copy, keeps its state slot, and goes on registering and snapshotting the
+blocks after them. Eviction makes room before offloading does: the scheduler offloads only when the free and
+evictable blocks together are too few.
+
+Not yet: the host tier for cached blocks and snapshots.
 """
 
 from __future__ import annotations
@@ -291,9 +297,10 @@ class PrefixCache:
         return True
 
     # ----------------------------------------------------------------- registration
-    def register(self, cursor: PrefixCursor, token_ids: list[int], block_table: list[int], upto: int) -> None:
+    def register(self, cursor: PrefixCursor, token_ids: list[int], block_table: list[int | None], upto: int) -> None:
         """Registers the sequence's full blocks of positions < `upto` (computed, ids known on the host) and
-        attaches its pending snapshots that they reach. A block whose prefix is cached already (another
+        attaches its pending snapshots that they reach. `block_table` is by position; None marks a block
+        offloaded to the host tier (`kv_offload`), which is never registered. A block whose prefix is cached already (another
         sequence computed it too) stays the sequence's own; its chain goes on through the cached node."""
         bs = self.block_size
         if cursor.node is not None and not cursor.node.alive:
@@ -307,6 +314,9 @@ class PrefixCache:
             parent = cursor.node
             key = (parent.id if parent else 0, keys[i])
             node = self._children.get(key)
+            if node is None and block_table[i] is None:  # offloaded to the host before it was registered
+                cursor.stopped = True
+                return
             if node is None and block_table[i] in self.blocks.cached:  # a shared block under another prefix:
                 cursor.stopped = True  # cannot happen for a sequence's own chain; be safe
                 return

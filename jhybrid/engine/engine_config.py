@@ -152,9 +152,6 @@ class EngineConfig:
                 or self.prefix_snapshot_interval < 0:
             raise ValueError(f"prefix_snapshot_interval must be an integer >= 0 (0: only a prompt's last block "
                              f"boundary), got {self.prefix_snapshot_interval!r}")
-        if self.enable_prefix_caching and self.kv_offload != "off":
-            raise ValueError(f"enable_prefix_caching is not supported with kv_offload={self.kv_offload!r} yet: use "
-                             "kv_offload='off'")
         if self.kv_offload != "off" and self.tensor_parallel_size > 1:
             raise ValueError(f"kv_offload={self.kv_offload!r} is not supported with "
                              f"tensor_parallel_size={self.tensor_parallel_size}: use kv_offload='off'")

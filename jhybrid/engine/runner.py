@@ -311,21 +311,36 @@ class ModelRunner:
 
         return jax.jit(make, out_shardings=NamedSharding(self.mesh, PartitionSpec()))()
 
+    def slot_buckets(self) -> list[int]:
+        """The row counts the slot programs are built for: powers of 4 up to `max_rows`, and `max_rows`. A call is
+        padded to the next one with the null slot, which costs real copies (a row of a 2 B model's linear state is
+        ~37 MB): padding one snapshot to 64 rows made every decode step with a snapshot ~1 ms longer on the H200
+        (benchmarks/RESULTS.md, "Session 20")."""
+        sizes, n = [], 1
+        while n < self.max_rows:
+            sizes.append(n)
+            n *= 4
+        return sizes + [self.max_rows]
+
+    def _slot_bucket(self, n: int) -> int:
+        return next(b for b in self.slot_buckets() if b >= n)
+
     def zero_slots(self, slots: list[int]) -> None:
-        """Zeroes the linear state of `slots` (one program: padded to `max_rows` with the null slot)."""
+        """Zeroes the linear state of `slots` (padded with the null slot to a `slot_buckets` size)."""
         if slots:
             if len(slots) > self.max_rows:
                 raise AssertionError(f"{len(slots)} new slots in one step exceed {self.max_rows} rows")
-            padded = np.zeros(self.max_rows, np.int32)
+            padded = np.zeros(self._slot_bucket(len(slots)), np.int32)
             padded[: len(slots)] = slots
             self._state_op(zero_slots, padded)
 
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the linear state of state row `src` into row `dst` for each `(src, dst)` (prefix-cache snapshots
-        and restores; one program: padded to `max_rows` with the null slot onto itself)."""
+        and restores; padded to a `slot_buckets` size with the null slot onto itself)."""
         for at in range(0, len(pairs), self.max_rows):
             chunk = pairs[at : at + self.max_rows]
-            src, dst = np.zeros(self.max_rows, np.int32), np.zeros(self.max_rows, np.int32)
+            size = self._slot_bucket(len(chunk))
+            src, dst = np.zeros(size, np.int32), np.zeros(size, np.int32)
             src[: len(chunk)], dst[: len(chunk)] = zip(*chunk)
             self._state_op(copy_slots, src, dst)
 
@@ -752,9 +767,10 @@ class ModelRunner:
         compile would otherwise finish after the engine reports ready (on the H200 it did: benchmarks/RESULTS.md,
         "Session 20")."""
         self.drain()  # the sampling tables and token history are the last call's outputs
-        self.zero_slots([0])
-        if self.cache.num_snapshot_slots:
-            self.copy_slots([(0, 0)])
+        for size in self.slot_buckets():
+            self.zero_slots([0] * size)
+            if self.cache.num_snapshot_slots:
+                self.copy_slots([(0, 0)] * size)
         self.slot_tables.warm()
         self.drain()
 

@@ -150,8 +150,8 @@ class Scheduler:
             raise ValueError(f"unknown {offload_policy=}; choose one of {OFFLOAD_POLICIES}")
         if kv_offload != "off" and offload_policy == "cost" and cost_model is None:
             raise ValueError("offload_policy='cost' needs a cost model (measured bandwidth and prefill rate)")
-        if prefix_cache is not None and (prefix_cache.blocks is not blocks or kv_offload != "off"):
-            raise ValueError("prefix caching needs the prefix cache's block allocator, and kv_offload='off'")
+        if prefix_cache is not None and prefix_cache.blocks is not blocks:
+            raise ValueError("prefix caching needs the prefix cache's block allocator")
         self.prefix = prefix_cache
         self.host, self.preemption_mode, self.cost_model = host, preemption_mode, cost_model
         self.kv_offload, self.offload_admission, self.offload_policy = kv_offload, offload_admission, offload_policy
@@ -197,14 +197,14 @@ class Scheduler:
         seq.error = error
 
     def _release(self, seq: Sequence) -> None:
+        if self.prefix is not None:  # its computed blocks stay cached; its unattached snapshots are freed
+            self.prefix.release(seq.prefix, seq.token_ids, _cache_table(seq), seq.num_computed)
         op = self._offloading.pop(seq.seq_id, None)
         if op is not None:  # finished before its offload was committed: its device blocks are still in the table
             self.host.blocks.free(op.host_blocks)
         if seq.host_blocks:
             self.host.blocks.free(seq.host_blocks)
             seq.host_blocks = []
-        if self.prefix is not None:  # its computed blocks stay cached; its unattached snapshots are freed
-            self.prefix.release(seq.prefix, seq.token_ids, seq.block_table, seq.num_computed)
         if seq.block_table:
             self.blocks.free(seq.block_table)
             seq.block_table = []
@@ -431,7 +431,7 @@ class Scheduler:
         bs = self.blocks.block_size
         for row in rows:
             seq, end = row.seq, row.start + row.num_tokens
-            self.prefix.register(seq.prefix, seq.token_ids, seq.block_table, min(end, len(seq.token_ids)))
+            self.prefix.register(seq.prefix, seq.token_ids, _cache_table(seq), min(end, len(seq.token_ids)))
             want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), row.start, end)
             if want:
                 slot = self.prefix.snapshot(seq.prefix, end // bs, rolling=want == "rolling",
@@ -513,6 +513,14 @@ class Scheduler:
     def num_host_resident_blocks(self) -> int:
         """Blocks of running sequences held in the host tier now (offloaded attention)."""
         return sum(len(s.host_blocks) for s in self.running)
+
+
+def _cache_table(seq: Sequence) -> list[int | None]:
+    """The sequence's block table by position for the prefix cache: its offloaded blocks (`kv_offload`, at the
+    front) are None, as they are no longer device blocks. They were registered before they moved (a block is
+    registered when the step that completes it is scheduled; one a decode step completed may still be pending:
+    the cache then stops following the sequence there)."""
+    return [None] * len(seq.host_blocks) + seq.block_table if seq.host_blocks else seq.block_table
 
 
 def _num_blocks(seq: Sequence) -> int:
