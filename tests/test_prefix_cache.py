@@ -65,6 +65,37 @@ def test_lookup_compares_token_ids():
     pc.check({}, [])
 
 
+def test_offloaded_blocks_keep_the_positions_of_the_blocks_after_them():
+    """Offloaded attention (`kv_offload`) moves a running sequence's oldest blocks to the host and drops them from
+    its block table; the cache still reads the table by position (`Scheduler`'s `_cache_table`: None where a block
+    left), so the blocks after them register at their own depth, and a block that left before it was registered
+    stops the chain instead of being registered as whatever block took its index. Checked to fail with
+    `_cache_table` returning the shifted block table as it is."""
+    from types import SimpleNamespace
+
+    from jhybrid.engine.scheduler import _cache_table
+
+    pc = _cache(num_blocks=9)
+    tokens = list(range(16))  # four blocks of 4
+    table = pc.blocks.allocate(4)
+    cursor = PrefixCursor()
+    pc.register(cursor, tokens, table, 8)  # blocks 0 and 1 computed and registered
+    seq = SimpleNamespace(host_blocks=[101, 102], block_table=table[2:])  # then both moved to the host
+    pc.blocks.free(table[:2])
+    pc.register(cursor, tokens, _cache_table(seq), 16)  # blocks 2 and 3 computed on the device
+    node = cursor.node
+    assert cursor.num_blocks == 4 and node.depth == 4 and node.block == table[3] and node.parent.block == table[2]
+    pc.check({b: 1 for b in table[2:]}, [cursor])
+
+    late = PrefixCursor()  # a sequence whose second block left before it was registered
+    table2 = pc.blocks.allocate(4)
+    other = [t + 100 for t in tokens]
+    pc.register(late, other, table2, 4)
+    seq2 = SimpleNamespace(host_blocks=[103, 104], block_table=table2[2:])
+    pc.register(late, other, _cache_table(seq2), 16)
+    assert late.stopped and late.num_blocks == 1 and table2[3] not in pc.blocks.cached
+
+
 def test_eviction_takes_free_blocks_first_then_lru_and_kills_descendants():
     pc = _cache(num_blocks=9)  # 8 usable blocks of 4 tokens
     a = list(range(12))
@@ -433,9 +464,9 @@ FIXED = [(0, 60, 10, 12, 0, None), (1, 50, 14, 12, 0, None), (0, 60, 5, 8, 3, No
 def test_fixed_interleaving_hits_preempts_and_evicts(gdn, mode):
     """One workload of the property test that is known to do all of it: hits, preemptions, and more snapshots
     taken than the pool holds (evictions), so the random test's checks cover them at least once. `offload`:
-    with offloaded attention (`kv_offload`), offloading blocks of sequences whose prefix is cached and shared;
-    checked to fail with the offloaded blocks passed to the cache as device blocks (`_cache_table` returning
-    the block table as it is)."""
+    with offloaded attention (`kv_offload`), offloading blocks of sequences whose prefix is cached and shared
+    (the invariants and outputs; where the offloaded blocks sit in the cache's view of a table:
+    `test_offloaded_blocks_keep_the_positions_of_the_blocks_after_them`)."""
     hits, preemptions, snapshots = _drive(gdn, mode, FIXED)
     assert hits > 0 and snapshots > SMALL["prefix_snapshot_slots"], (hits, preemptions, snapshots)
     assert preemptions > 0 or mode == "offload", preemptions
