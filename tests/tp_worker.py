@@ -168,9 +168,10 @@ def cached_under_tp(model, tp: int) -> dict:
     shared = rng.integers(0, model.cfg.vocab_size, size=40).tolist()
     prompts = [shared + rng.integers(0, model.cfg.vocab_size, size=n).tolist() for n in (3, 9, 14, 6)]
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    kw = dict(dtype=None, max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=64)
-    want = [o.token_ids for o in LLM(model, **kw).generate(prompts, sp)]
-    llm = LLM(model, tensor_parallel_size=tp, enable_prefix_caching=True, **kw)
+    kw = dict(dtype=None, max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=64)  # swap's
+    want = [o.token_ids for o in LLM(model, **kw).generate(prompts, sp)]  # `free` engine's programs
+    llm = LLM(model, tensor_parallel_size=tp, enable_prefix_caching=True, num_kv_blocks=40, prefix_snapshot_slots=4,
+              **kw)  # (with the cache on, the pool would take the whole memory budget)
     got = [o.token_ids for o in llm.generate(prompts, sp)]
     return {"equal": got == want, "tokens": got, "hits": llm.engine.stats()["prefix_cache_hits"]}
 
