@@ -431,7 +431,10 @@ class Scheduler:
         bs = self.blocks.block_size
         for row in rows:
             seq, end = row.seq, row.start + row.num_tokens
-            self.prefix.register(seq.prefix, seq.token_ids, _cache_table(seq), min(end, len(seq.token_ids)))
+            upto = min(end, len(seq.token_ids))
+            if end % bs and upto // bs <= seq.prefix.num_blocks:
+                continue  # no block to register, no snapshot point: 15 of 16 decode rows (host time per step)
+            self.prefix.register(seq.prefix, seq.token_ids, _cache_table(seq), upto)
             want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), row.start, end)
             if want:
                 slot = self.prefix.snapshot(seq.prefix, end // bs, rolling=want == "rolling",
