@@ -96,6 +96,43 @@ def test_offloaded_blocks_keep_the_positions_of_the_blocks_after_them():
     assert late.stopped and late.num_blocks == 1 and table2[3] not in pc.blocks.cached
 
 
+def test_blocks_register_in_the_step_that_completes_them():
+    """The scheduler registers a row's full blocks in the step that schedules it (so a request admitted next can
+    share them), whatever the row: prefill chunks, and decode rows, whose fed token is known on the host one
+    step late. Driven without a model (the engine's own token handling on random tokens, one step behind), the
+    cursor of every scheduled row holds exactly the blocks its known tokens fill. Checked to fail with
+    `Scheduler._register` skipping rows that complete only one block."""
+    import random
+
+    from jhybrid.cache.allocator import SlotAllocator
+    from jhybrid.engine.scheduler import Scheduler
+    from jhybrid.engine.sequence import Sequence
+    from tests.test_scheduler_property import HostEngine
+
+    bs = 4
+    cache = PrefixCache(64, bs, range(5, 13), has_state=True)
+    sched = Scheduler(cache.blocks, SlotAllocator(5), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                      prefix_cache=cache)
+    engine = HostEngine(sched, 64, random.Random(0), vocab=50)
+    rng = random.Random(1)
+    for i in range(4):
+        prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(5, 20))]
+        sched.add(Sequence(f"r{i}", prompt, SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)))
+    prev, checked = None, 0
+    while sched.has_work() or prev is not None:
+        out = sched.schedule() if sched.has_work() else None
+        for row in out.rows if out is not None else []:
+            seq = row.seq
+            if not seq.prefix.stopped:
+                want = min(row.start + row.num_tokens, len(seq.token_ids)) // bs
+                assert seq.prefix.num_blocks == want, (seq, row.start, row.num_tokens, seq.prefix.num_blocks, want)
+                checked += 1
+        if prev is not None:
+            engine.read(prev)
+        prev = out if out is not None and out.rows else None
+    assert checked > 40
+
+
 def test_eviction_takes_free_blocks_first_then_lru_and_kills_descendants():
     pc = _cache(num_blocks=9)  # 8 usable blocks of 4 tokens
     a = list(range(12))
