@@ -300,8 +300,9 @@ class PrefixCache:
     def register(self, cursor: PrefixCursor, token_ids: list[int], block_table: list[int | None], upto: int) -> None:
         """Registers the sequence's full blocks of positions < `upto` (computed, ids known on the host) and
         attaches its pending snapshots that they reach. `block_table` is by position; None marks a block
-        offloaded to the host tier (`kv_offload`), which is never registered. A block whose prefix is cached already (another
-        sequence computed it too) stays the sequence's own; its chain goes on through the cached node."""
+        offloaded to the host tier (`kv_offload`), which is never registered. A block whose prefix is cached
+        already (another sequence computed it too) stays the sequence's own; its chain goes on through the cached
+        node."""
         bs = self.block_size
         if cursor.node is not None and not cursor.node.alive:
             cursor.stopped = True

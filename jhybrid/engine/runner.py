@@ -313,8 +313,8 @@ class ModelRunner:
 
     def slot_buckets(self) -> list[int]:
         """The row counts the slot programs are built for: powers of 4 up to `max_rows`, and `max_rows`. A call is
-        padded to the next one with the null slot, which costs real copies (a row of a 2 B model's linear state is
-        ~37 MB): padding one snapshot to 64 rows made every decode step with a snapshot ~1 ms longer on the H200
+        padded to the next one with the null slot, and a padding row is a real copy of a whole row of linear state,
+        so padding every call to `max_rows` made each decode step that takes a snapshot measurably longer
         (benchmarks/RESULTS.md, "Session 20")."""
         sizes, n = [], 1
         while n < self.max_rows:
