@@ -62,6 +62,7 @@ def test_seeded_sampling_does_not_depend_on_batching(tiny):
     assert hot[0] != hot[1]
 
 
+@pytest.mark.slow  # the GPU's filter path (off on the CPU); its two trace-cache clears cost the fast tier ~20 s
 def test_filter_thresholds_from_candidates_change_no_sampled_token(tiny, monkeypatch):
     """The GPU's top-k / top-p filter (thresholds read off each row's largest logits where they lie there:
     `sampling.FILTER_CANDIDATES`, off on the CPU unless `FILTER_CANDIDATES_ON_CPU`) gives the tokens of the radix
