@@ -15,28 +15,13 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from types import SimpleNamespace
-
-import numpy as np
 
 from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
 from jhybrid.cache.prefix_cache import PrefixCache
-from jhybrid.engine.llm_engine import LLMEngine
 from jhybrid.engine.sampling import SamplingParams
 from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
-
-
-class _HostEngine(LLMEngine):
-    """The engine's host half: its own `_postprocess` reads a step's tokens (drawn at random)."""
-
-    def __init__(self, scheduler: Scheduler, max_model_len: int, vocab: int):
-        self.scheduler, self.max_model_len, self.eos_token_ids = scheduler, max_model_len, frozenset()
-        self.rng, self.vocab = np.random.default_rng(0), vocab
-
-    def read(self, step) -> None:
-        tokens = self.rng.integers(1, self.vocab, len(step.rows))
-        self._postprocess(SimpleNamespace(sched=step), tokens, np.zeros(len(step.rows)), None, None)
+from tests.test_scheduler_property import HostEngine  # the engine's host half, reading random tokens
 
 
 def run(args, caching: bool) -> dict[str, float]:
@@ -50,7 +35,7 @@ def run(args, caching: bool) -> dict[str, float]:
         cache, blocks = None, BlockAllocator(blocks_needed, bs)
     sched = Scheduler(blocks, slots, max_num_seqs=args.rows, max_num_batched_tokens=args.batched_tokens,
                       max_model_len=max_model_len, prefix_cache=cache)
-    engine = _HostEngine(sched, max_model_len, args.vocab)
+    engine = HostEngine(sched, max_model_len, random.Random(0), vocab=args.vocab)
     rng = random.Random(1)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(args.rows):

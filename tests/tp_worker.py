@@ -133,6 +133,10 @@ def greedy_tokens(model, tp: int) -> tuple[list[list[int]], dict]:
     return [o.token_ids for o in outs], fractions
 
 
+# the shapes of the swap and prefix-cache checks (their TP-1 engines share compiled programs)
+SMALL_POOL_ENGINE = dict(dtype=None, max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=64)
+
+
 def swap_under_tp(model, tp: int) -> dict:
     """Greedy tokens at TP `tp` with a KV pool too small for the batch, preempting by swap and by recompute,
     against one device without memory pressure; and the engine's preemption counters."""
@@ -143,11 +147,10 @@ def swap_under_tp(model, tp: int) -> dict:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, model.cfg.vocab_size, size=n).tolist() for n in (30, 41, 25, 37)]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    free = LLM(model, dtype=None, max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=64)
+    free = LLM(model, **SMALL_POOL_ENGINE)
     out = {"want": [o.token_ids for o in free.generate(prompts, sp)]}
     for mode in ("swap", "swap-pinned", "recompute"):  # swap-pinned: through pinned_host memory (sharded)
-        llm = LLM(model, dtype=None, max_num_seqs=4, max_model_len=128, num_kv_blocks=22, block_size=8,
-                  max_num_batched_tokens=64, tensor_parallel_size=tp, host_kv_memory_gb=0.01,
+        llm = LLM(model, **SMALL_POOL_ENGINE, num_kv_blocks=22, tensor_parallel_size=tp, host_kv_memory_gb=0.01,
                   preemption_mode=mode.removesuffix("-pinned"),
                   swap_transfer="pinned" if mode.endswith("-pinned") else "pageable")
         out[mode] = [o.token_ids for o in llm.generate(prompts, sp)]
@@ -168,10 +171,9 @@ def cached_under_tp(model, tp: int) -> dict:
     shared = rng.integers(0, model.cfg.vocab_size, size=40).tolist()
     prompts = [shared + rng.integers(0, model.cfg.vocab_size, size=n).tolist() for n in (3, 9, 14, 6)]
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    kw = dict(dtype=None, max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=64)  # swap's
-    want = [o.token_ids for o in LLM(model, **kw).generate(prompts, sp)]  # `free` engine's programs
-    llm = LLM(model, tensor_parallel_size=tp, enable_prefix_caching=True, num_kv_blocks=40, prefix_snapshot_slots=4,
-              **kw)  # (with the cache on, the pool would take the whole memory budget)
+    want = [o.token_ids for o in LLM(model, **SMALL_POOL_ENGINE).generate(prompts, sp)]  # swap's TP-1 programs
+    llm = LLM(model, **SMALL_POOL_ENGINE, tensor_parallel_size=tp, enable_prefix_caching=True, num_kv_blocks=40,
+              prefix_snapshot_slots=4)  # (with the cache on, the pool would take the whole memory budget)
     got = [o.token_ids for o in llm.generate(prompts, sp)]
     return {"equal": got == want, "tokens": got, "hits": llm.engine.stats()["prefix_cache_hits"]}
 
