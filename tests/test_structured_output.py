@@ -27,6 +27,7 @@ import pytest
 
 from jhybrid import LLM, SamplingParams
 from jhybrid.engine.compilation import CompileWatch
+from jhybrid.engine.runner import SPLIT_COMPILE_THREAD
 from jhybrid.engine.sampling import FLAG_MASKED, MAX_BAN_TOKENS, MAX_LOGIT_BIAS, SamplingArrays, SlotTables, TokenHistory, sample
 from jhybrid.engine.structured_output import StructuredOutputsParams
 from jhybrid.server import BackgroundServer, ServerConfig, build_engine, create_app, load_chat_template
@@ -301,6 +302,61 @@ def test_recompute_and_abort_keep_the_matcher_right(offline):
     assert eng.blocks.num_used == 0 and eng.slots.num_used == 0
 
 
+def _structured_run(offline, split: bool, recover_after: int | None = None, dispatch_thread: bool = False):
+    """Sampled JSON-schema and regex requests on `offline`'s engine, its steps split or not; with `recover_after`,
+    the step after that many fails in its program call, once (the engine recovers: every sequence is recomputed,
+    the step before it dropped unread). Returns the outputs and how many steps ran split."""
+    eng, runner = offline.engine, offline.engine.runner
+    runner.split_sampling, threaded, real = split, runner.dispatch_thread, runner._call
+    runner.dispatch_thread = dispatch_thread
+    runner.wait_split_compiles()
+    before = runner.num_split_steps
+    sos = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX)]
+    seqs = [eng.add_request(f"split{split}-{i}", PROMPT, SamplingParams(max_tokens=60, temperature=1.0, seed=s,
+                                                                         structured_outputs=sos[i % 2]))
+            for i, s in enumerate(SEEDS)]
+    try:
+        for _ in range(recover_after or 0):
+            eng.step()
+        if recover_after:
+            assert any(len(s.output_ids) > 2 for s in seqs) and any(not s.is_finished for s in seqs)
+            def fail(*args, **kwargs):
+                runner._call = real
+                raise RuntimeError("injected step failure")
+
+            runner._call = fail
+        failures = eng._failed_steps_total
+        while eng.has_unfinished():
+            assert eng.safe_step()[1] == []  # a failed step fails no request: it runs again
+            runner.wait_split_compiles()  # a bucket met for the first time compiles in the background
+        assert eng._failed_steps_total - failures == (1 if recover_after else 0)
+    finally:
+        runner.drain()
+        runner.split_sampling, runner.dispatch_thread, runner._call = True, threaded, real
+    for s in seqs:
+        assert s.finish_reason in ("stop", "length"), (s.finish_reason, s.error)
+        eng.release(s.request_id)
+    return [s.output_ids for s in seqs], runner.num_split_steps - before
+
+
+def test_split_steps_sample_what_whole_steps_do(offline):
+    """A step whose grammar masks need the previous step's tokens runs split (forward dispatched, masks filled on
+    the host meanwhile, then the sampling program); the tokens equal those of the whole-step path (the host takes
+    the previous tokens into the matchers first, `_read_matchers`), and both equal the whole-step path recovering
+    from a step that failed after its matchers took the step before's tokens (dropped unread: `Matcher.undo`),
+    and recovering from a step whose call failed on the dispatch thread (the GPU's path).
+    Checked to fail: with `sample_split` filling the masks before the engine reads the previous step, the split
+    run raises (a matcher one token behind its row); with `_requeue_all` not undoing the matchers, the recovering
+    run raises (a matcher one token ahead). (`_requeue_all`'s drain of a call queued behind the failed one: this
+    module run with JHYBRID_DISPATCH_THREAD=1 ended the engine without it, EngineFailure; not caught every run.)"""
+    split, num_split = _structured_run(offline, split=True)
+    whole, num_whole = _structured_run(offline, split=False)
+    recovered, _ = _structured_run(offline, split=False, recover_after=10)
+    threaded, _ = _structured_run(offline, split=False, recover_after=10, dispatch_thread=True)
+    assert num_split > 10 and num_whole == 0
+    assert split == whole == recovered == threaded
+
+
 def test_nothing_compiles_after_warmup(offline):
     """Structured requests of every kind, mixed with free ones, compile no program after warm-up (the bitmask is a
     runtime input of the step programs). Checked to fail: with the host mask put through one eager `jnp` op in
@@ -309,7 +365,8 @@ def test_nothing_compiles_after_warmup(offline):
             for so in (StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=REGEX),
                        StructuredOutputsParams(choice=CHOICES), StructuredOutputsParams(grammar=GRAMMAR))]
     work += [(PROMPT, SamplingParams(max_tokens=10, temperature=0.0)), (PROMPT, SamplingParams(max_tokens=10, logprobs=2))]
-    with CompileWatch() as watch:
+    offline.engine.runner.wait_split_compiles()
+    with CompileWatch(background=SPLIT_COMPILE_THREAD) as watch:  # split programs compile off the request path
         offline.generate([p for p, _ in work], [sp for _, sp in work], use_tqdm=False)
     assert watch.count == 0, f"{watch.count} programs compiled after warm-up"
     assert offline.engine.stats()["programs_compiled_after_ready"] == 0

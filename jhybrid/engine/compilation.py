@@ -56,10 +56,14 @@ program_cache_dir: str | None = None
 class CompileWatch:
     """Counts XLA compilations (and persistent-cache loads) in this process while it is open, and keeps the name
     JAX gives each (`jit(copy_slots)`, `jit(convert_element_type)` for an eager op: `names`, in order). With
-    `warn`, each one is also logged as a warning naming it and `warn` (what was expected not to compile)."""
+    `warn`, each one is also logged as a warning naming it and `warn` (what was expected not to compile). Compiles on
+    threads whose names start with `background` (work meant to stay off the request path) count in `background`
+    only."""
 
-    def __init__(self, warn: str | None = None):
+    def __init__(self, warn: str | None = None, background: str | None = None):
         self._lock = threading.Lock()
+        self._background = background  # a thread-name prefix: those threads' compiles count in `background` only
+        self.background = 0
         self.count = 0
         self.seconds = 0.0
         self.names: list[str] = []
@@ -70,6 +74,10 @@ class CompileWatch:
     def _on_event(self, event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT and self._open:
             name = str(kwargs.get("fun_name", "?"))
+            if self._background and threading.current_thread().name.startswith(self._background):
+                with self._lock:
+                    self.background += 1
+                return
             with self._lock:
                 self.count += 1
                 self.seconds += duration

@@ -5,13 +5,14 @@ tokenisation, stop checks and scheduling on the host overlap the device's work. 
 step n was already scheduled into step n+1; that row's token is dropped.
 
 Structured output (`SamplingParams.structured_outputs`, `jhybrid.engine.structured_output`): a request's grammar
-mask for its next token depends on the token step n sampled, so a step in which some row sampled under a grammar
-is read *before* the next step is scheduled and dispatched: its matchers accept their tokens, the next step's
-masks are built on the host and go in with it. Only steps after such a step lose the overlap (the device waits
-for the host's read, stop checks and masks: ~5 us per constrained row at a 150k vocabulary, benchmarks/
-RESULTS.md); steps without constrained rows pipeline as before. A matcher advances only on tokens the host reads,
-so preemption (recompute or swap: the tokens are kept) and failed steps (their tokens are dropped unread) leave
-it where the sequence is.
+mask for its next token depends on the token step n sampled, which the host has not read when step n+1 is
+dispatched. Such a step is split (`ModelRunner.execute`): its forward is dispatched at once, the host reads step
+n (the matchers take its tokens) and fills the masks while the device runs the forward, and then dispatches the
+step's sampling with them, as vLLM does. Where a bucket's split programs are not compiled yet (a server compiles
+them in the background on first use) or the step cannot split (mixed steps, tensor parallelism, prompt
+logprobs, offloaded attention), the matchers take step n's tokens first (`_read_matchers`) and the masks go in
+with the whole step. A matcher's tokens are the sequence's: where step n is dropped unread (a failed step),
+they are taken back (`Matcher.undo`), so preemption and failures leave it where the sequence is.
 
 With `host_kv_memory_gb > 0` a host tier (`jhybrid.cache.host_tier`) holds the KV and state of preempted
 sequences (`jhybrid.engine.swap`); `preemption_mode` picks swap or recompute ("auto": by the cost model,
@@ -42,7 +43,7 @@ from jhybrid.cache.planner import plan_cache
 from jhybrid.cache.prefix_cache import PrefixCache
 from jhybrid.engine.engine_config import EngineConfig, engine_config
 from jhybrid.engine.heap import freeze_startup_heap
-from jhybrid.engine.runner import ModelRunner, StepResult
+from jhybrid.engine.runner import SPLIT_COMPILE_THREAD, ModelRunner, StepResult
 from jhybrid.engine.sampling import SamplingParams, bad_words_token_ids
 from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
@@ -135,6 +136,7 @@ class LLMEngine:
         self.slots = SlotAllocator(self.cache.num_slots)
         self.runner = ModelRunner(cfg, model.params, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   max_num_batched_tokens=max_num_batched_tokens, seed=config.seed, mesh=self.mesh)
+        self.runner.read_matchers = self._read_matchers
         kv_offload = config.kv_offload
         self.host, self.swapper, self.cost_model = self._host_tier(
             config, max_num_batched_tokens, needs_cost=kv_offload != "off" and config.offload_policy == "cost")
@@ -210,7 +212,8 @@ class LLMEngine:
             except (ImportError, ValueError) as e:
                 log.warning("structured output is unavailable: %s", e)
         # every program the process compiles from now on, each logged by name
-        self._after_ready = CompileWatch(warn="after the engine was ready (a stall on the request path)")
+        self._after_ready = CompileWatch(warn="after the engine was ready (a stall on the request path)",
+                                         background=SPLIT_COMPILE_THREAD)
         hits = self.runner.program_cache.hits if self.runner.program_cache else 0  # loaded without XLA's event
         self.startup_programs_compiled += watch.count + hits
         self.startup_compile_seconds += time.perf_counter() - t0
@@ -362,10 +365,6 @@ class LLMEngine:
         start, wait0, sched, t1, t2 = t0, timing["device_wait_seconds"], None, t0, t0
         current = None
         updated = self._admit_compiled() if self._grammar_waiting else []
-        if self._prev is not None and self._prev.constrained:  # its tokens decide the next step's grammar masks
-            prev, self._prev = self._prev, None
-            updated += self._read(prev)
-            t0 = time.perf_counter()
         if self.scheduler.has_work():
             sched = self.scheduler.schedule()
             t1 = time.perf_counter()
@@ -388,6 +387,8 @@ class LLMEngine:
             timing["host_prepare_seconds"] += t2 - t1
         if self._prev is not None:
             updated += self._read(self._prev)
+        if current is not None and current.split is not None:  # its grammar masks wanted the tokens just read
+            self.runner.sample_split(current)
         self._prev = current
         if self.swapper is not None:
             self.swapper.flush()  # the previous step is read, so swap-out data has (nearly) arrived
@@ -441,6 +442,16 @@ class LLMEngine:
             )
         return out
 
+    def _read_matchers(self, result: StepResult) -> None:
+        """Feeds the tokens of step `result` to its rows' grammar matchers ahead of its read (`_postprocess` then
+        takes what each returned), for a next step whose masks are filled before its forward
+        (`ModelRunner.execute`)."""
+        t0 = time.perf_counter()
+        tokens = result.fetch()[0]
+        self.timing["device_wait_seconds"] += time.perf_counter() - t0
+        result.accepted = {i: row.seq.matcher.accept(int(tokens[i])) for i, row in enumerate(result.sched.rows)
+                           if row.samples and not row.seq.is_finished and row.seq.matcher is not None}
+
     def _read(self, result: StepResult) -> list[Sequence]:
         t0 = time.perf_counter()
         tokens, token_logp, top_lp, top_ids = result.fetch()  # waits for that step only
@@ -484,7 +495,8 @@ class LLMEngine:
             if seq.detok is not None:
                 seq.text += seq.detok.add(token)
             matcher = seq.matcher
-            if matcher is not None and not matcher.accept(token):
+            accepted = result.accepted.get(i) if getattr(result, "accepted", None) is not None else None
+            if matcher is not None and not (matcher.accept(token) if accepted is None else accepted):
                 self.scheduler.finish(seq, "error", f"structured_outputs: the sampled token {token} is not allowed by "
                                       "the grammar (allowed_token_ids, bad_words or min_tokens may exclude every "
                                       "token the grammar allows here)")
@@ -547,6 +559,7 @@ class LLMEngine:
     MAX_STRIKES = 4  # failed steps one sequence may take part in before it is failed as their cause (a backstop
     # for failures that need two requests together: each passes alone, and they would meet again forever)
     _failed_steps_in_a_row = 0
+    _failed_steps_total = 0
     _strikes: dict | None = None  # seq_id -> (seq, failed steps it took part in)
     _suspects: dict | None = None  # seq_id -> (seq, tokens it had when the step failed); None: not isolating
     _saved_max_num_seqs: int | None = None
@@ -586,6 +599,7 @@ class LLMEngine:
         if not suspects and sched.waiting:  # schedule() failed on the sequence it was admitting
             suspects = [sched.waiting[0]]
         self._failed_steps_in_a_row += 1
+        self._failed_steps_total += 1
         log.error("engine step failed (%d in a row) with %d sequences in it (%s): %r", self._failed_steps_in_a_row,
                   len(suspects), ", ".join(repr(s.request_id) for s in suspects[:8]), error, exc_info=error)
         if self._failed_steps_in_a_row >= self.MAX_FAILED_STEPS_IN_A_ROW:
@@ -616,6 +630,11 @@ class LLMEngine:
         from jhybrid.engine.sequence import Status
 
         sched = self.scheduler
+        if self._prev is not None and self._prev.accepted:  # its tokens reached the matchers: take them back
+            rows = self._prev.sched.rows
+            for i, accepted in self._prev.accepted.items():
+                if rows[i].seq.matcher is not None:
+                    rows[i].seq.matcher.undo(accepted)
         self._prev = None
         seqs = [s for s in [*sched.running, *sched.waiting] if not s.is_finished]
         sched.running.clear()
@@ -635,6 +654,10 @@ class LLMEngine:
                     part.flush()  # released host entries are skipped
             import jax
 
+            try:  # a program call queued behind the failed one (a slot program) raises the same error again
+                self.runner.drain()
+            except Exception:  # noqa: BLE001 - the failed step's own error, handled above
+                pass
             jax.block_until_ready(self.runner.state)
         except Exception as e:  # noqa: BLE001
             raise EngineFailure(f"the engine's device state did not survive a failed step: {e!r}") from e

@@ -27,7 +27,10 @@ bias, banned token sequences, allowed tokens) lives in device tables per state s
 sequence takes a slot, and the token history that penalties read is per-slot state that each step updates with
 the tokens it feeds (`jhybrid.engine.slot_tables`): these are arguments of every program, never new programs.
 So is the structured-output grammar bitmask (`[rows, ceil(V/32)]` int32, `_token_mask`): built on the host for
-the rows that sample under a grammar, an all-ones device array kept per row bucket when no row does.
+the rows that sample under a grammar, an all-ones device array kept per row bucket when no row does. A decode step
+whose masks need the tokens of the step before it (on the device when it is dispatched) runs split, as two
+programs: `engine_forward` at once, and `engine_sample` once the host has read the step before and filled the
+masks, during the forward (`_split_ready`, `sample_split`).
 
 With a tensor-parallel `mesh` (`jhybrid.parallel`) the parameters and the state are sharded over its
 devices, the step is jitted with them (XLA SPMD inserts the collectives) and sampling runs on gathered
@@ -63,6 +66,7 @@ from jhybrid import parallel
 log = logging.getLogger("jhybrid.engine")
 MIN_ROWS = 4  # smallest row bucket
 MIN_MIXED_TOKENS = 64  # smallest token bucket of a mixed (prefill) step
+SPLIT_COMPILE_THREAD = "jhybrid-split-compile"  # the thread that compiles split-step programs in the background
 
 # the packed metadata: (name, length as a function of T, B, M); float fields travel bit-cast to int32
 _FIELDS = (
@@ -110,6 +114,47 @@ def meta_size(layout: tuple[int, int, int]) -> int:
     return sum(size(*layout) for _, size in _FIELDS)
 
 
+def _step_inputs(meta: jax.Array, prev_out: jax.Array, history: TokenHistory, layout: tuple[int, int, int]):
+    """The step's unpacked metadata, its `Batch` (the rows' fed tokens taken from `prev_out` where the previous
+    step sampled them), its `SamplingArrays`, and `history` with the fed tokens of rows with penalties added."""
+    f = _unpack(meta, *layout)
+    num_tokens = layout[0]
+    token_src = f["token_src"]
+    target = jnp.where(token_src >= 0, f["cu_seqlens"][1:] - 1, num_tokens)  # out of range: dropped
+    token_ids = f["token_ids"].at[target].set(prev_out[0][jnp.maximum(token_src, 0)], mode="drop")
+    batch = Batch(token_ids=token_ids, positions=f["positions"], token_seq=f["token_seq"],
+                  slot_mapping=f["slot_mapping"], cu_seqlens=f["cu_seqlens"], block_tables=f["block_tables"],
+                  slot_ids=f["slot_ids"], logits_index=f["logits_index"])
+    # the fed tokens of rows with penalties join their slot's history (before sampling: a decode row's fed token
+    # is its last output token); padding tokens (past cu_seqlens[-1]) are not recorded
+    prompt_len, flags, rows = f["prompt_len"], f["flags"], f["token_seq"]
+    real = jnp.arange(num_tokens) < f["cu_seqlens"][-1]
+    history = record_fed_tokens(history, f["slot_ids"][rows], token_ids, f["positions"] >= prompt_len[rows],
+                                real & ((flags[rows] & FLAG_PENALTIES) != 0))
+    last_fed = token_ids[f["logits_index"]]  # [B]
+    sampling = SamplingArrays(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
+                              seeds=f["seeds"], counters=f["counters"], want_logprobs=f["want_logprobs"],
+                              slot_ids=f["slot_ids"], flags=flags, min_p=f["min_p"],
+                              presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
+                              repetition_penalty=f["repetition_penalty"],
+                              num_output=f["positions"][f["logits_index"]] + 1 - prompt_len,
+                              recent=jnp.where(f["recent"] == -3, last_fed[:, None], f["recent"]))
+    return f, batch, sampling, history
+
+
+def _sample_packed(logits, sampling: SamplingArrays, tables: SlotTables, history: TokenHistory,
+                   token_mask: jax.Array | None, max_rows: int, mesh):
+    """Samples each row and packs the tokens with their bit-cast logprobs into `[2, max_rows]` int32; returns
+    (packed, top logprobs, top ids), replicated over `mesh`."""
+    tokens, token_logp, top_lp, top_ids = sample(logits, sampling, tables, history, token_mask)
+    packed = jnp.zeros((2, max_rows), jnp.int32)
+    packed = packed.at[0, : tokens.shape[0]].set(tokens)
+    packed = packed.at[1, : tokens.shape[0]].set(jax.lax.bitcast_convert_type(token_logp, jnp.int32))
+    if mesh is not None:
+        packed, top_lp, top_ids = (parallel.replicated(x, mesh) for x in (packed, top_lp, top_ids))
+    return packed, top_lp, top_ids
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("cfg", "layout", "decode", "max_rows", "mesh", "host_layout", "host_attn"),
@@ -133,28 +178,8 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
     Offloaded attention (`host_attn`: the engine's `HostAttention`, static, by identity): `host_layout` is
     None for a step without host-KV rows, `(0,)` for "cpu" (`host_meta [1]`: the step's registered id) and
     `(MH,)` for "copy" (`host_meta [B * MH]`: staging block tables; `stage`: the staging arrays)."""
-    f = _unpack(meta, *layout)
+    f, batch, sampling, history = _step_inputs(meta, prev_out, history, layout)
     num_tokens = layout[0]
-    token_src = f["token_src"]
-    target = jnp.where(token_src >= 0, f["cu_seqlens"][1:] - 1, num_tokens)  # out of range: dropped
-    token_ids = f["token_ids"].at[target].set(prev_out[0][jnp.maximum(token_src, 0)], mode="drop")
-    batch = Batch(token_ids=token_ids, positions=f["positions"], token_seq=f["token_seq"],
-                  slot_mapping=f["slot_mapping"], cu_seqlens=f["cu_seqlens"], block_tables=f["block_tables"],
-                  slot_ids=f["slot_ids"], logits_index=f["logits_index"])
-    # the fed tokens of rows with penalties join their slot's history (before sampling: a decode row's fed token
-    # is its last output token); padding tokens (past cu_seqlens[-1]) are not recorded
-    prompt_len, flags, rows = f["prompt_len"], f["flags"], f["token_seq"]
-    real = jnp.arange(num_tokens) < f["cu_seqlens"][-1]
-    history = record_fed_tokens(history, f["slot_ids"][rows], token_ids, f["positions"] >= prompt_len[rows],
-                                real & ((flags[rows] & FLAG_PENALTIES) != 0))
-    last_fed = token_ids[f["logits_index"]]  # [B]
-    sampling = SamplingArrays(temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
-                              seeds=f["seeds"], counters=f["counters"], want_logprobs=f["want_logprobs"],
-                              slot_ids=f["slot_ids"], flags=flags, min_p=f["min_p"],
-                              presence_penalty=f["presence_penalty"], frequency_penalty=f["frequency_penalty"],
-                              repetition_penalty=f["repetition_penalty"],
-                              num_output=f["positions"][f["logits_index"]] + 1 - prompt_len,
-                              recent=jnp.where(f["recent"] == -3, last_fed[:, None], f["recent"]))
     host = None
     if host_layout is not None:
         from jhybrid.engine.offload import HostPart
@@ -178,12 +203,7 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
         logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh, host_attention=host)
     if mesh is not None:  # sample on the gathered logits; keep the state in its shards
         logits, state = parallel.replicated(logits, mesh), parallel.constrain_state(state, cfg, mesh)
-    tokens, token_logp, top_lp, top_ids = sample(logits, sampling, tables, history, token_mask)
-    packed = jnp.zeros((2, max_rows), jnp.int32)
-    packed = packed.at[0, : tokens.shape[0]].set(tokens)
-    packed = packed.at[1, : tokens.shape[0]].set(jax.lax.bitcast_convert_type(token_logp, jnp.int32))
-    if mesh is not None:
-        packed, top_lp, top_ids = (parallel.replicated(x, mesh) for x in (packed, top_lp, top_ids))
+    packed, top_lp, top_ids = _sample_packed(logits, sampling, tables, history, token_mask, max_rows, mesh)
     if plp_meta is None:
         return packed, top_lp, top_ids, state, history
     plp = prompt_logprobs(lambda h: lm_head(cfg, params, h), hidden, plp_meta[:num_tokens], plp_meta[num_tokens] > 0)
@@ -192,22 +212,50 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
     return packed, top_lp, top_ids, state, history, plp
 
 
+# A step whose grammar masks wait on the previous step's tokens runs as two programs (`ModelRunner.execute`,
+# `split`): the forward, dispatched at once, and the sampling, dispatched once the host has read the previous
+# step and filled the masks, which it does while the device runs the forward (vLLM splits its step the same way
+# for structured output). The two compose to `engine_step` exactly: the same helpers, in the same order.
+@functools.partial(jax.jit, static_argnames=("cfg", "layout", "decode"), donate_argnames=("state", "history"))
+def engine_forward(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array,
+                   history: TokenHistory, *, layout: tuple[int, int, int], decode: bool):
+    """`engine_step` up to its logits (one device, no host-KV rows, no prompt logprobs): returns (`[B, V]`
+    logits, the step's `SamplingArrays`, state, history)."""
+    _, batch, sampling, history = _step_inputs(meta, prev_out, history, layout)
+    logits, state = forward(cfg, params, state, batch, decode=decode)
+    return logits, sampling, state, history
+
+
+@functools.partial(jax.jit, static_argnames=("max_rows",))
+def engine_sample(logits, sampling: SamplingArrays, tables: SlotTables, history: TokenHistory, token_mask: jax.Array,
+                  *, max_rows: int):
+    """`engine_step`'s sampling on `engine_forward`'s outputs: returns (`[2, R]` packed tokens and logprobs, top
+    logprobs, top ids)."""
+    return _sample_packed(logits, sampling, tables, history, token_mask, max_rows, None)
+
+
 class StepResult:
     """A dispatched step. Its device outputs: `out` ([2, R]: tokens, bit-cast logprobs), `top_logp` / `top_ids`
     ([B, L]; None when no row asked for log-probabilities: not fetched) and `plp` (steps with rows that want
     prompt log-probabilities: `engine_step`'s fifth output). With a dispatch thread they exist once the step
     program's call there has returned: reading them waits for that (not for the device). `plp_rows`: per row
     that wants prompt log-probabilities, (sequence, first prompt position, packed index of its first token,
-    positions); `constrained`: some row samples under a grammar, so the host reads this step before the next."""
+    positions). `split`: a step whose forward alone is dispatched (`ModelRunner.execute`); its sampling follows
+    with `ModelRunner.sample_split`. `accepted`: row -> whether its grammar took the row's token, for the rows
+    whose matchers took this step's tokens before the host read it (`ModelRunner.read_matchers`)."""
 
-    def __init__(self, sched: SchedulerOutput, outputs: tuple | None, plp_rows: tuple = (), constrained: bool = False,
-                 want_logprobs: bool = True, pending: Future | None = None):
-        self.sched, self.plp_rows, self.constrained = sched, plp_rows, constrained
+    def __init__(self, sched: SchedulerOutput, outputs: tuple | None, plp_rows: tuple = (),
+                 want_logprobs: bool = True, pending: Future | None = None, split: "SplitStep | None" = None):
+        self.sched, self.plp_rows, self.split = sched, plp_rows, split
         self._want_logprobs, self._pending = want_logprobs, pending
         self._outputs = outputs  # (out, top_logp, top_ids, [plp]) once the call has returned
+        self._fetched = None
+        self.accepted: dict[int, bool] | None = None
 
     def _get(self, i: int):
         if self._outputs is None:
+            if self._pending is None:
+                raise AssertionError("a split step was read before its sampling was dispatched (sample_split)")
             self._outputs, self._pending = self._pending.result(), None
         out, top_lp, top_ids, plp_out = self._outputs
         return (out, top_lp if self._want_logprobs else None, top_ids if self._want_logprobs else None,
@@ -229,10 +277,27 @@ class StepResult:
         return _local(lp), _local(top_lp), _local(top_ids)
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
-        out = _local(self.out)  # one transfer; waits for this step only
-        top_lp = _local(self.top_logp) if self.top_logp is not None else None
-        top_ids = _local(self.top_ids) if self.top_ids is not None else None
-        return out[0], out[1].view(np.float32), top_lp, top_ids
+        """(tokens, their logprobs, top logprobs, top ids) on the host; transferred once (waits for this step
+        only)."""
+        if self._fetched is None:
+            out = _local(self.out)
+            top_lp = _local(self.top_logp) if self.top_logp is not None else None
+            top_ids = _local(self.top_ids) if self.top_ids is not None else None
+            self._fetched = out[0], out[1].view(np.float32), top_lp, top_ids
+        return self._fetched
+
+
+class SplitStep(NamedTuple):
+    """What `ModelRunner.sample_split` needs of a split step: its rows, the rows that sample under a grammar, the
+    row bucket, the sampling tables it was dispatched with, the sampling program, and the forward's outputs
+    (a Future of them on the dispatch thread)."""
+
+    rows: list
+    masked: list[int]
+    num_rows: int
+    tables: SlotTables
+    program: object
+    forward: object
 
 
 def _local(x: jax.Array) -> np.ndarray:
@@ -302,6 +367,14 @@ class ModelRunner:
         self.num_compiled_after_seal = 0
         self.compiled_shapes: set[tuple] = set()  # every (layout, decode, host layout) a step ran with
         self._all_allowed: dict[int, jax.Array] = {}  # [rows, W] all-ones grammar bitmasks (device), by rows
+        # split steps (structured output: `_split_ready`): the engine's reader of a step's tokens into the grammar
+        # matchers (`LLMEngine._read_matchers`), the programs by decode bucket, background compiles, counters
+        self.read_matchers = None
+        self.split_sampling = True
+        self._split_programs: dict[tuple[int, int], tuple] = {}
+        self._split_compiling: dict[tuple[int, int], Future] = {}
+        self.num_split_compiled = 0
+        self.num_split_steps = 0
 
     def _replicate(self, make):
         """`make()`'s arrays, replicated over the mesh (one device: where JAX puts them)."""
@@ -489,7 +562,14 @@ class ModelRunner:
                       frequency_penalty=extra[:, 4].view(np.int32), repetition_penalty=extra[:, 5].view(np.int32),
                       recent=recent)
         meta = np.concatenate([np.asarray(fields[name], np.int32).ravel() for name, _ in _FIELDS])
-        token_mask, constrained = self._token_mask(rows, num_rows)
+        masked = [i for i, r in enumerate(rows) if r.samples and r.seq.matcher is not None]
+        waits = any(token_src[i] >= 0 for i in masked)  # a mask needs a token the host has not read yet
+        split = waits and not plp and not host_step and self._split_ready(decode, num_tokens, num_rows)
+        if waits and not split:  # the masks are filled now, from the previous step's tokens
+            if self.read_matchers is None or prev is None:
+                raise AssertionError("a grammar row's last token is on the device and nothing reads it")
+            self.read_matchers(prev)
+        token_mask = None if split else self._token_mask(rows, masked, num_rows)
         t_drain = time.perf_counter()
         self.drain()  # the previous call has returned: its state, history and outputs are ours to pass on
         drain_wait = time.perf_counter() - t_drain
@@ -518,6 +598,8 @@ class ModelRunner:
                 **plp_args, token_mask=token_mask, **statics, host_attn=self.host_attn)
         else:
             self.compiled_shapes.add((layout, decode, None))
+            if split:
+                return self._dispatch_forward(sched, masked, decode, layout, meta, prev_out, want_logprobs.any())
             program = self._program(decode, num_tokens, num_rows, plp)
             args = (self.params, self._state, meta, prev_out, keeper.tables, keeper.history)
             kwargs = dict(plp_args, token_mask=token_mask)
@@ -525,9 +607,9 @@ class ModelRunner:
             trace = (name, time.perf_counter(), drain_wait) if self.call_log is not None else None
             if self.dispatch_thread:
                 self._pending = self._dispatcher().submit(self._call, program, args, kwargs, trace)
-                return StepResult(sched, None, plp_rows, constrained, bool(want_logprobs.any()), self._pending)
+                return StepResult(sched, None, plp_rows, bool(want_logprobs.any()), self._pending)
             out, top_lp, top_ids, plp_out = self._call(program, args, kwargs, trace)
-        return StepResult(sched, (out, top_lp, top_ids, plp_out), plp_rows, constrained, bool(want_logprobs.any()))
+        return StepResult(sched, (out, top_lp, top_ids, plp_out), plp_rows, bool(want_logprobs.any()))
 
     def _call(self, program, args: tuple, kwargs: dict, trace: tuple | None = None):
         """Calls a step program and takes its state and token history as the runner's (on the dispatch thread
@@ -565,12 +647,12 @@ class ModelRunner:
         self.drain()
         self._state = value
 
-    def _token_mask(self, rows, num_rows: int):
-        """The step's grammar bitmask `[num_rows, ceil(V/32)]` and whether some row reads it: the rows that sample
-        under a grammar get their matcher's mask (built here on the host, from every token up to the row's end:
-        the engine reads a step with such rows before it dispatches the next, so none is pending); a step without
-        such rows passes a cached all-ones device array (nothing to send)."""
-        masked = [(i, r.seq.matcher) for i, r in enumerate(rows) if r.samples and r.seq.matcher is not None]
+    def _token_mask(self, rows, masked: list[int], num_rows: int):
+        """The step's grammar bitmask `[num_rows, ceil(V/32)]`: the rows in `masked` (they sample under a grammar)
+        get their matcher's mask, filled on the host; a step without such rows passes a cached all-ones device
+        array (nothing to send). A row whose sequence finished or whose grammar ended or refused its last token
+        keeps all tokens (the host drops what it samples). Each matcher must have taken every output token
+        before the row's: the previous step's tokens too, read by `read_matchers` or by the engine's read."""
         if not masked:
             mask = self._all_allowed.get(num_rows)
             if mask is None:
@@ -579,16 +661,120 @@ class ModelRunner:
                 # one transfer, no program (over a mesh: replicated by a small jitted copy, made at warm-up)
                 mask = jax.device_put(ones) if self.mesh is None else self._replicate(lambda: jnp.asarray(ones))
                 self._all_allowed[num_rows] = mask
-            return mask, False
+            return mask
         spec = []
-        for i, matcher in masked:
+        for i in masked:
             r = rows[i]
-            if r.start + r.num_tokens != len(r.seq.token_ids):
-                raise AssertionError(f"{r.seq}: a constrained row needs every token on the host before its mask")
-            spec.append((i, matcher, len(r.seq.output_ids) < r.seq.params.min_tokens))
+            matcher = r.seq.matcher
+            if r.seq.is_finished or matcher is None or matcher.terminated or matcher.rejected:
+                continue
+            num_output = r.start + r.num_tokens - len(r.seq.prompt_ids)  # output tokens before the one sampled
+            if matcher.num_accepted != num_output:
+                raise AssertionError(f"{r.seq}: its grammar took {matcher.num_accepted} tokens, the row samples "
+                                     f"after {num_output}")
+            spec.append((i, matcher, num_output < r.seq.params.min_tokens))
         mask = new_bitmask(num_rows, self.cfg.vocab_size)
-        fill_bitmask(mask, spec)
-        return mask, True
+        if spec:
+            fill_bitmask(mask, spec)
+        return mask
+
+    # ----------------------------------------------------------------- split steps
+    def _split_ready(self, decode: bool, num_tokens: int, num_rows: int) -> bool:
+        """Whether the step of this bucket can run split (forward, then sampling once its masks are filled): on
+        one device, for decode buckets. Unsealed, the two programs compile here; sealed (a server), a missing
+        pair compiles on a background thread (`split_compile_threads` names it, so `CompileWatch` counts it apart)
+        while the steps of this bucket fill their masks before the forward, as every step did before."""
+        if not self.split_sampling or self.mesh is not None or not decode:
+            return False
+        key = (num_tokens, num_rows)
+        if key in self._split_programs:
+            return True
+        if not self.sealed:
+            self._split_programs[key] = self._compile_split(key)
+            return True
+        if key not in self._split_compiling:
+            specs = self._split_specs()
+
+            def build():
+                self._split_programs[key] = self._compile_split(key, specs)
+
+            pool = ThreadPoolExecutor(1, thread_name_prefix=SPLIT_COMPILE_THREAD)
+            self._split_compiling[key] = pool.submit(build)
+            pool.shutdown(wait=False)
+        return False
+
+    def wait_split_compiles(self) -> None:
+        """Waits for the split programs compiling in the background (raises what a compile raised)."""
+        for future in list(self._split_compiling.values()):
+            future.result()
+
+    def _split_specs(self):
+        """Shapes and placements of the state, the token history and the sampling tables (read on the engine's
+        thread; a background compile must not touch arrays the dispatch thread may be donating)."""
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # one device; no sharding: its outputs stay
+        # uncommitted, as the whole step's are, so the programs that take the state next see what they were built for
+        keeper = self.slot_tables
+        return jax.tree.map(spec, (self.state, keeper.history, keeper.tables))
+
+    def _compile_split(self, key: tuple[int, int], specs=None):
+        """(engine_forward, engine_sample) compiled for decode bucket `key` = (num_tokens, num_rows)."""
+        num_tokens, num_rows = key
+        state, history, tables = specs if specs is not None else self._split_specs()
+        layout = (num_tokens, num_rows, self.max_blocks)
+        t0 = time.perf_counter()
+        meta = jax.ShapeDtypeStruct((meta_size(layout),), jnp.int32)
+        forward_low = engine_forward.lower(self.cfg, self.params, state, meta, self._no_prev, history, layout=layout,
+                                           decode=True)
+        logits, sampling = forward_low.out_info[:2]
+        mask = jax.ShapeDtypeStruct((num_rows, bitmask_width(self.cfg.vocab_size)), jnp.int32)
+        sample_low = engine_sample.lower(logits, sampling, tables, history, mask, max_rows=self.max_rows)
+        programs = forward_low.compile(self.compiler_options), sample_low.compile(self.compiler_options)
+        self.num_split_compiled += 1
+        log.info("compiled the split programs of decode:%d:%d (structured output) in %.1f s", num_tokens, num_rows,
+                 time.perf_counter() - t0)
+        return programs
+
+    def _dispatch_forward(self, sched: SchedulerOutput, masked: list[int], decode: bool, layout: tuple,
+                          meta: np.ndarray, prev_out, want_logprobs) -> StepResult:
+        """Dispatches a split step's forward; `sample_split` dispatches its sampling."""
+        num_tokens, num_rows, _ = layout
+        forward, sample = self._split_programs[(num_tokens, num_rows)]
+        keeper = self.slot_tables
+        args = (self.params, self._state, meta, prev_out, keeper.history)
+        self.num_split_steps += 1
+
+        def call():
+            t0 = time.perf_counter()
+            logits, sampling, self._state, keeper.history = forward(*args)
+            self.dispatch_seconds += time.perf_counter() - t0
+            return logits, sampling, keeper.history
+
+        outputs = self._dispatcher().submit(call) if self.dispatch_thread else call()
+        if self.dispatch_thread:
+            self._pending = outputs
+        split = SplitStep(sched.rows, masked, num_rows, keeper.tables, sample, outputs)
+        return StepResult(sched, None, (), bool(want_logprobs), None, split)
+
+    def sample_split(self, result: StepResult) -> None:
+        """Fills the grammar masks of a split step (its rows' matchers have now taken the previous step's tokens)
+        and dispatches its sampling; on the GPU the forward runs meanwhile."""
+        split = result.split
+        mask = self._token_mask(split.rows, split.masked, split.num_rows)
+        before = self._pending
+
+        def call():
+            if before is not None:
+                before.result()  # a failure of the forward (or of a state program behind it) is this step's
+            t0 = time.perf_counter()
+            logits, sampling, history = split.forward.result() if isinstance(split.forward, Future) else split.forward
+            out = split.program(logits, sampling, split.tables, history, mask)
+            self.dispatch_seconds += time.perf_counter() - t0
+            return (*out, ())
+
+        if self.dispatch_thread:
+            result._pending = self._pending = self._dispatcher().submit(call)
+        else:
+            result._outputs = call()
 
     # ----------------------------------------------------------------- programs
     def _step_args(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):

@@ -164,10 +164,23 @@ class Matcher:
     def __init__(self, matcher, keep: np.ndarray | None = None, stop_token_ids: Sequence[int] = ()):
         self._m, self._keep = matcher, keep
         self._stops = np.asarray(stop_token_ids, np.int64)
+        self.num_accepted = 0  # output tokens taken so far
+        self.rejected = False  # a token was refused: the request ends with an error
 
     def accept(self, token: int) -> bool:
         """Advances past `token`; False when the grammar does not allow it (the matcher is unchanged)."""
-        return bool(self._m.accept_token(int(token)))
+        ok = bool(self._m.accept_token(int(token)))
+        self.num_accepted += ok
+        self.rejected |= not ok
+        return ok
+
+    def undo(self, accepted: bool) -> None:
+        """Takes back the last `accept` (that returned `accepted`): its step was dropped unread."""
+        if accepted:
+            self._m.rollback(1)
+            self.num_accepted -= 1
+        else:
+            self.rejected = False
 
     def fill(self, bitmask: np.ndarray, row: int, hold_stop: bool = False) -> None:
         """Writes the tokens allowed next into `bitmask[row]` (`[rows, W]` int32, C-contiguous). `hold_stop`
