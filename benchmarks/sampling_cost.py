@@ -4,8 +4,8 @@
     PYTHONPATH=. python -m benchmarks.sampling_cost --tiny --batch 4          # CPU smoke test
 
 The 2.2 B Qwen3-Next-shaped dense model of benchmarks/generate.py (its full 151,936-token vocabulary: the
-controls' work grows with the vocabulary), random bf16 weights made on the device, the bundled tokenizer for
-the bad words. `--batch` rows of 256-token prompts decode 64 tokens under each setting below, each run twice
+controls' work grows with the vocabulary), random bf16 weights made on the device, a synthesised 151,665-token tokenizer
+(`--tokenizer`) for the bad words and the grammars. `--batch` rows of 256-token prompts decode 64 tokens under each setting below, each run twice
 (the first pays for any compile; the engine is warmed up, so none should); the figure is the median wall time
 of the steps in which every row decodes (the engine dispatches a step before it reads the last one, so in
 steady state that is the device step plus any host time not hidden behind it). Every setting runs in the same
@@ -60,6 +60,8 @@ def settings(vocab: int) -> dict:
         chosen["structured output (JSON schema, every row, whole steps)"] = dict(
             temperature=0.0, structured_outputs=_structured(), _split=False)
         chosen["structured output (JSON schema, sampled)"] = dict(sampled, structured_outputs=_structured())
+        chosen["structured output (JSON schema, sampled, whole steps)"] = dict(sampled, structured_outputs=_structured(),
+                                                                               _split=False)
     except ImportError as e:
         print(f"structured output settings left out: {e}", flush=True)
     return chosen
@@ -80,6 +82,10 @@ def main(argv=None) -> int:
     parser.add_argument("--trace", metavar="DIR", help="also measure GPU kernel time per decode step (JAX profiler "
                         "traces written under DIR)")
     parser.add_argument("--only", help="comma-separated prefixes of the settings to run (greedy always runs)")
+    parser.add_argument("--tokenizer", choices=("synth", "bundled"), default="synth",
+                        help="synth (default): a byte-level BPE tokenizer of 151,665 tokens (benchmarks/grammar_mask.py) "
+                             "for the model's 151,936 ids, as Qwen's; bundled: the example's 4,096-token tokenizer, whose "
+                             "147,840 ids beyond it made each grammar mask ~30x slower to fill (benchmarks/RESULTS.md)")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                         help="set a module switch before the engine is built, e.g. "
                              "jhybrid.engine.sampling.TOP_K_CHUNK=2048 (repeatable; the value is a Python literal)")
@@ -103,14 +109,25 @@ def main(argv=None) -> int:
     from jhybrid.assets import default_model_path
     from jhybrid.tokenizer import load_tokenizer
 
-    model = random_model(args.tiny, tokenizer=load_tokenizer(default_model_path()))
+    if args.tokenizer == "synth" and not args.tiny:
+        import tempfile
+
+        from benchmarks.grammar_mask import synth_tokenizer
+        from jhybrid.tokenizer import HFTokenizer
+
+        folder = tempfile.mkdtemp(prefix="jhybrid-synth-tok-")
+        synth_tokenizer(151_665).save(os.path.join(folder, "tokenizer.json"))
+        tokenizer = HFTokenizer(folder)
+    else:
+        tokenizer = load_tokenizer(default_model_path())
+    model = random_model(args.tiny, tokenizer=tokenizer)
     cfg = model.cfg
     llm = jhybrid.LLM(model, dtype=None, max_num_seqs=args.batch, max_model_len=512, max_num_batched_tokens=2048,
                       warmup=True)
     eng = llm.engine
     prompts = [np.random.default_rng(i).integers(0, cfg.vocab_size, 256).tolist() for i in range(args.batch)]
     res = {"device": str(jax.devices()[0].device_kind), "batch": args.batch, "vocab": cfg.vocab_size, "ms": {},
-           "set": args.set}
+           "set": args.set, "tokenizer": args.tokenizer}
     chosen = settings(cfg.vocab_size)
     if args.only:
         prefixes = args.only.split(",")
@@ -121,8 +138,10 @@ def main(argv=None) -> int:
         sp = jhybrid.SamplingParams(max_tokens=64, ignore_eos=True, **kw)
         times = []
         for rep in range(2):
+            split_before = eng.runner.num_split_steps
             times = decode_step_times(eng, prompts, sp, f"{name[:8]}-{rep}")
             eng.runner.wait_split_compiles()  # split programs met in the first pass compile in the background
+        res.setdefault("split_steps_measured_pass", {})[name] = eng.runner.num_split_steps - split_before
         res["ms"][name] = float(np.median(times[4:])) * 1e3
         line = f"{name:45s} {res['ms'][name]:7.3f} ms / step ({len(times)} all-decode steps)"
         if args.trace:
