@@ -151,7 +151,8 @@ def test_compile_watch_names_what_compiled(caplog):
 @pytest.mark.slow
 def test_sealed_runner_runs_a_missing_bucket_in_a_larger_one(model):
     """With only the largest decode and mixed buckets compiled and the runner sealed, every step runs in those
-    (padding rows and tokens) without compiling, and gives the tokens of exact buckets. Checked to fail:
+    (padding rows and tokens) without compiling, and gives the tokens of exact buckets (those of the `ENGINE`
+    shapes the other tests here compile: fewer rows and tokens per step, the same greedy tokens). Checked to fail:
     without `seal()` the smaller buckets compile (the watch counts them)."""
     engine = dict(ENGINE, max_num_seqs=8, max_num_batched_tokens=256)
     big = LLM(model, **engine)
@@ -165,7 +166,7 @@ def test_sealed_runner_runs_a_missing_bucket_in_a_larger_one(model):
         got = run(big, work, {})
     assert watch.count == 0
     assert runner.compiled_shapes <= {((8, 8, runner.max_blocks), True, None), ((256, 8, runner.max_blocks), False, None)}
-    exact = LLM(model, **engine)
+    exact = LLM(model, **ENGINE)
     assert got == run(exact, work, {})
     assert any(layout[0] < 256 for layout, *_ in exact.engine.runner.compiled_shapes)  # it did use smaller ones
 

@@ -124,6 +124,49 @@ def _arrays(meta, repeat: int, temperature: float, min_p: float, seed0: int = 0)
         num_output=jnp.asarray(rep["num_output"], jnp.int32), recent=jnp.asarray(rep["recent"], jnp.int32))
 
 
+def test_filter_thresholds_from_candidates_change_no_sampled_token(monkeypatch):
+    """The GPU's top-k / top-p filter (thresholds read off each row's largest logits where they lie there:
+    `sampling.FILTER_CANDIDATES`, off on the CPU unless `FILTER_CANDIDATES_ON_CPU`) gives `sample` the tokens of the
+    radix passes, seeded draws at temperature 2 over 128 tokens with 32 candidates: in a batch whose rows it all
+    resolves (top-k 5; top-k 20 and top-p 0.9) and in one with a row it cannot (top-k 40, past the candidates), so
+    both branches of its `lax.cond` run, beside greedy rows. (It replaces an engine-level run of the same claim:
+    `sample` reads the switch when traced, so a fresh trace of it is the engine's path.)
+    Checked to fail with the resolved branch keeping `>` its threshold instead of `>=` (top-k keeps k - 1)."""
+    from jhybrid.engine import sampling
+
+    rng = np.random.default_rng(4)
+    vocab, draws = 128, 24
+    kinds = [(5, 1.0), (20, 0.9), (40, 1.0), (0, 1.0)]  # (top-k, top-p); top-k 0 with temperature 0: greedy
+    logits = rng.standard_normal((len(kinds), vocab)).astype(np.float32) * 2
+
+    def batch(rows: list[int]):
+        n = len(rows) * draws
+        k = np.repeat([kinds[r][0] for r in rows], draws)
+        args = SamplingArrays(
+            temperature=jnp.asarray(np.where(k > 0, 2.0, 0.0), jnp.float32), top_k=jnp.asarray(k, jnp.int32),
+            top_p=jnp.asarray(np.repeat([kinds[r][1] for r in rows], draws), jnp.float32),
+            seeds=jnp.arange(n, dtype=jnp.int32) % draws + 7, counters=jnp.arange(n, dtype=jnp.int32) // draws,
+            want_logprobs=jnp.zeros(n, jnp.int32), slot_ids=jnp.zeros(n, jnp.int32), flags=jnp.zeros(n, jnp.int32),
+            min_p=jnp.zeros(n), presence_penalty=jnp.zeros(n), frequency_penalty=jnp.zeros(n),
+            repetition_penalty=jnp.ones(n), num_output=jnp.zeros(n, jnp.int32),
+            recent=jnp.full((n, MAX_BAN_TOKENS - 1), -2, jnp.int32))
+        tables = SlotTables(bias_ids=jnp.zeros((1, MAX_LOGIT_BIAS), jnp.int32), bias_values=jnp.zeros((1, MAX_LOGIT_BIAS)),
+                            bans=jnp.full((1, 4, MAX_BAN_TOKENS + 1), -1, jnp.int32), allowed=jnp.ones((1, vocab), bool))
+        history = TokenHistory(output_counts=jnp.zeros((1, vocab), jnp.int32), prompt_mask=jnp.zeros((1, vocab), bool))
+        x = jnp.asarray(np.repeat(logits[rows], draws, axis=0))
+        # a new function each time: its trace reads the switches as they are now
+        return np.asarray(jax.jit(lambda *a: sample(*a)[0])(x, args, tables, history)).reshape(len(rows), draws)
+
+    resolved_rows, all_rows = [0, 1, 3], [0, 1, 2, 3]
+    radix = {rows[-1]: batch(rows) for rows in (resolved_rows[:2], all_rows)}
+    monkeypatch.setattr(sampling, "FILTER_CANDIDATES_ON_CPU", True)
+    monkeypatch.setattr(sampling, "FILTER_CANDIDATES", 32)
+    np.testing.assert_array_equal(batch(resolved_rows[:2]), radix[1])
+    np.testing.assert_array_equal(batch(all_rows), radix[3])
+    assert all(len(set(radix[3][i])) > 3 for i in range(3))  # the draws vary
+    assert len(set(radix[3][3])) == 1  # the greedy row
+
+
 def test_sampler_equals_numpy_reference():
     """Greedy rows take the argmax of the NumPy-processed logits (bias, allowed tokens, single- and multi-token
     bans with their `until`, presence / frequency / repetition penalties; a row with flags 0 ignores the garbage
