@@ -288,11 +288,10 @@ class StepResult:
 
 
 class SplitStep(NamedTuple):
-    """What `ModelRunner.sample_split` needs of a split step: its rows, the rows that sample under a grammar, the
-    row bucket, the sampling tables it was dispatched with, the sampling program, and the forward's outputs
-    (a Future of them on the dispatch thread)."""
+    """What `ModelRunner.sample_split` needs of a split step beyond its schedule: the rows that sample under a
+    grammar, the row bucket, the sampling tables it was dispatched with, the sampling program, and the forward's
+    outputs (a Future of them on the dispatch thread)."""
 
-    rows: list
     masked: list[int]
     num_rows: int
     tables: SlotTables
@@ -599,7 +598,7 @@ class ModelRunner:
         else:
             self.compiled_shapes.add((layout, decode, None))
             if split:
-                return self._dispatch_forward(sched, masked, decode, layout, meta, prev_out, want_logprobs.any())
+                return self._dispatch_forward(sched, masked, layout, meta, prev_out, want_logprobs.any())
             program = self._program(decode, num_tokens, num_rows, plp)
             args = (self.params, self._state, meta, prev_out, keeper.tables, keeper.history)
             kwargs = dict(plp_args, token_mask=token_mask)
@@ -682,7 +681,7 @@ class ModelRunner:
     def _split_ready(self, decode: bool, num_tokens: int, num_rows: int) -> bool:
         """Whether the step of this bucket can run split (forward, then sampling once its masks are filled): on
         one device, for decode buckets. Unsealed, the two programs compile here; sealed (a server), a missing
-        pair compiles on a background thread (`split_compile_threads` names it, so `CompileWatch` counts it apart)
+        pair compiles on a background thread (named `SPLIT_COMPILE_THREAD`, so `CompileWatch` counts it apart)
         while the steps of this bucket fill their masks before the forward, as every step did before."""
         if not self.split_sampling or self.mesh is not None or not decode:
             return False
@@ -709,7 +708,7 @@ class ModelRunner:
             future.result()
 
     def _split_specs(self):
-        """Shapes and placements of the state, the token history and the sampling tables (read on the engine's
+        """Shapes of the state, the token history and the sampling tables (read on the engine's
         thread; a background compile must not touch arrays the dispatch thread may be donating)."""
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # one device; no sharding: its outputs stay
         # uncommitted, as the whole step's are, so the programs that take the state next see what they were built for
@@ -734,8 +733,8 @@ class ModelRunner:
                  time.perf_counter() - t0)
         return programs
 
-    def _dispatch_forward(self, sched: SchedulerOutput, masked: list[int], decode: bool, layout: tuple,
-                          meta: np.ndarray, prev_out, want_logprobs) -> StepResult:
+    def _dispatch_forward(self, sched: SchedulerOutput, masked: list[int], layout: tuple, meta: np.ndarray, prev_out,
+                          want_logprobs) -> StepResult:
         """Dispatches a split step's forward; `sample_split` dispatches its sampling."""
         num_tokens, num_rows, _ = layout
         forward, sample = self._split_programs[(num_tokens, num_rows)]
@@ -749,17 +748,18 @@ class ModelRunner:
             self.dispatch_seconds += time.perf_counter() - t0
             return logits, sampling, keeper.history
 
-        outputs = self._dispatcher().submit(call) if self.dispatch_thread else call()
         if self.dispatch_thread:
-            self._pending = outputs
-        split = SplitStep(sched.rows, masked, num_rows, keeper.tables, sample, outputs)
+            outputs = self._pending = self._dispatcher().submit(call)
+        else:
+            outputs = call()
+        split = SplitStep(masked, num_rows, keeper.tables, sample, outputs)
         return StepResult(sched, None, (), bool(want_logprobs), None, split)
 
     def sample_split(self, result: StepResult) -> None:
         """Fills the grammar masks of a split step (its rows' matchers have now taken the previous step's tokens)
         and dispatches its sampling; on the GPU the forward runs meanwhile."""
         split = result.split
-        mask = self._token_mask(split.rows, split.masked, split.num_rows)
+        mask = self._token_mask(result.sched.rows, split.masked, split.num_rows)
         before = self._pending
 
         def call():
