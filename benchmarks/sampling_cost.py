@@ -5,12 +5,15 @@
 
 The 2.2 B Qwen3-Next-shaped dense model of benchmarks/generate.py (its full 151,936-token vocabulary: the
 controls' work grows with the vocabulary), random bf16 weights made on the device, a synthesised 151,665-token tokenizer
-(`--tokenizer`) for the bad words and the grammars. `--batch` rows of 256-token prompts decode 64 tokens under each setting below, each run twice
-(the first pays for any compile; the engine is warmed up, so none should); the figure is the median wall time
-of the steps in which every row decodes (the engine dispatches a step before it reads the last one, so in
-steady state that is the device step plus any host time not hidden behind it). Every setting runs in the same
-engine, in the same process, so greedy is the same-run baseline. Also printed: programs compiled after warm-up
-(expected 0).
+(`--tokenizer`) for the bad words and the grammars. `--batch` rows of 256-token prompts decode 64 tokens under
+each setting below, in `--repeat` rounds over the settings (a setting's first pass is a warm one: it pays for any
+compile; the engine is warmed up, so none should); a round's figure is the median wall time of the steps in which
+every row decodes (the engine dispatches a step before it reads the last one, so in steady state that is the device
+step plus any host time not hidden behind it), a setting's the median of its rounds. Every setting runs in the same
+engine, in the same process, so greedy is the same-run baseline, and each round is also compared with that round's
+greedy (the spread says how far one run can be trusted). Also printed: programs compiled after warm-up
+(expected 0), and the engine loop's host phases per decode step (`LLMEngine.step_log`: schedule, prepare and
+dispatch, wait for the device, read the results), which tell a host-bound setting from a device-bound one.
 
 The wall time of a step is the device step or the engine's host work, whichever is longer, and on a busy host
 it moves by +-15% between identical settings (RESULTS.md). `--trace DIR` also runs each setting's second pass
@@ -81,6 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test of this script)")
     parser.add_argument("--trace", metavar="DIR", help="also measure GPU kernel time per decode step (JAX profiler "
                         "traces written under DIR)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over the settings (each setting's figure: the "
+                        "median of its rounds; each round also compared with that round's greedy)")
     parser.add_argument("--only", help="comma-separated prefixes of the settings to run (greedy always runs)")
     parser.add_argument("--tokenizer", choices=("synth", "bundled"), default="synth",
                         help="synth (default): a byte-level BPE tokenizer of 151,665 tokens (benchmarks/grammar_mask.py) "
@@ -132,34 +137,52 @@ def main(argv=None) -> int:
     if args.only:
         prefixes = args.only.split(",")
         chosen = {k: v for k, v in chosen.items() if k == "greedy" or any(k.startswith(p) for p in prefixes)}
-    for name, kw in chosen.items():
-        kw = dict(kw)
-        eng.runner.split_sampling = kw.pop("_split", True)
-        sp = jhybrid.SamplingParams(max_tokens=64, ignore_eos=True, **kw)
-        times = []
-        for rep in range(2):
-            split_before = eng.runner.num_split_steps
-            times = decode_step_times(eng, prompts, sp, f"{name[:8]}-{rep}")
-            eng.runner.wait_split_compiles()  # split programs met in the first pass compile in the background
-        res.setdefault("split_steps_measured_pass", {})[name] = eng.runner.num_split_steps - split_before
-        res["ms"][name] = float(np.median(times[4:])) * 1e3
-        line = f"{name:45s} {res['ms'][name]:7.3f} ms / step ({len(times)} all-decode steps)"
-        if args.trace:
-            folder = os.path.join(args.trace, f"setting{len(res['ms'])}")
-            res.setdefault("kernel_ms", {})[name], by_kernel = kernel_ms_per_decode_step(eng, prompts, sp, folder)
-            res.setdefault("kernel_ms_by_name", {})[name] = by_kernel
-            line += f"   kernels {res['kernel_ms'][name]:7.3f} ms / step"
-        print(line, flush=True)
+    rounds = collections.defaultdict(list)  # setting -> its median step of each round
+    for rnd in range(args.repeat):
+        for name, kw in chosen.items():
+            kw = dict(kw)
+            eng.runner.split_sampling = kw.pop("_split", True)
+            sp = jhybrid.SamplingParams(max_tokens=64, ignore_eos=True, **kw)
+            times = []
+            for rep in range(2 if rnd == 0 else 1):  # the first pass of a setting is a warm one
+                split_before = eng.runner.num_split_steps
+                eng.step_log, eng.runner.call_log = [], []
+                times = decode_step_times(eng, prompts, sp, f"{name[:8]}-{rnd}-{rep}")
+                eng.runner.wait_split_compiles()  # split programs met in the first pass compile in the background
+            res.setdefault("split_steps_measured_pass", {})[name] = eng.runner.num_split_steps - split_before
+            rounds[name].append(float(np.median(times[4:])) * 1e3)
+            res.setdefault("host_ms_rounds", {}).setdefault(name, []).append(host_phases(eng.step_log,
+                                                                                        eng.runner.call_log))
+            eng.step_log = eng.runner.call_log = None
+            line = f"round {rnd + 1}: {name:45s} {rounds[name][-1]:7.3f} ms / step ({len(times)} all-decode steps)"
+            if args.trace and rnd == 0:
+                folder = os.path.join(args.trace, f"setting{len(rounds)}")
+                res.setdefault("kernel_ms", {})[name], by_kernel = kernel_ms_per_decode_step(eng, prompts, sp, folder)
+                res.setdefault("kernel_ms_by_name", {})[name] = by_kernel
+                line += f"   kernels {res['kernel_ms'][name]:7.3f} ms / step"
+            print(line, flush=True)
+    res["ms_rounds"] = dict(rounds)
+    res["ms"] = {name: float(np.median(v)) for name, v in rounds.items()}
+    res["host_ms"] = {name: {k: float(np.median([r[k] for r in v])) for k in HOST_PHASES}
+                      for name, v in res["host_ms_rounds"].items()}
     base = res["ms"]["greedy"]
     res["compiled_after_warmup"] = eng.runner.num_compiled_after_seal
     res["split_programs_compiled"], res["split_steps"] = eng.runner.num_split_compiled, eng.runner.num_split_steps
     print(f"\nbatch {args.batch}, vocab {cfg.vocab_size}, {res['device']}; programs compiled after warm-up: "
           f"{res['compiled_after_warmup']}; split-step program pairs compiled in the background: "
           f"{res['split_programs_compiled']}, split steps: {res['split_steps']}")
+    print(f"\nhost time of the measured pass's decode-only steps, median ms (a step is host-bound when its device "
+          f"wait is ~0):\n{'setting':45s} " + " ".join(f"{k:>9s}" for k in HOST_PHASES))
+    for name, phases in res["host_ms"].items():
+        print(f"{name:45s} " + " ".join(f"{phases[k]:9.3f}" for k in HOST_PHASES))
     kernels = res.get("kernel_ms")
-    print(f"{'setting':45s} {'ms/step':>8s} {'vs greedy':>10s}" + (f" {'kernel ms':>10s} {'vs greedy':>10s}" if kernels else ""))
+    print(f"{'setting':45s} {'ms/step':>8s} {'vs greedy':>10s} {'rounds vs greedy (min..max)':>28s}"
+          + (f" {'kernel ms':>10s} {'vs greedy':>10s}" if kernels else ""))
     for name, ms in res["ms"].items():
-        line = f"{name:45s} {ms:8.3f} {ms / base - 1:+10.1%}"
+        # each round's ratio against the same round's greedy (neighbours in time, so slow drifts of the host cancel)
+        ratios = [v / g - 1 for v, g in zip(rounds[name], rounds["greedy"])]
+        res.setdefault("vs_greedy_rounds", {})[name] = ratios
+        line = f"{name:45s} {ms:8.3f} {ms / base - 1:+10.1%} {min(ratios):+13.1%} ..{max(ratios):+7.1%}"
         if kernels:
             line += f" {kernels[name]:10.3f} {kernels[name] / kernels['greedy'] - 1:+10.1%}"
         print(line)
@@ -168,12 +191,33 @@ def main(argv=None) -> int:
         for name, by_kernel in res["kernel_ms_by_name"].items():
             if name == "greedy":
                 continue
-            grew = sorted(((ms - base_k.get(k, 0.0), k) for k, ms in by_kernel.items()), reverse=True)[:6]
-            print(f"{name}: " + "; ".join(f"{k[:60]} +{d:.3f}" for d, k in grew if d > 0.005))
+            grew = sorted(((ms - base_k.get(k, 0.0), k) for k, ms in by_kernel.items()), reverse=True)[:12]
+            print(f"{name}: " + "; ".join(f"{k[:50]} +{d:.3f}" for d, k in grew if d > 0.004))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
     return 0
+
+
+HOST_PHASES = ("schedule", "prepare", "wait", "read+rest", "call", "drain")
+
+
+def host_phases(log, calls=None) -> dict[str, float]:
+    """Median ms of each host phase of the decode-only steps in `log` (`LLMEngine.step_log`): scheduling,
+    preparing and dispatching the step, waiting for the device (reading the step before), and the rest (reading
+    the results into the requests: detokenising, stop checks, outputs); from `calls` (`ModelRunner.call_log`),
+    the step program's call on the dispatch thread (until the step is queued on the device) and the engine's wait
+    for the call before it to return (part of "prepare")."""
+    steps = [r for r in log if r.prompt_rows == 0][4:]
+    decode_calls = [c for c in calls or () if c.program.startswith("decode:")][4:]
+    if not steps:
+        return dict.fromkeys(HOST_PHASES, float("nan"))
+    parts = {"schedule": [r.scheduled - r.start for r in steps], "prepare": [r.dispatched - r.scheduled for r in steps],
+             "wait": [r.device_wait for r in steps],
+             "read+rest": [r.end - r.dispatched - r.device_wait for r in steps],
+             "call": [c.returned - c.started for c in decode_calls] or [float("nan")],
+             "drain": [c.drain_wait for c in decode_calls] or [float("nan")]}
+    return {k: float(np.median(v)) * 1e3 for k, v in parts.items()}
 
 
 def kernel_ms_per_decode_step(eng, prompts, sp, folder: str) -> tuple[float, dict[str, float]]:

@@ -478,6 +478,10 @@ class LLMEngine:
 
     def _postprocess(self, result: StepResult, tokens, token_logp, top_lp, top_ids) -> list[Sequence]:
         updated = []
+        # Python lists once per step: indexing NumPy arrays per row and value is several times slower
+        tokens, token_logp = tokens.tolist(), token_logp.tolist()
+        if top_lp is not None:
+            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
         for i, row in enumerate(result.sched.rows):
             if not row.samples:
                 continue
@@ -485,12 +489,12 @@ class LLMEngine:
             seq.num_pending -= 1
             if seq.is_finished:
                 continue  # stopped or aborted after this step was dispatched
-            token = int(tokens[i])
+            token = tokens[i]
             seq.token_ids.append(token)
-            seq.token_logprobs.append(float(token_logp[i]))
+            seq.token_logprobs.append(token_logp[i])
             if seq.params.logprobs is not None and top_lp is not None:
                 k = seq.params.logprobs
-                seq.logprobs.append({int(t): float(lp) for t, lp in zip(top_ids[i, :k], top_lp[i, :k])})
+                seq.logprobs.append(dict(zip(top_ids[i][:k], top_lp[i][:k])))
             text_before = seq.text
             if seq.detok is not None:
                 seq.text += seq.detok.add(token)

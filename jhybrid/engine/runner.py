@@ -525,7 +525,7 @@ class ModelRunner:
                 extra[i] = (seq.flags, len(seq.prompt_ids), p.min_p, p.presence_penalty, p.frequency_penalty,
                             p.repetition_penalty)
                 if seq.ban_window:
-                    recent[i] = recent_window(seq, end, known)
+                    recent_window(seq, end, known, recent[i])
             seeds[i] = self._seed(seq)
             if seq.host_blocks:
                 if r.num_tokens != 1:

@@ -67,14 +67,17 @@ def ban_rows(params: SamplingParams, bad_words_ids: list[list[int]], eos_token_i
     return rows
 
 
-def recent_window(seq, end: int, known: int) -> np.ndarray:
+def recent_window(seq, end: int, known: int, out: np.ndarray | None = None) -> np.ndarray:
     """The last MAX_BAN_TOKENS - 1 output tokens of `seq` at position `end` (right-aligned; -2 where the output
     is shorter; -3 for the token at `known`, sampled by the previous step and not read yet: the step puts the
-    row's last fed token there)."""
+    row's last fed token there), written into `out` (a row of -2s; a new one when None)."""
     width = MAX_BAN_TOKENS - 1
-    out = np.full(width, -2, np.int32)
+    if out is None:
+        out = np.full(width, -2, np.int32)
     first = max(len(seq.prompt_ids), end - width)
-    ids = seq.token_ids[first : min(end, known)] + ([-3] if end > known else [])
+    ids = seq.token_ids[first : min(end, known)]
+    if end > known:
+        ids.append(-3)
     if ids:
         out[width - len(ids) :] = ids
     return out
