@@ -41,11 +41,13 @@ def random_params(cfg: ModelConfig, seed: int = 0):
     return pack_params(unflatten(flat, cfg))
 
 
-def random_model(tiny: bool = False, tokenizer=None, max_position_embeddings: int | None = None):
+def random_model(tiny: bool = False, tokenizer=None, max_position_embeddings: int | None = None,
+                 overrides: dict | None = None):
     """The 2.2 B Qwen3-Next-shaped dense hybrid of benchmarks/generate.py (bf16, its full vocabulary) as a
     `LoadedModel` with random weights made on the device; `tiny`: benchmarks/serve_gpu.py's toy config with
     vocab 4096 (CPU smoke tests of the scripts); `max_position_embeddings` raises the config's 4096 for
-    long-context benchmarks (RoPE's tables are computed, not stored: nothing else changes)."""
+    long-context benchmarks (RoPE's tables are computed, not stored: nothing else changes); `overrides`: HF config
+    fields replaced (e.g. `MOE_OVERRIDES`)."""
     from jhybrid.model_loader import LoadedModel
 
     hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16")
@@ -53,6 +55,7 @@ def random_model(tiny: bool = False, tokenizer=None, max_position_embeddings: in
         from benchmarks.serve_gpu import TINY_CONFIG
 
         hf.update(TINY_CONFIG, vocab_size=4096)
+    hf.update(overrides or {})
     if max_position_embeddings:
         hf["max_position_embeddings"] = max(hf["max_position_embeddings"], max_position_embeddings)
     cfg = ModelConfig.from_hf(hf)

@@ -15,7 +15,9 @@ unquantized dtype; the embeddings, LM head, norms, routers and conv weights of t
 Which tensors are FP8 is read from the files (their dtype), then checked: every e4m3 tensor has its scale of
 the implied shape and is not in `modules_to_not_convert`; every scale belongs to an e4m3 tensor; no static
 activation scales. The product is computed in float32 (one rounding, as transformers' `Fp8Dequantize`), then
-cast to the load dtype with the other parameters; the scales are consumed, never reported as unexpected.
+cast to the load dtype with the other parameters; the scales are consumed, never reported as unexpected. With
+`quantization` fp8 the loader then packs each layer and quantizes it again to 128 x 128 blocks as soon as it is read
+(`jhybrid.model_loader.load`, `jhybrid.models.quant`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from converters.plan import ConversionError, Plan, apply_rule, check_plan
 from converters.safetensors_io import SafetensorsCheckpoint
 from jhybrid.config import ModelConfig
 from jhybrid.config_fields import read_quantization_config
-from jhybrid.models.params import Params, flatten_shapes, param_shapes, unflatten
+from jhybrid.models.params import Params, flatten_shapes, param_shapes, unflatten, unflatten_shapes
 
 log = logging.getLogger("jhybrid.convert")
 
@@ -85,8 +85,8 @@ class HFSource:
         import jax.numpy as jnp
 
         for jname, out, target in self._converted(dtype, device=True):
-            if not isinstance(out, np.ndarray):  # built on the device from FP8 weights dequantized there
-                yield jname, out.astype(target)
+            if not isinstance(out, np.ndarray):  # built on the device from FP8 weights dequantized (and cast) there
+                yield jname, out
             elif out.ndim >= 2 and not out.flags.c_contiguous and out.T.flags.c_contiguous:
                 yield jname, jnp.asarray(np.asarray(out.T, dtype=target)).T
             else:
@@ -94,7 +94,8 @@ class HFSource:
 
     def _converted(self, dtype: np.dtype | None, device: bool = False) -> Iterator[tuple[str, Any, np.dtype]]:
         """`(name, converted view of the mapped file, target dtype)` per parameter. A parameter built from FP8
-        weights is dequantized on the host, or with `device` on the default device (then a JAX array)."""
+        weights is dequantized on the host, or with `device` on the default device (then a JAX array, already in
+        the target dtype: its float32 products and the rule's inputs are not kept while the consumer works)."""
         expected = flatten_shapes(param_shapes(self.cfg))
         for jname, rule in self.plan.items():
             raw = [self.raw_names[s] for s in rule.sources]
@@ -105,7 +106,11 @@ class HFSource:
             else:
                 arrays = [self.fp8.read(self.ckpt, r) for r in raw]
             out = apply_rule(jname, rule, arrays, expected[jname])
-            yield jname, out, (out.dtype if dtype is None else param_dtype(jname, dtype))
+            del arrays
+            target = out.dtype if dtype is None else param_dtype(jname, dtype)
+            if not isinstance(out, np.ndarray):
+                out = out.astype(target)
+            yield jname, out, target
 
     def close(self) -> None:
         self.ckpt.close()
@@ -147,7 +152,8 @@ def open_hf(hf_dir: str | os.PathLike, cfg: ModelConfig | None = None) -> HFSour
 
 
 def load_hf_params(
-    hf_dir: str | os.PathLike, cfg: ModelConfig | None = None, dtype: Any = None, progress: bool = False
+    hf_dir: str | os.PathLike, cfg: ModelConfig | None = None, dtype: Any = None, progress: bool = False,
+    layer_fn: Callable[[ModelConfig, dict], dict] | None = None,
 ) -> tuple[ModelConfig, Params]:
     """Loads and converts an HF checkpoint.
 
@@ -157,10 +163,14 @@ def load_hf_params(
       dtype: "float32" / "bfloat16" / "float16" (or a dtype object); default the checkpoint's
         config dtype (float32 when absent). A_log and dt_bias stay float32 (see converters.dtypes).
       progress: show a tqdm bar over parameters.
+      layer_fn: `layer_fn(cfg, layer)` is called with each layer's parameters as soon as all of them are read,
+        and its result (waited for) replaces the layer, e.g. the layer packed and quantized to FP8: the layer's
+        tensors as read are then freed before the next layer's are read, so the device peak is the transformed
+        model plus about one layer as read.
 
     Returns:
       (cfg, params): `cfg.dtype` is the dtype the params were cast to; params is the nested pytree of
-      `jhybrid.models.params` holding `jnp` arrays.
+      `jhybrid.models.params` holding `jnp` arrays (its layers as `layer_fn` returns them).
     """
     import jax
     from tqdm import tqdm
@@ -170,5 +180,34 @@ def load_hf_params(
         cfg = dataclasses.replace(src.cfg, dtype=np_dtype.name)
         items = tqdm(src.iter_device_params(np_dtype), total=len(src.plan), desc="loading", unit="tensor",
                      disable=not progress)
-        flat = jax.block_until_ready(dict(items))  # before the file is unmapped: a transpose may still read it
-    return cfg, unflatten(flat, cfg)
+        if layer_fn is None:
+            flat = jax.block_until_ready(dict(items))  # before the file is unmapped: a transpose may still read it
+            return cfg, unflatten(flat, cfg)
+        return cfg, jax.block_until_ready(by_layer(items, cfg, layer_fn))
+
+
+def by_layer(items: Iterator[tuple[str, Any]], cfg: ModelConfig,
+             layer_fn: Callable[[ModelConfig, dict], dict]) -> Params:
+    """The parameter pytree from `(flat name, array)` pairs, each layer handed to `layer_fn(cfg, layer)` once its
+    last tensor arrives and replaced by the result (waited for, so the layer's own arrays can be freed first)."""
+    import jax
+
+    shapes = param_shapes(cfg)
+    remaining = [len(flatten_shapes(layer)) for layer in shapes["layers"]]
+    flat: dict[str, Any] = {}
+    layers: list[Any] = [{} if not n else None for n in remaining]
+    for name, value in items:
+        flat[name] = value
+        if not name.startswith("layers."):
+            continue
+        i = int(name.split(".", 2)[1])
+        remaining[i] -= 1
+        if remaining[i] == 0:
+            prefix = f"layers.{i}."
+            own = {k.removeprefix(prefix): flat.pop(k) for k in [k for k in flat if k.startswith(prefix)]}
+            layers[i] = jax.block_until_ready(layer_fn(cfg, unflatten_shapes(own, shapes["layers"][i])))
+            del own
+    missing = [i for i, layer in enumerate(layers) if layer is None]
+    if missing:  # only reachable through a bug in a name map (the plan covers every parameter)
+        raise ConversionError(f"layers {missing} were not read completely")
+    return {**unflatten_shapes(flat, {k: v for k, v in shapes.items() if k != "layers"}), "layers": tuple(layers)}

@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 
 from converters.convert import FORMAT, MARKER_FILE, PARAMS_DIR, VERSION
 from converters.dtypes import checkpoint_dtype, param_dtype, resolve_dtype
-from converters.load import config_from_hf, load_hf_params, open_hf
+from converters.load import by_layer, config_from_hf, load_hf_params, open_hf
 from converters.orbax_io import read_metadata, restore_flat
 from converters.plan import ConversionError, format_problems
 from converters.safetensors_io import INDEX_FILE, SINGLE_FILE
@@ -36,7 +36,8 @@ class CheckpointInfo:
       shapes: `{flat jhybrid name: shape}`, in parameter order.
       dtypes: `{flat jhybrid name: stored dtype name}` (HF: the dtype of its on-disk source).
       quantization: an FP8 HF checkpoint's `{"weight_block_size": (b0, b1), "num_fp8_tensors": n}` (its
-        weights are dequantized at load); None otherwise.
+        weights are dequantized as they are read; `quantization` fp8 quantizes them again layer by layer); None
+        otherwise.
     """
 
     path: str
@@ -133,7 +134,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
         return CheckpointInfo(path, "hf", cfg, shapes, dtypes, quant)
 
 
-def load_model(path: str | os.PathLike, dtype: Any = None, progress: bool = False) -> tuple[ModelConfig, Params]:
+def load_model(path: str | os.PathLike, dtype: Any = None, progress: bool = False,
+               layer_fn: Callable[[ModelConfig, dict], dict] | None = None) -> tuple[ModelConfig, Params]:
     """Loads parameters from an HF or a converted directory.
 
     Args:
@@ -141,13 +143,16 @@ def load_model(path: str | os.PathLike, dtype: Any = None, progress: bool = Fals
       dtype: cast to "float32" / "bfloat16" / "float16" (A_log and dt_bias stay float32); default the
         checkpoint's dtype (converted: as stored; HF: config.json's dtype).
       progress: show a progress bar (HF checkpoints).
+      layer_fn: `layer_fn(cfg, layer)` replaces each layer's parameters (e.g. packs and quantizes them). An HF
+        checkpoint hands each layer over as soon as it is read (`converters.load.load_hf_params`), so the whole
+        model never exists as read; a converted one is restored whole first.
 
     Returns:
       (cfg, params): `cfg.dtype` names the params' dtype; params is the nested pytree of jax arrays.
     """
     path = os.path.abspath(os.fspath(path))
     if _detect(path) == "hf":
-        return load_hf_params(path, dtype=dtype, progress=progress)
+        return load_hf_params(path, dtype=dtype, progress=progress, layer_fn=layer_fn)
     info = inspect_checkpoint(path)
     found = read_metadata(os.path.join(path, PARAMS_DIR))
     flat = restore_flat(os.path.join(path, PARAMS_DIR), found)
@@ -156,4 +161,6 @@ def load_model(path: str | os.PathLike, dtype: Any = None, progress: bool = Fals
         np_dtype = resolve_dtype(dtype)
         flat = {n: a.astype(param_dtype(n, np_dtype)) for n, a in flat.items()}
         cfg = dataclasses.replace(cfg, dtype=np_dtype.name)
+    if layer_fn is not None:
+        return cfg, by_layer(iter(flat.items()), cfg, layer_fn)
     return cfg, unflatten(flat, cfg)

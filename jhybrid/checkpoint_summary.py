@@ -51,6 +51,7 @@ class Summary:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "state_bytes_per_sequence": self.state_bytes_per_sequence,
             "quantization": self.info.quantization,
+            "fp8_at_load": fp8_at_load(self.info) if self.info.quantization else None,
         }
 
     def format(self) -> str:
@@ -84,8 +85,12 @@ class Summary:
         ]
         if q := self.info.quantization:
             b0, b1 = q["weight_block_size"]
+            fp8 = fp8_at_load(self.info)
             lines.append(f"FP8 weights: {q['num_fp8_tensors']} tensors in float8_e4m3fn with a scale per {b0}x{b1} "
-                         f"block (quantization_config); dequantized at load to the compute dtype")
+                         f"block (quantization_config); with quantization fp8 (auto: on a GPU with FP8 tensor cores) "
+                         f"held at run time in 128x128 blocks: {fp8['projections']} projections and "
+                         f"{fp8['expert_tensors']} routed-expert tensors, {fp8['left']} left in the compute dtype "
+                         f"(input dim not a multiple of 128); otherwise dequantized at load to the compute dtype")
         if scalings := _scalings(cfg):
             lines.append(f"scalings: {scalings}")
         lines.append("checkpoint OK")
@@ -116,6 +121,24 @@ def summarize(path: str | os.PathLike) -> Summary:
         kv_bytes_per_token=cfg.kv_bytes_per_token(resolve_dtype(cfg.dtype).itemsize),
         state_bytes_per_sequence=cfg.state_bytes_per_sequence(),
     )
+
+
+def fp8_at_load(info: CheckpointInfo) -> dict[str, int]:
+    """What `quantization="fp8"` makes of the checkpoint's weights on one device (`jhybrid.models.quant`, from the
+    shapes alone): `{"projections", "expert_tensors"}` held in FP8 (packed projections; routed-expert stacks) and
+    `"left"`: the candidates kept in the compute dtype, their input dim not a multiple of 128."""
+    import jax
+    import jax.numpy as jnp
+
+    from jhybrid.models.params import pack_params, unflatten
+    from jhybrid.models.quant import BLOCK, candidates
+
+    abstract = unflatten({k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in info.shapes.items()}, info.cfg)
+    found = [(kind, w.shape[-2] % BLOCK == 0) for layer in jax.eval_shape(pack_params, abstract)["layers"]
+             for kind, _, w in candidates(layer)]
+    return {"projections": sum(ok and kind != "experts" for kind, ok in found),
+            "expert_tensors": sum(ok and kind == "experts" for kind, ok in found),
+            "left": sum(not ok for _, ok in found)}
 
 
 def _scalings(cfg) -> str:

@@ -208,7 +208,7 @@ def _generate(args: argparse.Namespace) -> int:
     from jhybrid.engine.sampling import SamplingParams
 
     model = load(args.model, config.dtype, host=config.tensor_parallel_size > 1,
-                 quantization=config.quantization)
+                 quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size)
     lengths = [len(model.tokenizer.encode(p)) if isinstance(p, str) and model.tokenizer else len(p) for p in prompts]
     context = model.cfg.max_position_embeddings
     if max(lengths) + args.max_tokens > context:

@@ -40,8 +40,9 @@ _FP32 = ("A_log", "dt_bias", "router_bias")
 FP8_NOTE = (
     "FP8: linear weights in e4m3 with one fp32 scale per 128x128 block; embeddings, LM head, routers, "
     "shared-expert gates, conv and norms, and projections narrower than a block (e.g. GDN in_proj_b/a) in bf16 "
-    "(the published checkpoints' layout; jhybrid's --quantization fp8 keeps the dense projections so today, MoE "
-    "experts in bf16, on one GPU only)"
+    "(the published checkpoints' layout, which these figures follow; jhybrid's --quantization fp8 holds every dense "
+    "projection and routed expert whose input dim is a multiple of 128 in FP8, the packed GDN in_proj with its b/a "
+    "columns too, and under tensor parallelism keeps a projection whose split is not on whole 128-blocks in bf16)"
 )
 _MAX_TP = 64
 

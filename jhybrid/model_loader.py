@@ -43,26 +43,44 @@ class LoadedModel:
         self.params = pack_params(self.params)
 
 
-def quantize(model: LoadedModel, quantization: str = "auto", tensor_parallel_size: int = 1) -> LoadedModel:
-    """`model` with its dense projections as FP8 weights (`jhybrid.models.quant`) when `quantization` asks for it:
-    "fp8", or "auto" on an FP8 checkpoint where the GPU has FP8 tensor cores (and the model is not sharded: the
-    FP8 weights have no tensor-parallel layout yet); else `model` itself."""
-    from jhybrid.models.quant import num_fp8_weights, quantize_params
+def uses_fp8(quantization: str, fp8_checkpoint: bool) -> bool:
+    """Whether `quantization` makes the weights FP8: "fp8", or "auto" on an FP8 checkpoint where the GPU has FP8
+    tensor cores."""
     from pallas_kernels.fp8_matmul import gpu_has_fp8
 
     if quantization not in ("auto", "fp8", "none"):
         raise ValueError(f"unknown quantization={quantization!r}; choose one of auto, fp8, none")
+    return quantization == "fp8" or (quantization == "auto" and fp8_checkpoint and gpu_has_fp8())
+
+
+def quantize(model: LoadedModel, quantization: str = "auto", tensor_parallel_size: int = 1) -> LoadedModel:
+    """`model` with its dense projections and routed experts as FP8 weights (`jhybrid.models.quant`) when
+    `quantization` asks for it (`uses_fp8`), laid out for `tensor_parallel_size` devices (a projection whose split
+    is not on whole 128-blocks stays in the load dtype); else `model` itself. Leaves that are FP8 already are
+    kept (a model quantized as it was loaded)."""
+    from jhybrid.models.quant import quantize_params
+    from jhybrid.parallel.sharding import fp8_layout
+
     fp8_checkpoint = getattr(model, "fp8_checkpoint", False)
-    auto = quantization == "auto" and fp8_checkpoint and tensor_parallel_size == 1 and gpu_has_fp8()
-    if not (quantization == "fp8" or auto):
+    if not uses_fp8(quantization, fp8_checkpoint):
         if fp8_checkpoint:
             log.info("FP8 checkpoint: weights dequantized to %s (quantization=%s)", model.cfg.dtype, quantization)
         return model
-    before = _param_bytes(model.params)
-    params = quantize_params(model.params)
-    log.info("quantization fp8: %d projections as 128x128-block FP8 weights; parameters %.2f -> %.2f GB",
-             num_fp8_weights(params), before / 1e9, _param_bytes(params) / 1e9)
+    params = quantize_params(model.params, fp8_layout(model.cfg, tensor_parallel_size))
+    log_fp8(params, model.cfg.dtype, tensor_parallel_size)
     return dataclasses.replace(model, params=params)
+
+
+def log_fp8(params: Any, dtype: str, tensor_parallel_size: int = 1) -> None:
+    """Logs what `quantize_params` made FP8 and what it left in the load dtype, and why."""
+    from jhybrid.models.quant import num_fp8_weights, unquantized
+
+    left = unquantized(params, tensor_parallel_size)
+    shown = "; ".join(f"{name} ({why})" for name, why in list(left.items())[:4])
+    more = f"; ... and {len(left) - 4} more" if len(left) > 4 else ""
+    log.info("quantization fp8: %d projections and %d routed-expert tensors as 128x128-block FP8 weights, %d left in "
+             "%s%s; parameters %.2f GB", num_fp8_weights(params, experts=False), num_fp8_weights(params, experts=True),
+             len(left), dtype, f": {shown}{more}" if left else "", _param_bytes(params) / 1e9)
 
 
 def _param_bytes(params: Any) -> int:
@@ -70,29 +88,44 @@ def _param_bytes(params: Any) -> int:
 
 
 def load(model: str | os.PathLike | LoadedModel, dtype: str | None = None, *, host: bool = False,
-         quantization: str = "auto") -> LoadedModel:
+         quantization: str = "auto", tensor_parallel_size: int = 1) -> LoadedModel:
     """A model directory (HF or converted) or an already loaded model. `host`: read the parameters into
     host memory (JAX's CPU device) instead of the first accelerator, as tensor parallelism wants: they go
     from there straight to their shards, so a model larger than one GPU can be loaded. `quantization`:
-    see `quantize` (EngineConfig.quantization)."""
+    see `quantize` (EngineConfig.quantization); FP8 weights are made layer by layer as the checkpoint is read
+    (`jhybrid.checkpoint.load_model`'s `layer_fn`), so the model never exists whole in the load dtype, and laid
+    out for `tensor_parallel_size` devices."""
     if isinstance(model, LoadedModel):
-        return quantize(model, quantization, 2 if host else 1)
+        return quantize(model, quantization, tensor_parallel_size)
     if host:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            return load(model, dtype, quantization=quantization)
+            return load(model, dtype, quantization=quantization, tensor_parallel_size=tensor_parallel_size)
     from jhybrid.checkpoint import load_model
     from jhybrid.tokenizer import load_tokenizer
 
-    cfg, params = load_model(model, dtype=dtype)
+    fp8_checkpoint = is_fp8_checkpoint(model)
+    layer_fn = None
+    if uses_fp8(quantization, fp8_checkpoint):
+        from jhybrid.models.params import pack_layer
+        from jhybrid.models.quant import quantize_layer
+        from jhybrid.parallel.sharding import fp8_layout
+
+        def layer_fn(cfg: ModelConfig, layer: dict) -> dict:
+            return quantize_layer(pack_layer(layer), fp8_layout(cfg, tensor_parallel_size))
+
+    cfg, params = load_model(model, dtype=dtype, layer_fn=layer_fn)
     tokenizer = load_tokenizer(model)
     eos = set(cfg.eos_token_ids)
     gen = read_generation_config(model)
     gen_eos = gen.get("eos_token_id")
     eos.update(gen_eos if isinstance(gen_eos, list) else [] if gen_eos is None else [gen_eos])
     loaded = LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, eos_token_ids=tuple(sorted(eos)),
-                         generation_defaults=generation_defaults(gen), fp8_checkpoint=is_fp8_checkpoint(model))
+                         generation_defaults=generation_defaults(gen), fp8_checkpoint=fp8_checkpoint)
     del params
-    return quantize(loaded, quantization)
+    if layer_fn is None:
+        return quantize(loaded, quantization, tensor_parallel_size)
+    log_fp8(loaded.params, cfg.dtype, tensor_parallel_size)
+    return loaded
 
 
 def is_fp8_checkpoint(model: str | os.PathLike) -> bool:

@@ -1,4 +1,4 @@
-"""Block-wise FP8 checkpoints (issue 22): e4m3 weights with `weight_scale_inv` per block, dequantized at load.
+"""Block-wise FP8 checkpoints (issue 22): e4m3 weights with `weight_scale_inv` per block, dequantized as they are read.
 
 The checkpoint is made here from a random tiny Qwen3-Next MoE (fp32) as transformers' `Fp8Quantize` makes one:
 per block of `weight_block_size` the scale is 448 / max|w|, the weight is stored as float8_e4m3fn of
@@ -74,6 +74,26 @@ def _write(path, tensors: dict, config: dict) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=1))
 
 
+def write_fp8_copy(src, fp8_dir, deq_dir, block=BLOCK) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Writes the HF checkpoint in `src` as an FP8 checkpoint to `fp8_dir` (each `_quantized` weight as transformers'
+    `Fp8Quantize` stores it, in blocks of `block`) and with those weights dequantized to `deq_dir`; returns
+    `{name: (e4m3 weight, weight_scale_inv)}` of the quantized weights."""
+    tensors = load_file(str(src / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    fp8, deq, stored = {}, {}, {}
+    for name, t in tensors.items():
+        if _quantized(name, t):
+            q, s = quantize_blockwise(t, block)
+            fp8[name], fp8[name.removesuffix(".weight") + ".weight_scale_inv"] = q, s
+            deq[name] = dequantize_reference(q, s, block)
+            stored[name] = (q, s)
+        else:
+            fp8[name] = deq[name] = t
+    _write(fp8_dir, fp8, {**config, "quantization_config": {**QUANT, "weight_block_size": list(block)}})
+    _write(deq_dir, deq, config)
+    return stored
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     """(original HF model, HF model of the dequantized weights, FP8 dir, dequantized dir, quantized names)."""
@@ -81,19 +101,7 @@ def ckpts(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("fp8")
     original = make_qwen3_next(root / "orig", moe=True, seed=7)
-    tensors = load_file(str(root / "orig" / "model.safetensors"))
-    config = json.loads((root / "orig" / "config.json").read_text())
-    fp8, deq, names = {}, {}, []
-    for name, t in tensors.items():
-        if _quantized(name, t):
-            q, s = quantize_blockwise(t)
-            fp8[name], fp8[name.removesuffix(".weight") + ".weight_scale_inv"] = q, s
-            deq[name] = dequantize_reference(q, s)
-            names.append(name)
-        else:
-            fp8[name] = deq[name] = t
-    _write(root / "fp8", fp8, {**config, "quantization_config": QUANT})
-    _write(root / "deq", deq, config)
+    names = list(write_fp8_copy(root / "orig", root / "fp8", root / "deq"))
     hf_deq = AutoModelForCausalLM.from_pretrained(str(root / "deq"), dtype=torch.float32).eval()
     return original, hf_deq, root / "fp8", root / "deq", names
 

@@ -15,12 +15,9 @@ without the hooks.
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from jhybrid.engine.engine_config import EngineConfig
 from jhybrid.model_loader import load
@@ -28,7 +25,7 @@ from jhybrid.models.quant import Fp8Weight, num_fp8_weights
 from pallas_kernels.fp8_matmul import DEQUANT_MIN_ROWS
 from tests.hf_models import make_qwen3_next
 from tests.runner_helpers import SequenceRunner
-from tests.test_fp8_checkpoint import QUANT, _quantized, _write, dequantize_reference, quantize_blockwise
+from tests.test_fp8_checkpoint import write_fp8_copy
 
 BLOCK = (128, 128)
 SIZES = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
@@ -44,19 +41,7 @@ def fp8_ckpt(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("fp8c")
     make_qwen3_next(root / "orig", moe=False, seed=11, **SIZES)
-    tensors = load_file(str(root / "orig" / "model.safetensors"))
-    config = json.loads((root / "orig" / "config.json").read_text())
-    fp8, deq, stored = {}, {}, {}
-    for name, t in tensors.items():
-        if _quantized(name, t):
-            q, s = quantize_blockwise(t, BLOCK)
-            fp8[name], fp8[name.removesuffix(".weight") + ".weight_scale_inv"] = q, s
-            deq[name] = dequantize_reference(q, s, BLOCK)
-            stored[name] = (q, s)
-        else:
-            fp8[name] = deq[name] = t
-    _write(root / "fp8", fp8, {**config, "quantization_config": {**QUANT, "weight_block_size": list(BLOCK)}})
-    _write(root / "deq", deq, config)
+    stored = write_fp8_copy(root / "orig", root / "fp8", root / "deq", BLOCK)
     hf = AutoModelForCausalLM.from_pretrained(str(root / "deq"), dtype=torch.float32).eval()
     return root / "fp8", hf, stored
 
@@ -149,8 +134,9 @@ def test_fp8_logits_match_hf_with_fp8_numerics(fp8_ckpt):
 
 @pytest.mark.slow
 def test_quantization_option(fp8_ckpt, tmp_path):
-    """`quantization="fp8"` quantizes a float checkpoint at load and `LLM.generate` runs it; a bad value, and
-    fp8 with tensor parallelism, are refused naming the option; the CLI has the flag."""
+    """`quantization="fp8"` quantizes a float checkpoint at load and `LLM.generate` runs it; a bad value is refused
+    naming the option, fp8 with tensor parallelism is accepted (tests/test_tensor_parallel.py runs it); the CLI has
+    the flag."""
     import jhybrid
     from jhybrid.cli import _parser
 
@@ -161,6 +147,5 @@ def test_quantization_option(fp8_ckpt, tmp_path):
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int4")
-    with pytest.raises(ValueError, match="quantization='fp8' with tensor_parallel_size"):
-        EngineConfig(quantization="fp8", tensor_parallel_size=2)
+    assert EngineConfig(quantization="fp8", tensor_parallel_size=2).tensor_parallel_size == 2
     assert _parser().parse_args(["serve", "DIR", "--quantization", "fp8"]).quantization == "fp8"

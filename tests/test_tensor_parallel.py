@@ -60,7 +60,7 @@ def worker():
     and the other checks, split so that each takes about half the time; their results are merged."""
     second = ("nemotron_h", "bamba", "granitemoehybrid")  # with the checks other than swap: about half the time
     jobs = [["--checks", "tokens,swap", "--families", ",".join(f for f in FAMILIES if f not in second)],
-            ["--checks", "tokens,bad_n,unpermuted,pallas,checkpoints", "--families", ",".join(second)]]
+            ["--checks", "tokens,bad_n,unpermuted,pallas,checkpoints,fp8", "--families", ",".join(second)]]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_worker", "--tp", "1,4", *job], cwd=ROOT,
                               env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for job in jobs]
     result: dict = {"tokens": {}, "fractions": {}, "timings": {}}
@@ -168,6 +168,21 @@ def test_pallas_kernels_per_shard_equal_one_device(worker):
     pallas = worker["pallas"]
     assert pallas["tp"] == 4
     assert pallas["vs_one_device"] < 1e-5, pallas
+
+
+@pytest.mark.slow
+def test_fp8_under_tensor_parallelism_equals_one_device(worker):
+    """`quantization="fp8"` at TP 2 (a model whose projections and experts all split on whole 128-blocks, so both
+    sizes hold the same 8 FP8 weights): the TP-1 greedy tokens through `LLM`, prefill and decode logits within
+    1e-4 (W8A8 steps: a value that lands on an e4m3 rounding boundary may round the other way after a different
+    summation order), each device holding half of every FP8 weight's values and scales. Checked to fail with the
+    FP8 blocks of packed projections not permuted shard-major (`sharding._fp8_shard_major`) and
+    with the row-parallel per-shard products not summed (`quant._per_shard`): logits off by ~1, other tokens."""
+    r = worker["fp8"]
+    assert r["tp"] == 2 and r["equal"], f"TP 2 FP8 tokens {r['tokens']} differ from TP 1"
+    assert r["num_fp8"] == [8, 8], r
+    assert r["logits"] < 1e-4, r
+    assert r["shares"] == {k: [0.5, 0.5] for k in ("experts", "attn.qkv_proj", "attn.o_proj", "lightning.in_proj")}, r
 
 
 def _free_port() -> int:
@@ -346,3 +361,74 @@ def test_per_shard_pallas_kernels_lower_for_two_h200s():
                                                                              mesh=mesh),
           qd, qd, vd, gd, gd, state, sds((b,), i32), local="tensor<4x2x64xbf16>",
           kernels=[r"gdn_fused_recurrent_bv\d+_w\d+"])
+
+
+def test_per_shard_fp8_matmul_lowers_for_two_h200s(monkeypatch):
+    """`linear` on an FP8 weight split over an abstract 2-H200 mesh (as `shard_params` leaves it) lowers for CUDA as
+    a per-shard region calling the Pallas FP8 kernel (as "auto" picks it on an H200) on half the blocks: column-parallel
+    on half the output rows, row-parallel on half of K and then an all-reduce. Checked to fail with `linear` calling
+    `fp8_matmul` on the whole weight (the Pallas call then refuses the sharded operands)."""
+    import pallas_kernels.fp8_matmul as fp8_matmul_module
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jhybrid.models.quant import Fp8Weight, linear
+    from tests.test_kernels_pallas import assert_triton_kernels
+
+    monkeypatch.setattr(fp8_matmul_module, "gpu_has_fp8", lambda: True)
+    mesh = AbstractMesh((2,), ("tp",), abstract_device=H200)
+    m, k, n = 8, 512, 1024
+
+    def sds(shape, dtype, spec=P()):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    for axis, x_spec, local in ((0, P(), "tensor<512x512xf8E4M3FN>"), (1, P(None, "tp"), "tensor<1024x256xf8E4M3FN>")):
+        w_spec = P("tp", None) if axis == 0 else P(None, "tp")
+        w = Fp8Weight(sds((n, k), jnp.float8_e4m3fn, w_spec), sds((n // 128, k // 128), jnp.float32, w_spec), n,
+                      mesh=mesh, split_axis=axis)
+        with jax.sharding.use_abstract_mesh(mesh):
+            traced = jax.jit(linear).trace(sds((m, k), jnp.bfloat16, x_spec), w)
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert_triton_kernels(text, [r"fp8_matmul_bm\w+"])
+        manual = [line for line in text.splitlines() if "manual_computation" in line]
+        assert manual and 'manual_axes={"tp"}' in manual[0] and local in manual[0], (axis, manual[:1])
+        assert ("all_reduce" in text) == (axis == 1), axis
+
+
+def test_fp8_weights_split_only_on_whole_blocks():
+    """`quantize_params(params, fp8_layout(cfg, N))` makes FP8 only what splits N ways on whole 128-blocks, and says
+    why it left the rest: at TP 2 a Qwen3-Next with 128-multiple widths keeps its Gated DeltaNet in_proj (the b and
+    a segments, 2 columns each) in the load dtype; at TP 4 its attention qkv too (its segments split into whole
+    blocks, but its 2 kv heads are copied, not split) and not the attention o_proj; TP 1 quantizes them all. An FP8
+    weight that cannot split is refused naming the problem (`to_shard_major`), as is copying the kv heads of an FP8
+    qkv projection; the FP8 specs are the weight's with its axes swapped. Checked to fail with `fp8_splittable`
+    answering True for every leaf, and with its kv-copy clause removed."""
+    import dataclasses
+
+    from jhybrid.models.quant import Fp8Weight, quantize_params, unquantized
+    from jhybrid.parallel import replicate_kv_heads, to_shard_major
+    from jhybrid.parallel.sharding import fp8_layout
+
+    cfg = dataclasses.replace(family_config("qwen3_next"), hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=256,
+                              linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+                              linear_value_head_dim=128, moe_intermediate_size=128, shared_expert_intermediate_size=256)
+    params = pack_params(init_params(cfg, seed=0))
+    assert unquantized(quantize_params(params, fp8_layout(cfg, 1))) == {}
+    two = quantize_params(params, fp8_layout(cfg, 2))
+    assert unquantized(two, 2) == {"layers.0.gdn.in_proj": "its 2-way tensor-parallel split is not on whole 128-blocks"}
+    full = two["layers"][1]
+    for w in (full["attn"]["qkv_proj"], full["attn"]["o_proj"], full["mlp"]["gate_up_proj"], full["mlp"]["down_proj"],
+              full["mlp"]["shared"]["gate_up_proj"], full["mlp"]["shared"]["down_proj"]):
+        assert isinstance(w, Fp8Weight), w
+    four = unquantized(quantize_params(params, fp8_layout(cfg, 4)), 4)
+    assert "layers.1.attn.qkv_proj" in four and "layers.1.attn.o_proj" not in four, four
+
+    one = quantize_params(params, fp8_layout(cfg, 1))
+    with pytest.raises(ValueError, match=r"cannot be split over tensor_parallel_size=2: output segments .* 128-blocks"):
+        to_shard_major(cfg, one, 2)
+    with pytest.raises(ValueError, match="layers.1.attn.qkv_proj is an FP8 weight"):
+        replicate_kv_heads(cfg, one, 2)
+    specs = param_specs(cfg, two, 2)["layers"][1]
+    assert specs["attn"]["qkv_proj"].w == PartitionSpec("tp", None)
+    assert specs["attn"]["o_proj"].w == PartitionSpec(None, "tp")
+    assert specs["mlp"]["down_proj"].scale == PartitionSpec("tp", None, None)

@@ -14,7 +14,9 @@ XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts, 
   * `pallas`: prefill + decode logits of the Pallas path (interpret mode) per shard under shard_map vs
     one device;
   * `swap`: preemption by swap and recompute under TP; with it, `cached`: prefix caching under TP vs TP 1
-    without the cache.
+    without the cache;
+  * `fp8`: `quantization="fp8"` (FP8 projections and experts) at TP 2 vs TP 1: greedy tokens through `LLM`,
+    logits through `forward`, and each device's share of the FP8 weights.
 With `--coordinator/--num-processes/--process-id` it first joins a multi-process job (gloo on CPU).
 """
 
@@ -319,6 +321,45 @@ def replicated_kv(tp: int) -> dict:
             "kv_page_share": shard_fraction(llm.engine.runner.state.k_pages[0])}
 
 
+def fp8_config():
+    """A minimax-shaped model whose projections and experts all split 2 ways on whole 128-blocks: hidden size 128,
+    2 query and 2 kv heads of 128 (the packed qkv's segments 256 | 256 | 256), lightning in_proj segments 768 | 256,
+    4 experts of width 128."""
+    import dataclasses
+
+    return dataclasses.replace(family_config("minimax"), hidden_size=128, num_heads=2, num_kv_heads=2, head_dim=128,
+                               moe_intermediate_size=128)
+
+
+def fp8_under_tp(tp: int) -> dict:
+    """`quantization="fp8"` at TP `tp` against TP 1 on `fp8_config`'s model: greedy tokens through `LLM`; the relative
+    error of prefill and decode logits through `forward` (the FP8 matmuls run per shard under shard_map); how many FP8
+    weights each holds; each device's share of an FP8 expert stack and of the FP8 column- and row-parallel
+    projections (values and scales)."""
+    from jhybrid import LLM, SamplingParams
+    from jhybrid.model_loader import LoadedModel, quantize
+    from jhybrid.models.params import init_params
+    from jhybrid.models.quant import num_fp8_weights
+    from jhybrid.parallel import shard_fraction
+
+    cfg = fp8_config()
+    model = LoadedModel(cfg=cfg, params=init_params(cfg, seed=0, scale=0.1))
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 5, 9, 2, 7], list(range(3, 40))]
+    kw = dict(dtype=None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, quantization="fp8")
+    one = [o.token_ids for o in LLM(model, **kw).generate(prompts, sp)]
+    llm = LLM(model, tensor_parallel_size=tp, **kw)
+    many = [o.token_ids for o in llm.generate(prompts, sp)]
+    full, lightning = llm.engine.runner.params["layers"]
+    shares = {name: [shard_fraction(w.w), shard_fraction(w.scale)] for name, w in (
+        ("experts", full["mlp"]["gate_up_proj"]), ("attn.qkv_proj", full["attn"]["qkv_proj"]),
+        ("attn.o_proj", full["attn"]["o_proj"]), ("lightning.in_proj", lightning["lightning"]["in_proj"]))}
+    one_q, many_q = quantize(model, "fp8"), quantize(model, "fp8", tp)
+    logits = _rel(forward_logits(cfg, many_q.params, tp), forward_logits(cfg, one_q.params, 1))
+    return {"tp": tp, "equal": one == many, "tokens": many, "logits": logits, "shares": shares,
+            "num_fp8": [num_fp8_weights(one_q.params), num_fp8_weights(many_q.params)]}
+
+
 def _rel(a, b) -> float:
     import numpy as np
 
@@ -394,6 +435,10 @@ def main(argv=None) -> int:
         result["swap"] = swap_under_tp(_model("qwen3_next"), max(sizes))
         result["cached"] = cached_under_tp(_model("qwen3_next"), max(sizes))
         result["timings"]["swap"] = round(time.perf_counter() - t0, 2)
+    if "fp8" in checks:
+        t0 = time.perf_counter()
+        result["fp8"] = fp8_under_tp(2)
+        result["timings"]["fp8"] = round(time.perf_counter() - t0, 2)
     print(json.dumps(result), flush=True)
     return 0
 

@@ -45,10 +45,12 @@ class EngineConfig:
         "bfloat16", "parameter and KV dtype, float32 | bfloat16 | float16, when the model is loaded from a directory",
         metavar="D", none="the checkpoint's")
     quantization: str = _option(
-        "auto", "weights of the dense projections: fp8 runs them as block-wise FP8 matmuls (128 x 128 blocks of e4m3 "
-        "with a scale each, activations quantized per token and 128-group; a bf16 checkpoint is quantized at load); "
-        "none runs an FP8 checkpoint dequantized; auto is fp8 for an FP8 checkpoint on a GPU with FP8 tensor cores, "
-        "none otherwise", choices=QUANTIZATIONS)
+        "auto", "weights of the dense projections and routed experts: fp8 holds them as block-wise FP8 (128 x 128 "
+        "blocks of e4m3 with a scale each, where the input dim is a multiple of 128 and, under tensor parallelism, the "
+        "split falls on whole blocks): projections run as FP8 matmuls (activations quantized per token and 128-group), "
+        "experts are dequantized a layer at a time inside the step; a bf16 checkpoint is quantized at load (an HF "
+        "one layer by layer as it is read); none runs an FP8 checkpoint dequantized; auto is fp8 for an FP8 "
+        "checkpoint on a GPU with FP8 tensor cores, none otherwise", choices=QUANTIZATIONS)
     max_num_seqs: int = _option(16, "sequences running at once (one state slot each)", metavar="N")
     max_model_len: int | None = _option(None, "longest sequence, prompt + output", metavar="N",
                                         none="min(model context, 4096)")
@@ -141,9 +143,6 @@ class EngineConfig:
         for name in ("swap_bandwidth_gbps", "prefill_tokens_per_s"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 (or None: measured at start)")
-        if self.quantization == "fp8" and self.tensor_parallel_size > 1:
-            raise ValueError("quantization='fp8' with tensor_parallel_size > 1 is not supported yet (the FP8 weights "
-                             "are not sharded); use quantization='none'")
         if self.preemption_mode == "swap" and not self.host_kv_memory_gb:
             raise ValueError("preemption_mode='swap' needs a host tier: set host_kv_memory_gb > 0")
         if self.kv_offload != "off" and not self.host_kv_memory_gb > 0:

@@ -50,7 +50,7 @@ class LLM:
         config = engine_config(config, **translate(model, options))
         self.model_dir = None if isinstance(model, LoadedModel) else os.fspath(model)
         self.model = load(model, config.dtype, host=config.tensor_parallel_size > 1,
-                          quantization=config.quantization)
+                          quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size)
         self.engine = LLMEngine(self.model, config)
         self._ids = itertools.count()
         self._chat_template: Any = None  # the checkpoint's, loaded on the first chat()

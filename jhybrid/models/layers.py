@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jhybrid.models.quant import linear
+from jhybrid.models.quant import expert_weights, linear
 from jhybrid.parallel.layout import split_packed
 
 
@@ -96,7 +96,8 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
     `norm_topk_prob`, times `scaling`. Experts are SwiGLU (`act="silu"`) or `relu(up(x))^2` (`"relu2"`).
 
     Every expert runs on every token and the combine weights zero the unrouted ones: exact, simple, and
-    E times the routed FLOPs; a grouped (sorted) expert matmul replaces it in the kernels work.
+    E times the routed FLOPs; a grouped (sorted) expert matmul replaces it in the kernels work. FP8 experts
+    (`jhybrid.models.quant.Fp8Weight`) are dequantized to `x`'s dtype here, this layer's only (`expert_weights`).
     """
     num_tokens = x.shape[0]
     if router == "softmax":
@@ -120,12 +121,13 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
         top_p = top_p * scaling
     combine = jnp.zeros_like(probs).at[jnp.arange(num_tokens)[:, None], top_i].set(top_p)  # [T, E]
     combine = combine.astype(x.dtype)
+    w_in, w_down = expert_weights(x, p["up_proj" if act == "relu2" else "gate_up_proj"], p["down_proj"])
     if act == "relu2":
-        h = jnp.square(jax.nn.relu(jnp.einsum("td,edi->tei", x, p["up_proj"])))  # [T, E, Ie]
+        h = jnp.square(jax.nn.relu(jnp.einsum("td,edi->tei", x, w_in)))  # [T, E, Ie]
     else:
-        gate, up = jnp.split(jnp.einsum("td,edi->tei", x, p["gate_up_proj"]), 2, axis=-1)  # [T, E, Ie] x2
+        gate, up = jnp.split(jnp.einsum("td,edi->tei", x, w_in), 2, axis=-1)  # [T, E, Ie] x2
         h = jax.nn.silu(gate) * up
-    out = jnp.einsum("tei,eid,te->td", h, p["down_proj"], combine)  # [T, D]
+    out = jnp.einsum("tei,eid,te->td", h, w_down, combine)  # [T, D]
     if "shared" in p:
         shared = dense_mlp(p["shared"], x, act, num_shards)
         out = out + (jax.nn.sigmoid(x @ p["shared_gate"]) * shared if "shared_gate" in p else shared)

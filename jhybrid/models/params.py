@@ -165,15 +165,18 @@ def flatten_shapes(shapes: Params, prefix: str = "") -> dict[str, tuple[int, ...
 
 def unflatten(flat: dict[str, Any], cfg: ModelConfig) -> Params:
     """Inverse of `flatten_shapes` for arrays, using the config's layout to rebuild tuples."""
+    return unflatten_shapes(flat, param_shapes(cfg))
 
-    def build(shapes: Any, prefix: str) -> Any:
-        if is_shape(shapes):
-            return flat[prefix[:-1]]
-        if isinstance(shapes, dict):
-            return {k: build(v, f"{prefix}{k}.") for k, v in shapes.items()}
-        return tuple(build(v, f"{prefix}{i}.") for i, v in enumerate(shapes))
 
-    return build(param_shapes(cfg), "")
+def unflatten_shapes(flat: dict[str, Any], shapes: Any, prefix: str = "") -> Any:
+    """`flat` (dotted names relative to `shapes`, a pytree of shape tuples such as one layer of `param_shapes`)
+    rebuilt in the structure of `shapes`. (Plain recursion: a recursive closure would be a reference cycle holding
+    `flat`, whose arrays then outlive the call until the garbage collector runs.)"""
+    if is_shape(shapes):
+        return flat[prefix[:-1]]
+    if isinstance(shapes, dict):
+        return {k: unflatten_shapes(flat, v, f"{prefix}{k}.") for k, v in shapes.items()}
+    return tuple(unflatten_shapes(flat, v, f"{prefix}{i}.") for i, v in enumerate(shapes))
 
 
 def flatten_params(params: Params) -> dict[str, Any]:
@@ -237,16 +240,18 @@ def _pack_dict(p: dict, packs) -> dict:
 
 def pack_params(params: Params) -> Params:
     """Canonical (checkpoint) layout -> the packed runtime layout the model runs on. Idempotent."""
-    layers = []
-    for layer in params["layers"]:
-        layer = dict(layer)
-        for key, packs in _PACKS.items():
-            if key in layer:
-                layer[key] = _pack_dict(layer[key], packs)
-        if "shared" in layer.get("mlp", {}):
-            layer["mlp"]["shared"] = _pack_dict(layer["mlp"]["shared"], _PACKS["mlp"])
-        layers.append(layer)
-    return {**params, "layers": tuple(layers)}
+    return {**params, "layers": tuple(pack_layer(layer) for layer in params["layers"])}
+
+
+def pack_layer(layer: dict) -> dict:
+    """One layer of `pack_params`."""
+    layer = dict(layer)
+    for key, packs in _PACKS.items():
+        if key in layer:
+            layer[key] = _pack_dict(layer[key], packs)
+    if "shared" in layer.get("mlp", {}):
+        layer["mlp"]["shared"] = _pack_dict(layer["mlp"]["shared"], _PACKS["mlp"])
+    return layer
 
 
 def is_packed(params: Params) -> bool:

@@ -14,6 +14,10 @@ Over a 1-D mesh of N devices (axis "tp"):
   * the embedding and the LM head are split along the vocabulary when N divides it, else replicated;
     sampling runs on gathered logits;
   * norms, routers and the remaining biases are replicated;
+  * FP8 weights (`jhybrid.models.quant.Fp8Weight`, `[..., N, K]` blocks) split as the weights they hold, their
+    values and block scales alike, block by block: a split must fall on whole 128-blocks (`fp8_splittable`:
+    `quantize_params` leaves the other projections in the load dtype), and a packed projection is permuted
+    shard-major by whole blocks, so each device holds the single-device model's FP8 blocks;
   * state: KV pages `[P, BS, KVH, hd]` on the kv-head axis, conv state `[S, C, W-1]` on the (shard-major)
     channel axis, recurrent state `[S, H, K, V]` on the head axis.
 
@@ -37,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jhybrid.cache.state import CacheConfig, HybridState, init_state
 from jhybrid.config import ModelConfig
+from jhybrid.models.quant import BLOCK, Fp8Weight
 from jhybrid.parallel.layout import TP_AXIS, interleave, num_shards
 
 _COL, _ROW, _VEC, _REP = P(None, TP_AXIS), P(TP_AXIS, None), P(TP_AXIS), P()
@@ -109,10 +114,15 @@ def replicate_kv_heads(cfg: ModelConfig, params: dict, copies: int) -> tuple[Mod
         return jnp.repeat(w.reshape(*lead, kvh, hd), copies, axis=-2).reshape(*lead, kvh * copies * hd)
 
     layers = []
-    for layer in params["layers"]:
+    for i, layer in enumerate(params["layers"]):
         if "attn" in layer:
             attn = dict(layer["attn"])
             for name in ("qkv_proj", "qkv_bias"):
+                if isinstance(attn.get(name), Fp8Weight):
+                    raise ValueError(f"layers.{i}.attn.{name} is an FP8 weight: its kv heads cannot be copied for "
+                                     f"tensor parallelism over more devices than the {kvh} kv heads; quantize the "
+                                     "model for this tensor_parallel_size (quantize_params(params, fp8_layout(cfg, N)) "
+                                     "keeps it unquantized)")
                 if name in attn:
                     w = attn[name]
                     q, k, v = w[..., :q_out], w[..., q_out:q_out + kvh * hd], w[..., q_out + kvh * hd:]
@@ -194,8 +204,15 @@ def _walk_mlp(cfg: ModelConfig, p: dict, n: int, leaf_fn) -> dict:
 
 
 def param_specs(cfg: ModelConfig, params: dict, tensor_parallel_size: int) -> dict:
-    """A PartitionSpec for every leaf of the packed parameter pytree."""
-    return _walk(cfg, params, tensor_parallel_size, lambda value, spec, seg: spec)
+    """A PartitionSpec for every leaf of the packed parameter pytree (an `Fp8Weight`'s values and scales: the
+    spec of the weight they hold, its last two axes swapped)."""
+
+    def leaf(value, spec, seg):
+        if isinstance(value, Fp8Weight):
+            return dataclasses.replace(value, w=_fp8_spec(spec, value.w.ndim), scale=_fp8_spec(spec, value.w.ndim))
+        return spec
+
+    return _walk(cfg, params, tensor_parallel_size, leaf)
 
 
 def to_shard_major(cfg: ModelConfig, params: dict, tensor_parallel_size: int) -> dict:
@@ -203,9 +220,70 @@ def to_shard_major(cfg: ModelConfig, params: dict, tensor_parallel_size: int) ->
     n = tensor_parallel_size
 
     def leaf(value, spec, seg):
+        if isinstance(value, Fp8Weight):
+            return _fp8_shard_major(value, spec, seg, n)
         return value if seg is None or n == 1 else interleave(value, seg[0], n, seg[1])
 
     return _walk(cfg, params, n, leaf)
+
+
+def fp8_layout(cfg: ModelConfig, tensor_parallel_size: int):
+    """What `jhybrid.models.quant.quantize_params` / `quantize_layer` take as `splittable` for a model `cfg` over
+    `tensor_parallel_size` devices (`fp8_splittable` of each layer; None on one device: everything splits)."""
+    if tensor_parallel_size == 1:
+        return None
+    return functools.partial(fp8_splittable, cfg, tensor_parallel_size=tensor_parallel_size)
+
+
+def fp8_splittable(cfg: ModelConfig, layer: dict, tensor_parallel_size: int) -> dict:
+    """For each leaf of one packed layer (a dict of the same structure, bools), whether its block-wise FP8 form
+    splits `tensor_parallel_size` ways on whole 128-blocks: column-parallel, each packed segment's N-th (or the output
+    dim's) a multiple of 128; row-parallel, the input dim's N-th; experts always (whole experts per device). The
+    attention qkv projection is not when its kv heads are copied (`kv_replication` > 1: `replicate_kv_heads` works
+    on unquantized weights)."""
+    n = tensor_parallel_size
+
+    def leaf(value, spec, seg):
+        return _fp8_split_problem(value.shape, spec, seg, n) is None
+
+    out = _walk_layer(cfg, layer, n, leaf)
+    if "attn" in out and kv_replication(cfg, n) > 1:
+        out["attn"] = {**out["attn"], "qkv_proj": False}
+    return out
+
+
+def _fp8_split_problem(shape: tuple[int, ...], spec: P, seg, n: int) -> str | None:
+    """Why a `[..., K, N]` weight's FP8 blocks do not split as `spec` splits it over `n` devices (None: they do)."""
+    if n == 1 or spec == _REP or spec == _EXPERT:
+        return None
+    if spec == _COL:
+        sizes = seg[0] if seg is not None else (shape[-1],)
+        if any(s % (BLOCK * n) for s in sizes):
+            return f"output segments {tuple(sizes)} do not split {n} ways into whole {BLOCK}-blocks"
+        return None
+    if spec == _ROW:
+        if shape[-2] % (BLOCK * n):
+            return f"input dim {shape[-2]} does not split {n} ways into whole {BLOCK}-blocks"
+        return None
+    return f"a weight split as {spec} has no FP8 layout"
+
+
+def _fp8_spec(spec: P, ndim: int) -> P:
+    """The spec of an `Fp8Weight`'s `w [..., N, K]` (and scales) from that of the `[..., K, N]` weight it holds."""
+    axes = tuple(spec) + (None,) * (ndim - len(spec))
+    return P(*axes[:-2], axes[-1], axes[-2])
+
+
+def _fp8_shard_major(value: Fp8Weight, spec: P, seg, n: int) -> Fp8Weight:
+    """`value` with its packed segments' blocks (rows of `w`, of `scale`) in the shard-major order of `n` shards."""
+    if problem := _fp8_split_problem(value.shape, spec, seg, n):
+        raise ValueError(f"an FP8 weight of shape {value.shape} cannot be split over tensor_parallel_size={n}: "
+                         f"{problem}; quantize the model for this size (quantize_params(params, fp8_layout(cfg, {n})) "
+                         "leaves such projections in the load dtype) or use quantization='none'")
+    if seg is None or n == 1:
+        return value
+    return dataclasses.replace(value, w=interleave(value.w, seg[0], n, -2),
+                               scale=interleave(value.scale, [s // BLOCK for s in seg[0]], n, -2))
 
 
 def _put(x, sharding: NamedSharding):
@@ -233,6 +311,13 @@ def shard_params_from(cfg: ModelConfig, leaves: dict, mesh: Mesh, make_leaf) -> 
 
     def leaf(spec_leaf, spec, seg):
         value = make_leaf(spec_leaf)
+        if isinstance(value, Fp8Weight):
+            value = _fp8_shard_major(value, spec, seg, n)
+            sharding = NamedSharding(mesh, _fp8_spec(spec, value.w.ndim))
+            split = n > 1 and value.w.ndim == 2 and spec in (_COL, _ROW)  # `linear` then runs per shard
+            return dataclasses.replace(value, w=_put(value.w, sharding), scale=_put(value.scale, sharding),
+                                       mesh=mesh if split else None,
+                                       split_axis=(0 if spec == _COL else 1) if split else None)
         value = value if seg is None or n == 1 else interleave(value, seg[0], n, seg[1])
         return _put(value, NamedSharding(mesh, spec))
 
@@ -289,6 +374,8 @@ def shard_fraction(x: jax.Array) -> float:
 
 __all__ = [
     "constrain_state",
+    "fp8_layout",
+    "fp8_splittable",
     "init_sharded_state",
     "kv_replication",
     "param_specs",

@@ -302,7 +302,8 @@ def build_llm_engine(model: str, config: EngineConfig, *, compilation_cache_dir:
         from jhybrid.engine.compilation import enable_compilation_cache
 
         enable_compilation_cache(compilation_cache_dir)
-    loaded = load(model, config.dtype, host=config.tensor_parallel_size > 1, quantization=config.quantization)
+    loaded = load(model, config.dtype, host=config.tensor_parallel_size > 1, quantization=config.quantization,
+                  tensor_parallel_size=config.tensor_parallel_size)
     return LLMEngine(loaded, config)
 
 
