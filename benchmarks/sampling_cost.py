@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 
 import numpy as np
 
 from benchmarks.decode_step import decode_step_times, random_model
+from benchmarks.trace_gaps import load as load_trace
 
 
 def settings(vocab: int) -> dict:
@@ -239,9 +238,7 @@ def kernel_ms_per_decode_step(eng, prompts, sp, folder: str) -> tuple[float, dic
             steps += decode_only
     for i in range(len(prompts)):
         eng.release(f"trace-{i}")
-    (trace,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
-    with gzip.open(trace) as f:
-        events = json.load(f)["traceEvents"]
+    events = load_trace(folder)
     names = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, n in names.items() if "GPU" in n.upper() and "HOST" not in n.upper()} or set(names)
     marks = [e for e in events if e.get("ph") == "X" and e.get("name") == "decode_only_step"]
