@@ -56,15 +56,17 @@ def uses_fp8(quantization: str, fp8_checkpoint: bool) -> bool:
 def quantize(model: LoadedModel, quantization: str = "auto", tensor_parallel_size: int = 1) -> LoadedModel:
     """`model` with its dense projections and routed experts as FP8 weights (`jhybrid.models.quant`) when
     `quantization` asks for it (`uses_fp8`), laid out for `tensor_parallel_size` devices (a projection whose split
-    is not on whole 128-blocks stays in the load dtype); else `model` itself. Leaves that are FP8 already are
-    kept (a model quantized as it was loaded)."""
-    from jhybrid.models.quant import quantize_params
+    is not on whole 128-blocks stays in the load dtype); else `model` itself, also when it holds FP8 weights already
+    (quantized as it was loaded: `LLM` loads, then its engine calls this again)."""
+    from jhybrid.models.quant import num_fp8_weights, quantize_params
     from jhybrid.parallel.sharding import fp8_layout
 
     fp8_checkpoint = getattr(model, "fp8_checkpoint", False)
     if not uses_fp8(quantization, fp8_checkpoint):
         if fp8_checkpoint:
             log.info("FP8 checkpoint: weights dequantized to %s (quantization=%s)", model.cfg.dtype, quantization)
+        return model
+    if num_fp8_weights(model.params):
         return model
     params = quantize_params(model.params, fp8_layout(model.cfg, tensor_parallel_size))
     log_fp8(params, model.cfg.dtype, tensor_parallel_size)
