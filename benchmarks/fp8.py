@@ -160,7 +160,7 @@ def bench_engine(quick: bool, tiny: bool = False, moe: bool = False) -> list[dic
             step = decode_steps(llm, b)
             row[f"decode_step_ms_b{b}"] = step
             row[f"decode_tok_s_b{b}"] = b / step * 1e3
-        if not moe:  # the MoE runs every expert on every token (`jhybrid.models.layers.moe`): prefill is not its case
+        if not moe:  # the MoE's prefill is benchmarks/moe.py's (grouped against all-experts)
             row["prefill_16x1024_s"] = prefill_seconds(llm)
             row["prefill_tok_s"] = 16 * 1024 / row["prefill_16x1024_s"]
         log(json.dumps(row))

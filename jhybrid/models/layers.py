@@ -6,8 +6,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jhybrid.models.quant import expert_weights, linear
+from jax.sharding import PartitionSpec as P
+
+from jhybrid.models.quant import Fp8Weight, expert_weights, linear
+from jhybrid.parallel.layout import num_shards as mesh_shards
 from jhybrid.parallel.layout import split_packed
+from pallas_kernels.grouped_matmul import default_block_m, expert_tiles, grouped_matmul, pallas_supported
+
+# how `moe` computes its routed experts: "auto" (grouped by expert on a GPU where the kernel tiles the shapes, else
+# every expert on every token), "grouped" or "dense"; `kernels["impl"] == "reference"` always runs "dense"
+MOE_IMPL = "auto"
 
 
 def rms_norm(x: Float[Array, "... D"], w: Float[Array, "D"], eps: float, zero_centred: bool) -> Array:
@@ -86,7 +94,7 @@ def dense_mlp(p: dict, x: Float[Array, "T D"], act: str = "silu", num_shards: in
 
 def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, act: str = "silu",
         router: str = "softmax", n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
-        num_shards: int = 1) -> Array:
+        num_shards: int = 1, kernels: dict | None = None) -> Array:
     """Top-k routed experts plus an optional shared expert (sigmoid-gated when `shared_gate` is present).
 
     router "softmax" (Qwen3-Next, MiniMax): weights = top-k of softmax(logits), optionally renormalised.
@@ -95,9 +103,9 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
     of its two best biased scores); weights = the chosen unbiased scores, renormalised (+1e-20) if
     `norm_topk_prob`, times `scaling`. Experts are SwiGLU (`act="silu"`) or `relu(up(x))^2` (`"relu2"`).
 
-    Every expert runs on every token and the combine weights zero the unrouted ones: exact, simple, and
-    E times the routed FLOPs; a grouped (sorted) expert matmul replaces it in the kernels work. FP8 experts
-    (`jhybrid.models.quant.Fp8Weight`) are dequantized to `x`'s dtype here, this layer's only (`expert_weights`).
+    The routed experts run grouped by expert (`routed_experts_grouped`: only the routed (token, expert) pairs, the
+    Pallas grouped matmul) or, as the reference, densely (`routed_experts_dense`: every expert on every token, the
+    unrouted ones weighted zero: exact, simple, E / top-k times the routed FLOPs): `MOE_IMPL` and `kernels` pick.
     """
     num_tokens = x.shape[0]
     if router == "softmax":
@@ -106,7 +114,7 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
         if norm_topk_prob:
             top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     else:  # HF routes in fp32
-        probs = scores = jax.nn.sigmoid(x.astype(jnp.float32) @ p["router"].astype(jnp.float32))  # [T, E]
+        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ p["router"].astype(jnp.float32))  # [T, E]
         choice = scores + p["router_bias"].astype(jnp.float32)  # [T, E]
         num_experts = choice.shape[-1]
         grouped = choice.reshape(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
@@ -119,19 +127,93 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
         if norm_topk_prob:
             top_p = top_p / (jnp.sum(top_p, axis=-1, keepdims=True) + 1e-20)
         top_p = top_p * scaling
-    combine = jnp.zeros_like(probs).at[jnp.arange(num_tokens)[:, None], top_i].set(top_p)  # [T, E]
-    combine = combine.astype(x.dtype)
-    w_in, w_down = expert_weights(x, p["up_proj" if act == "relu2" else "gate_up_proj"], p["down_proj"])
+    w_in, w_down = p["up_proj" if act == "relu2" else "gate_up_proj"], p["down_proj"]
+    kernels = kernels or {}
+    if _run_grouped(x, w_in, w_down, act, kernels):
+        out = routed_experts_grouped(x, top_i, top_p, w_in, w_down, act, impl=kernels.get("impl", "auto"),
+                                     interpret=kernels.get("interpret", False), mesh=kernels.get("mesh"))
+    else:
+        out = routed_experts_dense(x, top_i, top_p, w_in, w_down, act)
+    if "shared" in p:
+        shared = dense_mlp(p["shared"], x, act, num_shards)
+        out = out + (jax.nn.sigmoid(x @ p["shared_gate"]) * shared if "shared_gate" in p else shared)
+    return out
+
+
+def _run_grouped(x, w_in, w_down, act: str, kernels: dict) -> bool:
+    """`moe`'s choice of the grouped path (`MOE_IMPL`): "auto" takes it where the Pallas kernel would run (a GPU, or
+    `kernels["impl"] == "pallas"`) and tiles both matmuls' shapes."""
+    impl = kernels.get("impl", "auto")
+    if MOE_IMPL == "dense" or impl == "reference":
+        return False
+    if MOE_IMPL == "grouped":
+        return True
+    if impl != "pallas" and jax.default_backend() != "gpu":
+        return False
+    fp8 = isinstance(w_in, Fp8Weight)
+    n_in = w_in.shape[-1] // (1 if act == "relu2" else 2)
+    return pallas_supported(x.shape[-1], n_in, fp8) and pallas_supported(n_in, w_down.shape[-1], fp8)
+
+
+def routed_experts_dense(x: Float[Array, "T D"], top_i: Int[Array, "T k"], top_p: Float[Array, "T k"], w_in, w_down,
+                         act: str) -> Float[Array, "T D"]:
+    """Every expert on every token, combined with the routing weights (zero for the unrouted): the reference.
+    FP8 experts (`Fp8Weight`) are dequantized to `x`'s dtype here, this layer's only (`expert_weights`)."""
+    num_tokens = x.shape[0]
+    combine = jnp.zeros((num_tokens, w_down.shape[0]), jnp.float32)
+    combine = combine.at[jnp.arange(num_tokens)[:, None], top_i].set(top_p).astype(x.dtype)  # [T, E]
+    w_in, w_down = expert_weights(x, w_in, w_down)
     if act == "relu2":
         h = jnp.square(jax.nn.relu(jnp.einsum("td,edi->tei", x, w_in)))  # [T, E, Ie]
     else:
         gate, up = jnp.split(jnp.einsum("td,edi->tei", x, w_in), 2, axis=-1)  # [T, E, Ie] x2
         h = jax.nn.silu(gate) * up
-    out = jnp.einsum("tei,eid,te->td", h, w_down, combine)  # [T, D]
-    if "shared" in p:
-        shared = dense_mlp(p["shared"], x, act, num_shards)
-        out = out + (jax.nn.sigmoid(x @ p["shared_gate"]) * shared if "shared_gate" in p else shared)
-    return out
+    return jnp.einsum("tei,eid,te->td", h, w_down, combine)  # [T, D]
+
+
+def routed_experts_grouped(x: Float[Array, "T D"], top_i: Int[Array, "T k"], top_p: Float[Array, "T k"], w_in, w_down,
+                           act: str, *, impl: str = "auto", interpret: bool = False, mesh=None) -> Float[Array, "T D"]:
+    """Only the routed (token, expert) pairs: sorted by expert into tiles (`expert_tiles`), each tile through its
+    expert's up (and gate) projection with the activation fused (`grouped_matmul`), then its down projection scaled
+    by the pairs' routing weights; each token sums its k rows. Plain or FP8 (`Fp8Weight`, W8A16 in the kernel)
+    experts. Under tensor parallelism (`mesh`) each device runs its own experts' pairs and the partial outputs are
+    summed over the mesh (experts split along the expert axis), or every device runs all of them (replicated)."""
+    fp8 = [isinstance(w, Fp8Weight) for w in (w_in, w_down)]
+    tensors = [a for w in (w_in, w_down) for a in ((w.w, w.scale) if isinstance(w, Fp8Weight) else (w,))]
+    n_in, n_out = (w.n if isinstance(w, Fp8Weight) else w.shape[-1] for w in (w_in, w_down))
+    shards = mesh_shards(mesh)
+    split = shards > 1 and w_down.shape[0] % shards == 0  # jhybrid.parallel.sharding's rule for routed experts
+
+    def local(x, top_i, top_p, *tensors):  # this device's experts (all of them unless split)
+        it = iter(tensors)
+        (w_in_l, s_in), (w_down_l, s_down) = ((next(it), next(it) if q else None) for q in fp8)
+        if split:
+            top_i = top_i - jax.lax.axis_index(mesh.axis_names[0]) * w_in_l.shape[0]  # others' experts: dropped
+        out = _grouped_pairs(x, top_i, top_p, (w_in_l, s_in, n_in), (w_down_l, s_down, n_out), act, impl, interpret)
+        return jax.lax.psum(out, mesh.axis_names[0]) if split else out
+
+    if shards == 1:
+        return local(x, top_i, top_p, *tensors)
+    specs = tuple(P(mesh.axis_names[0]) if split else P() for _ in tensors)
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), *specs), out_specs=P(), check_vma=False)(
+        x, top_i, top_p, *tensors)
+
+
+def _grouped_pairs(x, top_i, top_p, w_in, w_down, act, impl, interpret):
+    """`routed_experts_grouped` on one device: `top_i` numbered from its first expert (pairs outside its experts are
+    dropped); `w_in`, `w_down`: `(weight stack, FP8 scales or None, output columns n)`."""
+    num_tokens, k = top_i.shape
+    num_experts = w_in[0].shape[0]
+    block_m = default_block_m(num_tokens * k, num_experts)
+    pair_row, row_pair, tile_expert = expert_tiles(top_i.reshape(-1), num_experts, block_m)
+    x_rows = jnp.take(x, row_pair // k, axis=0, mode="fill", fill_value=0)  # [M, D]; padding rows: zeros
+    row_w = jnp.take(top_p.reshape(-1), row_pair, mode="fill", fill_value=0)  # [M]
+    run = dict(block_m=block_m, impl="pallas" if impl == "pallas" else "auto", interpret=interpret)
+    h = grouped_matmul(x_rows, w_in[0], tile_expert, scale=w_in[1], n=w_in[2],
+                       epilogue="relu2" if act == "relu2" else "silu_gate", **run)  # [M, Ie]
+    y = grouped_matmul(h, w_down[0], tile_expert, scale=w_down[1], n=w_down[2], row_scale=row_w, **run)  # [M, D]
+    y = jnp.take(y, pair_row, axis=0, mode="fill", fill_value=0).reshape(num_tokens, k, -1)  # [T, k, D]
+    return jnp.sum(y.astype(jnp.float32), axis=1).astype(x.dtype)
 
 
 def grouped_gated_rms_norm(x: Float[Array, "T I"], gate: Float[Array, "T I"], w: Float[Array, "I"], group_size: int,

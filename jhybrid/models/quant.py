@@ -5,9 +5,10 @@ calls) and `dequantize` (what the MoE einsums read).
 mixers' in / out projections, dense and shared-expert MLPs) and each routed-expert tensor (`gate_up_proj` /
 `up_proj` `[E, D, 2Ie]`, `down_proj` `[E, Ie, D]`) whose input dim is a multiple of 128 by an `Fp8Weight`: 128 x 128
 blocks of float8_e4m3fn with a float32 scale each, amax / 448 (pallas_kernels/fp8_matmul; per expert for the
-experts). A dense projection runs as a block-wise FP8 matmul (`linear`). Experts are dequantized inside the step,
-one layer at a time (`expert_weights`: the MoE einsums then run in the activations' dtype, W8A16), so no step
-materialises more than its current layer's experts in the compute dtype.
+experts). A dense projection runs as a block-wise FP8 matmul (`linear`). Experts run W8A16: grouped by expert
+(`jhybrid.models.layers.routed_experts_grouped`, a GPU's path) the kernel reads each routed expert's FP8 tiles and
+scales them in registers; on the dense path (`routed_experts_dense`) they are dequantized inside the step, one layer
+at a time (`expert_weights`), so no step materialises more than its current layer's experts in the compute dtype.
 
 Both `--quantization fp8` on a bf16 checkpoint and FP8 checkpoints take this path: an FP8 checkpoint is
 dequantized block by block as it is read (converters/fp8.py; float32 products, then the load dtype), and each layer
