@@ -143,6 +143,7 @@ def test_grouped_layer_drops_other_devices_experts():
     assert float(jnp.abs(halves[0]).max()) > 0 and float(jnp.abs(halves[1]).max()) > 0
 
 
+@pytest.mark.slow  # two model traces after clearing JAX's caches (~30 s); the layer-level cases are in the fast tier
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_model_with_grouped_experts_equals_dense(family, monkeypatch):
     """A MoE model's logits (a 13-token prompt in one chunk, then two decode steps) with the routed experts grouped
