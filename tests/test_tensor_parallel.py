@@ -58,9 +58,10 @@ def _parse(stdout: str, stderr: str) -> dict:
 def worker():
     """Two concurrent subprocesses with 4 host devices each (CI has two cores) run every family at TP 1 and 4
     and the other checks, split so that each takes about half the time; their results are merged."""
-    second = ("nemotron_h", "bamba", "granitemoehybrid")  # with the checks other than swap: about half the time
-    jobs = [["--checks", "tokens,swap", "--families", ",".join(f for f in FAMILIES if f not in second)],
-            ["--checks", "tokens,bad_n,unpermuted,pallas,checkpoints,fp8", "--families", ",".join(second)]]
+    second = ("nemotron_h", "bamba", "granitemoehybrid")  # with the checkpoint and FP8 checks: about half the time
+    first = [f for f in FAMILIES if f not in second]
+    jobs = [["--checks", "tokens,swap,unpermuted,pallas,replicated", "--families", ",".join(first)],
+            ["--checks", "tokens,bad_n,checkpoints,fp8", "--families", ",".join(second)]]
     procs = [subprocess.Popen([sys.executable, "-m", "tests.tp_worker", "--tp", "1,4", *job], cwd=ROOT,
                               env=_env(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for job in jobs]
     result: dict = {"tokens": {}, "fractions": {}, "timings": {}}
@@ -165,6 +166,8 @@ def test_copied_kv_heads_leave_attention_unchanged(family):
 
 @pytest.mark.slow
 def test_pallas_kernels_per_shard_equal_one_device(worker):
+    """The Pallas path (interpret mode) per shard at TP 4: the prefill and decode logits of the reference path on one
+    device."""
     pallas = worker["pallas"]
     assert pallas["tp"] == 4
     assert pallas["vs_one_device"] < 1e-5, pallas
@@ -173,11 +176,12 @@ def test_pallas_kernels_per_shard_equal_one_device(worker):
 @pytest.mark.slow
 def test_fp8_under_tensor_parallelism_equals_one_device(worker):
     """`quantization="fp8"` at TP 2 (a model whose projections and experts all split on whole 128-blocks, so both
-    sizes hold the same 8 FP8 weights): the TP-1 greedy tokens through `LLM`, prefill and decode logits within
-    1e-4 (W8A8 steps: a value that lands on an e4m3 rounding boundary may round the other way after a different
-    summation order), each device holding half of every FP8 weight's values and scales. Checked to fail with the
-    FP8 blocks of packed projections not permuted shard-major (`sharding._fp8_shard_major`) and
-    with the row-parallel per-shard products not summed (`quant._per_shard`): logits off by ~1, other tokens."""
+    sizes hold the same 8 FP8 weights): through `LLM`, the greedy tokens of TP 1 (decoded through `forward`); through
+    `forward` on the TP engine's own parameters, the prefill and decode logits of TP 1 within 1e-4 (W8A8 steps: a
+    value that lands on an e4m3 rounding boundary may round the other way after a different summation order); each
+    device holding half of every FP8 weight's values and scales. Checked to fail with the FP8 blocks of packed
+    projections not permuted shard-major (`sharding._fp8_shard_major`) and with the row-parallel per-shard products
+    not summed (`quant._per_shard`): logits off by ~1, other tokens."""
     r = worker["fp8"]
     assert r["tp"] == 2 and r["equal"], f"TP 2 FP8 tokens {r['tokens']} differ from TP 1"
     assert r["num_fp8"] == [8, 8], r

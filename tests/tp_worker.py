@@ -2,27 +2,29 @@
 
 XLA_FLAGS=--xla_force_host_platform_device_count must be set before JAX starts, so the test spawns
 `python -m tests.tp_worker ...`; this prints one JSON object on its last stdout line. Checks:
-  * `tokens`: greedy tokens of a few mixed-length prompts through `jhybrid.LLM` at each TP size
-    (chunked prefill and decode), per family;
+  * `tokens`: greedy tokens of a few mixed-length prompts through `jhybrid.LLM` at each TP size above 1
+    (chunked prefill and decode), per family; at TP 1 (the reference) through `forward` on one device;
   * `fractions`: each device's share of a few parameters and state arrays under TP;
   * `bad_n`: the ValueError message for a tensor_parallel_size that does not divide the head counts;
   * `unpermuted`: logit error when the packed projections are sharded without the shard-major layout
     (the negative control: it must be large);
   * `checkpoints`: `LLM(path, tensor_parallel_size=2)` on HF and converted checkpoints (loaded into host
-    memory, then sharded) vs TP 1; `replicated`: TP 4 over 2 kv heads (each stored twice) vs TP 1;
+    memory, then sharded) vs one device; `replicated`: TP 4 over 2 kv heads (each stored twice) vs one device;
   * `from_leaves`: parameters built leaf by leaf into their shards (`shard_params_from`) vs `shard_params`;
   * `pallas`: prefill + decode logits of the Pallas path (interpret mode) per shard under shard_map vs
-    one device;
-  * `swap`: preemption by swap and recompute under TP; with it, `cached`: prefix caching under TP vs TP 1
-    without the cache;
-  * `fp8`: `quantization="fp8"` (FP8 projections and experts) at TP 2 vs TP 1: greedy tokens through `LLM`,
-    logits through `forward`, and each device's share of the FP8 weights.
+    the reference path on one device;
+  * `swap`: preemption by swap and recompute under TP vs one device; with it, `cached`: prefix caching under TP
+    vs one device without the cache;
+  * `fp8`: `quantization="fp8"` (FP8 projections and experts) at TP 2 vs TP 1: greedy tokens through `LLM` at TP 2
+    vs through `forward` at TP 1, logits through `forward` (the TP engine's own parameters), and each device's share
+    of the FP8 weights.
 With `--coordinator/--num-processes/--process-id` it first joins a multi-process job (gloo on CPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -30,6 +32,7 @@ import time
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3", "llama", "minimax", "nemotron_h", "bamba", "granitemoehybrid")
 PROMPT_LENGTHS = (3, 21, 30)
+NUM_TOKENS = 5
 
 
 def family_config(name: str, widen: int = 1):
@@ -104,17 +107,37 @@ def _model(name: str, seed: int = 0, widen: int = 1):
     return LoadedModel(cfg=cfg, params=init_params(cfg, seed=seed, scale=0.3))
 
 
-def greedy_tokens(model, tp: int) -> tuple[list[list[int]], dict]:
+def _prompts(vocab_size: int) -> list[list[int]]:
     import numpy as np
 
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
+
+
+def forward_greedy(cfg, params, prompts: list[list[int]], num_tokens: int, **shapes):
+    """The one-device reference of the engines' greedy tokens: `num_tokens` greedy tokens of each of `prompts` through
+    `forward` (a prefill, then decode steps fed each row's argmax: the two programs an engine would compile, without
+    its sampling; `shapes`: `forward_logits`' `prefill_tokens` and `blocks_per_row`). Returns them ([B][num_tokens])
+    and the logits ([num_tokens, B, V])."""
+    logits = forward_logits(cfg, params, 1, prompts=prompts, decode_steps=num_tokens - 1, feed="greedy", **shapes)
+    return logits.argmax(-1).T.tolist(), logits
+
+
+def reference_tokens(model) -> list[list[int]]:
+    """`greedy_tokens`' prompts and tokens on one device, through `forward_greedy`."""
+    return forward_greedy(model.cfg, model.params, _prompts(model.cfg.vocab_size), NUM_TOKENS)[0]
+
+
+def greedy_tokens(model, tp: int) -> tuple[list[list[int]], dict]:
+    """`NUM_TOKENS` greedy tokens of each of `PROMPT_LENGTHS`' random prompts through `LLM` at TP `tp`, and each
+    device's share of some parameters and state arrays."""
     from jhybrid import LLM, SamplingParams
     from jhybrid.parallel import shard_fraction
 
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, model.cfg.vocab_size, size=n).tolist() for n in PROMPT_LENGTHS]
+    prompts = _prompts(model.cfg.vocab_size)
     llm = LLM(model, dtype=None, max_num_seqs=4, max_model_len=64, num_kv_blocks=24, block_size=8,
               max_num_batched_tokens=64, tensor_parallel_size=tp)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))
     runner = llm.engine.runner
     fractions = {}
     if tp > 1:
@@ -135,13 +158,15 @@ def greedy_tokens(model, tp: int) -> tuple[list[list[int]], dict]:
     return [o.token_ids for o in outs], fractions
 
 
-# the shapes of the swap and prefix-cache checks (their TP-1 engines share compiled programs)
+# the shapes of the swap and prefix-cache checks' engines, and of their one-device references (`forward_greedy`: four
+# rows of up to 65 tokens, their prompts prefilled in one step; the two share compiled programs)
 SMALL_POOL_ENGINE = dict(dtype=None, max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=64)
+SMALL_POOL_REFERENCE = dict(prefill_tokens=192, blocks_per_row=5)
 
 
 def swap_under_tp(model, tp: int) -> dict:
     """Greedy tokens at TP `tp` with a KV pool too small for the batch, preempting by swap and by recompute,
-    against one device without memory pressure; and the engine's preemption counters."""
+    against one device without memory pressure (`forward_greedy`); and the engine's preemption counters."""
     import numpy as np
 
     from jhybrid import LLM, SamplingParams
@@ -149,8 +174,7 @@ def swap_under_tp(model, tp: int) -> dict:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, model.cfg.vocab_size, size=n).tolist() for n in (30, 41, 25, 37)]
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    free = LLM(model, **SMALL_POOL_ENGINE)
-    out = {"want": [o.token_ids for o in free.generate(prompts, sp)]}
+    out = {"want": forward_greedy(model.cfg, model.params, prompts, sp.max_tokens, **SMALL_POOL_REFERENCE)[0]}
     for mode in ("swap", "swap-pinned", "recompute"):  # swap-pinned: through pinned_host memory (sharded)
         llm = LLM(model, **SMALL_POOL_ENGINE, num_kv_blocks=22, tensor_parallel_size=tp, host_kv_memory_gb=0.01,
                   preemption_mode=mode.removesuffix("-pinned"),
@@ -164,7 +188,7 @@ def swap_under_tp(model, tp: int) -> dict:
 
 def cached_under_tp(model, tp: int) -> dict:
     """Prefix caching at TP `tp` (sharded KV blocks and state snapshots): prompts that share a 40-token prefix,
-    greedy, against TP 1 without the cache; and the prompt tokens the cache served."""
+    greedy, against one device without the cache (`forward_greedy`); and the prompt tokens the cache served."""
     import numpy as np
 
     from jhybrid import LLM, SamplingParams
@@ -173,7 +197,7 @@ def cached_under_tp(model, tp: int) -> dict:
     shared = rng.integers(0, model.cfg.vocab_size, size=40).tolist()
     prompts = [shared + rng.integers(0, model.cfg.vocab_size, size=n).tolist() for n in (3, 9, 14, 6)]
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(model, **SMALL_POOL_ENGINE).generate(prompts, sp)]  # swap's TP-1 programs
+    want = forward_greedy(model.cfg, model.params, prompts, sp.max_tokens, **SMALL_POOL_REFERENCE)[0]  # swap's
     llm = LLM(model, **SMALL_POOL_ENGINE, tensor_parallel_size=tp, enable_prefix_caching=True, num_kv_blocks=40,
               prefix_snapshot_slots=4)  # (with the cache on, the pool would take the whole memory budget)
     got = [o.token_ids for o in llm.generate(prompts, sp)]
@@ -199,11 +223,26 @@ def jax_tree_map(fn, tree):
     return jax.tree.map(fn, tree)
 
 
-def forward_logits(cfg, packed, tp: int, *, permute: bool = True, kernel_impl="reference", interpret=False,
-                   lengths=(5, 37), decode_steps: int = 2):
-    """Prefill logits [B, V] then `decode_steps` decode logits, through `forward` on a `tp` mesh."""
-    import functools
+@functools.lru_cache(maxsize=None)
+def _forward_step(kernel_impl: str, interpret: bool, mesh):
+    """One jitted `forward` per kernel choice and mesh, so that calls of `forward_logits` with the same shapes share
+    its compiled programs."""
+    import jax
 
+    from jhybrid.models.hybrid import forward
+
+    return jax.jit(functools.partial(forward, kernel_impl=kernel_impl, interpret=interpret, mesh=mesh),
+                   static_argnames=("cfg", "decode"))
+
+
+def forward_logits(cfg, packed, tp: int, *, permute: bool = True, kernel_impl="reference", interpret=False,
+                   lengths=(5, 37), decode_steps: int = 2, prompts=None, feed=None, placed: bool = False,
+                   prefill_tokens: int = 64, blocks_per_row: int = 4):
+    """Prefill logits [B, V] then `decode_steps` decode logits, through `forward` on a `tp` mesh. The prompts are
+    `prompts` (token lists) or random ones of `lengths`, prefilled in one step of `prefill_tokens` tokens, each row
+    with `blocks_per_row` KV blocks of 16; each decode step feeds one token per row: the rows of `feed`
+    ([decode_steps, B] token ids), `"greedy"` (each row's argmax of the last logits) or random ones. `placed`:
+    `packed` is already in the shard-major layout on the mesh (an engine runner's `params`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -212,12 +251,16 @@ def forward_logits(cfg, packed, tp: int, *, permute: bool = True, kernel_impl="r
     from jhybrid import parallel
     from jhybrid.cache.state import CacheConfig, init_state
     from jhybrid.models.batch import RowSpec, make_batch
-    from jhybrid.models.hybrid import forward
 
-    cache = CacheConfig(num_blocks=1 + 4 * len(lengths), block_size=16, num_slots=len(lengths) + 1, kv_dtype="float32")
+    rng = np.random.default_rng(2)
+    tokens = prompts or [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+    m = blocks_per_row
+    cache = CacheConfig(num_blocks=1 + m * len(tokens), block_size=16, num_slots=len(tokens) + 1, kv_dtype="float32")
     mesh = parallel.make_mesh(tp) if tp > 1 else None
     if mesh is None:
         params, state = packed, init_state(cfg, cache)
+    elif placed:
+        params, state = packed, parallel.init_sharded_state(cfg, cache, mesh)
     elif permute:
         params, state = parallel.shard_params(cfg, packed, mesh), parallel.init_sharded_state(cfg, cache, mesh)
     else:  # negative control: the right specs on the single-device packed layout
@@ -225,20 +268,21 @@ def forward_logits(cfg, packed, tp: int, *, permute: bool = True, kernel_impl="r
         params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), packed, specs,
                               is_leaf=lambda x: isinstance(x, jax.Array))
         state = parallel.init_sharded_state(cfg, cache, mesh)
-    step = jax.jit(functools.partial(forward, kernel_impl=kernel_impl, interpret=interpret, mesh=mesh),
-                   static_argnames=("cfg", "decode"))
-    rng = np.random.default_rng(2)
-    tokens = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
-    tables = [list(range(1 + i * 4, 1 + (i + 1) * 4)) for i in range(len(lengths))]
+    step = _forward_step(kernel_impl, interpret, mesh)
+    tables = [list(range(1 + i * m, 1 + (i + 1) * m)) for i in range(len(tokens))]
     out = []
     rows = [RowSpec(t, 0, tables[i], i + 1) for i, t in enumerate(tokens)]
-    batch = jax.tree.map(jnp.asarray, make_batch(rows, block_size=16, max_blocks_per_seq=4, num_tokens=64,
+    batch = jax.tree.map(jnp.asarray, make_batch(rows, block_size=16, max_blocks_per_seq=m, num_tokens=prefill_tokens,
                                                  num_rows=len(rows)))
     logits, state = step(cfg, params, state, batch, decode=False)
     out.append(np.asarray(logits))
     for s in range(decode_steps):
-        rows = [RowSpec([int(rng.integers(0, cfg.vocab_size))], len(t) + s, tables[i], i + 1) for i, t in enumerate(tokens)]
-        batch = jax.tree.map(jnp.asarray, make_batch(rows, block_size=16, max_blocks_per_seq=4, num_tokens=len(rows),
+        if feed is None:
+            fed = [int(rng.integers(0, cfg.vocab_size)) for _ in tokens]
+        else:
+            fed = out[-1].argmax(-1).tolist() if isinstance(feed, str) else [int(t) for t in feed[s]]
+        rows = [RowSpec([fed[i]], len(t) + s, tables[i], i + 1) for i, t in enumerate(tokens)]
+        batch = jax.tree.map(jnp.asarray, make_batch(rows, block_size=16, max_blocks_per_seq=m, num_tokens=len(rows),
                                                      num_rows=len(rows)))
         logits, state = step(cfg, params, state, batch, decode=True)
         out.append(np.asarray(logits))
@@ -273,7 +317,8 @@ def sharded_from_leaves(cfg, params, tp: int) -> dict:
 def from_checkpoints(tp: int) -> dict:
     """`LLM(path, tensor_parallel_size=tp)` on an HF and a converted checkpoint: the parameters are read
     into host memory (`load(..., host=True)`) and go from there to their shards. Greedy tokens of each
-    against TP 1 on the HF directory, and the devices the loaded (unsharded) parameters sit on."""
+    against one device on the HF directory (`forward_greedy`), and the devices the loaded (unsharded) parameters
+    sit on."""
     import tempfile
 
     import jax
@@ -290,7 +335,8 @@ def from_checkpoints(tp: int) -> dict:
         hf = write_example_checkpoint(os.path.join(tmp, "hf"))
         converted = convert(hf, os.path.join(tmp, "converted"), dtype="float32", progress=False)
         kw = dict(dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64)
-        one = [o.token_ids for o in LLM(hf, **kw).generate(prompts, sp)]  # the converted copy holds the same fp32 values
+        loaded = load(hf, "float32")  # the converted copy holds the same fp32 values
+        one = forward_greedy(loaded.cfg, loaded.params, prompts, sp.max_tokens)[0]
         for name, path in (("hf", hf), ("converted", converted)):
             many = [o.token_ids for o in LLM(path, tensor_parallel_size=tp, **kw).generate(prompts, sp)]
             host = load(path, "float32", host=True)
@@ -300,8 +346,8 @@ def from_checkpoints(tp: int) -> dict:
 
 
 def replicated_kv(tp: int) -> dict:
-    """A qwen3_next model with 2 kv heads at TP `tp` (> 2: each kv head is stored tp / 2 times) against TP 1:
-    greedy tokens, the engine's kv head count and each device's share of the KV pages."""
+    """A qwen3_next model with 2 kv heads at TP `tp` (> 2: each kv head is stored tp / 2 times) against one device
+    (`forward_greedy`): greedy tokens, the engine's kv head count and each device's share of the KV pages."""
     import dataclasses
 
     from jhybrid import LLM, SamplingParams
@@ -313,9 +359,8 @@ def replicated_kv(tp: int) -> dict:
     model = LoadedModel(cfg=cfg, params=init_params(cfg, seed=0, scale=0.3))
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[1, 5, 9, 2, 7], list(range(3, 40))]
-    kw = dict(dtype=None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64)
-    one = [o.token_ids for o in LLM(model, **kw).generate(prompts, sp)]
-    llm = LLM(model, tensor_parallel_size=tp, **kw)
+    one = forward_greedy(cfg, model.params, prompts, sp.max_tokens)[0]
+    llm = LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, tensor_parallel_size=tp)
     return {"equal": one == [o.token_ids for o in llm.generate(prompts, sp)], "tp": tp,
             "num_kv_heads": llm.engine.runner.cfg.num_kv_heads,
             "kv_page_share": shard_fraction(llm.engine.runner.state.k_pages[0])}
@@ -332,10 +377,11 @@ def fp8_config():
 
 
 def fp8_under_tp(tp: int) -> dict:
-    """`quantization="fp8"` at TP `tp` against TP 1 on `fp8_config`'s model: greedy tokens through `LLM`; the relative
-    error of prefill and decode logits through `forward` (the FP8 matmuls run per shard under shard_map); how many FP8
-    weights each holds; each device's share of an FP8 expert stack and of the FP8 column- and row-parallel
-    projections (values and scales)."""
+    """`quantization="fp8"` at TP `tp` on `fp8_config`'s model against one device: the greedy tokens through `LLM`
+    against TP 1's greedy tokens through `forward` (on `quantize(model, "fp8")`); the relative error of the prefill
+    and decode logits of `forward` run on the TP engine's own FP8 parameters (per shard under shard_map), fed TP 1's
+    greedy tokens, against TP 1's; how many FP8 weights each holds; each device's share of an FP8 expert stack and of
+    the FP8 column- and row-parallel projections (values and scales)."""
     from jhybrid import LLM, SamplingParams
     from jhybrid.model_loader import LoadedModel, quantize
     from jhybrid.models.params import init_params
@@ -344,20 +390,24 @@ def fp8_under_tp(tp: int) -> dict:
 
     cfg = fp8_config()
     model = LoadedModel(cfg=cfg, params=init_params(cfg, seed=0, scale=0.1))
-    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    num_tokens = 6
+    sp = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     prompts = [[1, 5, 9, 2, 7], list(range(3, 40))]
-    kw = dict(dtype=None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, quantization="fp8")
-    one = [o.token_ids for o in LLM(model, **kw).generate(prompts, sp)]
-    llm = LLM(model, tensor_parallel_size=tp, **kw)
+    llm = LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, max_num_batched_tokens=64, quantization="fp8",
+              tensor_parallel_size=tp)
     many = [o.token_ids for o in llm.generate(prompts, sp)]
-    full, lightning = llm.engine.runner.params["layers"]
+    runner = llm.engine.runner
+    full, lightning = runner.params["layers"]
     shares = {name: [shard_fraction(w.w), shard_fraction(w.scale)] for name, w in (
         ("experts", full["mlp"]["gate_up_proj"]), ("attn.qkv_proj", full["attn"]["qkv_proj"]),
         ("attn.o_proj", full["attn"]["o_proj"]), ("lightning.in_proj", lightning["lightning"]["in_proj"]))}
-    one_q, many_q = quantize(model, "fp8"), quantize(model, "fp8", tp)
-    logits = _rel(forward_logits(cfg, many_q.params, tp), forward_logits(cfg, one_q.params, 1))
-    return {"tp": tp, "equal": one == many, "tokens": many, "logits": logits, "shares": shares,
-            "num_fp8": [num_fp8_weights(one_q.params), num_fp8_weights(many_q.params)]}
+    one_q = quantize(model, "fp8")
+    # TP 1 decodes greedily; the TP engine's parameters are fed the same tokens, so each step's logits compare
+    one, want = forward_greedy(cfg, one_q.params, prompts, num_tokens)
+    got = forward_logits(runner.cfg, runner.params, tp, prompts=prompts, decode_steps=num_tokens - 1,
+                         feed=want.argmax(-1)[:-1], placed=True)
+    return {"tp": tp, "equal": one == many, "tokens": many, "want": one, "logits": _rel(got, want), "shares": shares,
+            "num_fp8": [num_fp8_weights(one_q.params), num_fp8_weights(runner.params)]}
 
 
 def _rel(a, b) -> float:
@@ -370,7 +420,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--tp", default="1,4")
-    ap.add_argument("--checks", default="tokens,bad_n,unpermuted,pallas,swap,checkpoints")
+    ap.add_argument("--checks", default="tokens,bad_n,unpermuted,pallas,swap,checkpoints,replicated")
     ap.add_argument("--widen", type=int, default=2, help="head, group and expert multiplier of the `tokens` models")
     ap.add_argument("--coordinator")
     ap.add_argument("--num-processes", type=int)
@@ -393,7 +443,7 @@ def main(argv=None) -> int:
             model = _model(name, widen=args.widen)
             result["tokens"][name] = {}
             for tp in sizes:
-                toks, fractions = greedy_tokens(model, tp)
+                toks, fractions = (reference_tokens(model), {}) if tp == 1 else greedy_tokens(model, tp)
                 result["tokens"][name][str(tp)] = toks
                 if fractions:
                     result["fractions"][f"{name}/{tp}"] = fractions
@@ -408,28 +458,32 @@ def main(argv=None) -> int:
             result["bad_n"] = None
         except ValueError as e:
             result["bad_n"] = str(e)
+    if "unpermuted" in checks or "pallas" in checks:
+        t0 = time.perf_counter()
+        model = _model("qwen3_5")  # Gated DeltaNet + paged attention: both have Pallas kernels
+        want = forward_logits(model.cfg, model.params, 1, decode_steps=1)  # one device, the reference kernels
+        result["timings"]["reference"] = round(time.perf_counter() - t0, 2)
     if "unpermuted" in checks:
         t0 = time.perf_counter()
-        model = _model("qwen3_5")
-        want = forward_logits(model.cfg, model.params, 1, decode_steps=0)
         right = forward_logits(model.cfg, model.params, 2, decode_steps=0)
         wrong = forward_logits(model.cfg, model.params, 2, permute=False, decode_steps=0)
-        result["unpermuted"] = {"right": _rel(right, want), "wrong": _rel(wrong, want)}
+        result["unpermuted"] = {"right": _rel(right, want[:1]), "wrong": _rel(wrong, want[:1])}  # the prefill
         result["from_leaves"] = sharded_from_leaves(model.cfg, model.params, max(sizes))
         result["timings"]["unpermuted"] = round(time.perf_counter() - t0, 2)
     if "pallas" in checks:
         t0 = time.perf_counter()
-        model = _model("qwen3_5")  # Gated DeltaNet + paged attention: both have Pallas kernels
         tp = max(sizes)
-        want = forward_logits(model.cfg, model.params, 1, kernel_impl="pallas", interpret=True, decode_steps=1)
         got = forward_logits(model.cfg, model.params, tp, kernel_impl="pallas", interpret=True, decode_steps=1)
         result["pallas"] = {"tp": tp, "vs_one_device": _rel(got, want)}
         result["timings"]["pallas"] = round(time.perf_counter() - t0, 2)
     if "checkpoints" in checks:
         t0 = time.perf_counter()
         result["checkpoints"] = from_checkpoints(2)  # the example checkpoint has 2 kv heads
-        result["replicated"] = replicated_kv(max(sizes))
         result["timings"]["checkpoints"] = round(time.perf_counter() - t0, 2)
+    if "replicated" in checks:
+        t0 = time.perf_counter()
+        result["replicated"] = replicated_kv(max(sizes))
+        result["timings"]["replicated"] = round(time.perf_counter() - t0, 2)
     if "swap" in checks:
         t0 = time.perf_counter()
         result["swap"] = swap_under_tp(_model("qwen3_next"), max(sizes))
