@@ -76,6 +76,10 @@ def alone(model, prompt_ids: list[int], sp: SamplingParams, engine: dict):
     return out.token_ids, out.logprobs
 
 
+# fast tier: Gated DeltaNet, whose slots hold both kinds of state (conv and recurrent) that `zero_slots` zeroes for
+# every layer kind alike; lightning (recurrent only) and Mamba2 (both) are `slow`
+@pytest.mark.parametrize("model", [name if name == "gated_deltanet" else pytest.param(name, marks=pytest.mark.slow)
+                                   for name in FAMILIES], indirect=True)
 def test_one_slot_the_next_request_gets_a_clean_slot(model):
     """`max_num_seqs=1`: there is one slot, so the second request runs in the slot the first one left (its
     state from 70 prompt and 16 generated tokens); its output equals its run on a fresh engine. Fails for
