@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from jhybrid import LLM, SamplingParams
 from jhybrid.cache.prefix_cache import PrefixCache, PrefixCursor
+from tests.conftest import FAMILY_ENGINE
 from tests.hf_models import make_bamba, make_minimax, make_qwen3_5
 
 BS = 16  # the engines' block size (the default)
@@ -263,8 +264,10 @@ FAMILIES = {
     "lightning": lambda p: make_minimax(p, seed=32),
     "mamba2": lambda p: make_bamba(p, seed=33),
 }
-ENGINE = dict(dtype=None, max_num_seqs=3, max_model_len=96, num_kv_blocks=24, max_num_batched_tokens=32)
-CACHED = ENGINE | dict(enable_prefix_caching=True, prefix_snapshot_slots=4)
+# the references run one prompt at a time without the cache on the family tests' engine (3 rows, 96 tokens, 32-token
+# steps, 10 usable blocks of 16: a prompt of these tests needs at most 6), whose programs they share
+ENGINE = FAMILY_ENGINE
+CACHED = ENGINE | dict(num_kv_blocks=24, enable_prefix_caching=True, prefix_snapshot_slots=4)
 
 
 @pytest.fixture(scope="module", params=[f if f == "gated_deltanet" else pytest.param(f, marks=pytest.mark.slow)
