@@ -135,8 +135,7 @@ def greedy_tokens(model, tp: int) -> tuple[list[list[int]], dict]:
     from jhybrid.parallel import shard_fraction
 
     prompts = _prompts(model.cfg.vocab_size)
-    llm = LLM(model, dtype=None, max_num_seqs=4, max_model_len=64, num_kv_blocks=24, block_size=8,
-              max_num_batched_tokens=64, tensor_parallel_size=tp)
+    llm = LLM(model, **SMALL_POOL_ENGINE, num_kv_blocks=SMALL_POOL_BLOCKS, tensor_parallel_size=tp)  # no pressure here
     outs = llm.generate(prompts, SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))
     runner = llm.engine.runner
     fractions = {}
@@ -158,9 +157,12 @@ def greedy_tokens(model, tp: int) -> tuple[list[list[int]], dict]:
     return [o.token_ids for o in outs], fractions
 
 
-# the shapes of the swap and prefix-cache checks' engines, and of their one-device references (`forward_greedy`: four
-# rows of up to 65 tokens, their prompts prefilled in one step; the two share compiled programs)
+# the engine shapes of the `tokens`, swap and prefix-cache checks: the swap check's engines (a pool of
+# `SMALL_POOL_BLOCKS` blocks of 8, too small for its batch) share their programs with qwen3_next's `tokens` engine;
+# the one-device references of the swap and prefix-cache checks (`forward_greedy`: four rows of up to 65 tokens, their
+# prompts prefilled in one step) share theirs
 SMALL_POOL_ENGINE = dict(dtype=None, max_num_seqs=4, max_model_len=128, block_size=8, max_num_batched_tokens=64)
+SMALL_POOL_BLOCKS = 22
 SMALL_POOL_REFERENCE = dict(prefill_tokens=192, blocks_per_row=5)
 
 
@@ -176,8 +178,8 @@ def swap_under_tp(model, tp: int) -> dict:
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     out = {"want": forward_greedy(model.cfg, model.params, prompts, sp.max_tokens, **SMALL_POOL_REFERENCE)[0]}
     for mode in ("swap", "swap-pinned", "recompute"):  # swap-pinned: through pinned_host memory (sharded)
-        llm = LLM(model, **SMALL_POOL_ENGINE, num_kv_blocks=22, tensor_parallel_size=tp, host_kv_memory_gb=0.01,
-                  preemption_mode=mode.removesuffix("-pinned"),
+        llm = LLM(model, **SMALL_POOL_ENGINE, num_kv_blocks=SMALL_POOL_BLOCKS, tensor_parallel_size=tp,
+                  host_kv_memory_gb=0.01, preemption_mode=mode.removesuffix("-pinned"),
                   swap_transfer="pinned" if mode.endswith("-pinned") else "pageable")
         out[mode] = [o.token_ids for o in llm.generate(prompts, sp)]
         stats = llm.engine.stats()
@@ -486,8 +488,9 @@ def main(argv=None) -> int:
         result["timings"]["replicated"] = round(time.perf_counter() - t0, 2)
     if "swap" in checks:
         t0 = time.perf_counter()
-        result["swap"] = swap_under_tp(_model("qwen3_next"), max(sizes))
-        result["cached"] = cached_under_tp(_model("qwen3_next"), max(sizes))
+        model = _model("qwen3_next", widen=args.widen)  # the `tokens` check's model: its programs
+        result["swap"] = swap_under_tp(model, max(sizes))
+        result["cached"] = cached_under_tp(model, max(sizes))
         result["timings"]["swap"] = round(time.perf_counter() - t0, 2)
     if "fp8" in checks:
         t0 = time.perf_counter()
