@@ -235,10 +235,12 @@ def _start_serve(model_dir: str, *args: str, setup: str | None = None,
     """`jhybrid serve` in a subprocess on a free port (`setup`: its JHYBRID_ENGINE_SETUP hook; `new_session`: in
     a process group of its own); returns it and its url once /health answers. Its stderr (the log) is read by
     `_log_of`."""
+    # the in-process servers' shapes (tests/test_server.py) and the test run's compilation cache (tests/conftest.py),
+    # not the user's: the programs `jhybrid serve` warms up are compiled once in the run, here or by those servers
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(os.path.dirname(model_dir), "jax-cache")
     argv = ["serve", "--model", model_dir, "--served-model-name", MODEL, "--dtype", "float32", "--port", "0",
-            "--max-num-seqs", "4", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16",
-            "--log-level", "info", "--compilation-cache-dir", os.path.join(os.path.dirname(model_dir), "jax-cache"),
-            *args]  # a cache beside the test's checkpoint: shared by this module's servers, not the user's
+            "--max-num-seqs", "8", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "16",
+            "--log-level", "info", "--compilation-cache-dir", cache, *args]
     cmd = [sys.executable, "-m", "jhybrid.cli", *argv]
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **({"JHYBRID_ENGINE_SETUP": setup} if setup else {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
