@@ -3,12 +3,16 @@ chat, each against `jhybrid serve`'s app with the cache off and on, in one run.
 
     PYTHONPATH=. python -m benchmarks.prefix_serve [--json out.json]               # the issue's sizes
     PYTHONPATH=. python -m benchmarks.prefix_serve --tiny --json /tmp/ps.json      # CPU smoke test
+    PYTHONPATH=. python -m benchmarks.prefix_serve --only shared --order shuffled --cache all \
+        --num-kv-blocks 4000 --snapshot-slots 16 --host-gb 24   # a device cache too small: the host tier
 
 The model is the 2.2 B Qwen3-Next-shaped dense hybrid of benchmarks/generate.py (Gated DeltaNet + full
 attention, its 151,936-token vocabulary, random bf16 weights made on the device); prompts are token ids, so no
 tokenizer is involved. The server is the real app (`create_app` over an `AsyncEngine` on a thread, HTTP over
 loopback, streamed `/v1/completions`, greedy, EOS ignored), built once with `--enable-prefix-caching` off and
-once on (each warmed up: nothing compiles on the request path), the same request list sent to both.
+once on (each warmed up: nothing compiles on the request path), the same request list sent to both; `--cache
+tier` (or `all`: off, on and tier) runs the cache with a host tier of `--host-gb` GiB, where blocks and snapshots
+evicted from the device go (`--num-kv-blocks` and `--snapshot-slots` shrink the device's share to make it matter).
 
 - **shared prefix**: `--groups` groups of `--per-group` requests; a group's requests share a `--system`-token
   system prompt and each has its own `--question`-token question; `--max-tokens` new tokens; requests are sent
@@ -156,7 +160,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument("--only", choices=["shared", "multi"], help="one workload")
-    parser.add_argument("--cache", choices=["off", "on", "both"], default="both",
+    parser.add_argument("--num-kv-blocks", type=int, help="device KV blocks (default: the memory plan's)")
+    parser.add_argument("--snapshot-slots", type=int, help="device snapshot slots (default: the memory plan's)")
+    parser.add_argument("--host-gb", type=float, default=0.0,
+                        help="host tier GiB for the settings 'tier' (and 'on', if given with --host-on)")
+    parser.add_argument("--cache", choices=["off", "on", "both", "tier", "all"], default="both",
                         help="the servers to run (default both: the comparison)")
     parser.add_argument("--order", choices=["group", "shuffled"], default="group",
                         help="shared prefix: requests group after group (default) or in a random order")
@@ -184,12 +192,18 @@ def main(argv=None) -> int:
     workloads = {"shared": shared_prefix, "multi": multi_turn}
     if a.only:
         workloads = {a.only: workloads[a.only]}
-    for cached in {"off": (False,), "on": (True,), "both": (False, True)}[a.cache]:
-        setting = "on" if cached else "off"
+    settings = {"off": ("off",), "on": ("on",), "both": ("off", "on"), "tier": ("tier",),
+                "all": ("off", "on", "tier")}[a.cache]
+    for setting in settings:
+        cached = setting != "off"
         t0 = time.perf_counter()
+        tier = dict(host_kv_memory_gb=a.host_gb, preemption_mode="auto") if setting == "tier" else {}
+        if setting == "tier" and not a.host_gb:
+            parser.error("--cache tier needs --host-gb")
         config = EngineConfig(dtype=None, max_num_seqs=rows, max_model_len=max_len, warmup=True,
                               max_num_batched_tokens=a.max_num_batched_tokens, gpu_memory_utilization=0.6,
-                              enable_prefix_caching=cached)
+                              enable_prefix_caching=cached, num_kv_blocks=a.num_kv_blocks,
+                              prefix_snapshot_slots=a.snapshot_slots if cached else None, **tier)
         engine = AsyncEngine(LLMEngine(model, config), model_name="m")
         server = BackgroundServer(create_app(engine, ServerConfig(model_names=("m",)))).start()
         print(f"server (prefix caching {setting}) ready in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -235,9 +249,13 @@ def main(argv=None) -> int:
         name, setting = key.split(" / ")
         print(f"{name:10s} {setting:>5s} {s['ttft_s']['p50'] * 1e3:12.1f} {s['ttft_s']['p99'] * 1e3:12.1f} "
               f"{s['input_tokens_per_s']:12.0f} {s['hit_rate']:9.1%} {s['errors']:6d}")
-    for name in workloads if a.cache == "both" else ():
-        off, on = res["runs"][f"{name} / off"], res["runs"][f"{name} / on"]
-        print(f"{name}: TTFT p50 {off['ttft_s']['p50'] / on['ttft_s']['p50']:.2f}x lower with the cache")
+    for name in workloads:
+        off = res["runs"].get(f"{name} / off")
+        for setting in ("on", "tier"):
+            on = res["runs"].get(f"{name} / {setting}")
+            if off and on:
+                print(f"{name}: TTFT p50 {off['ttft_s']['p50'] / on['ttft_s']['p50']:.2f}x lower with the cache "
+                      f"({setting})")
     if "multi / on" in res["runs"]:
         on = res["runs"]["multi / on"]
         print("multi-turn, per turn (cache on): prompt tokens " + ", ".join(f"{x:.0f}" for x in on["prompt_per_turn"]))

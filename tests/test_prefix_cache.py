@@ -434,9 +434,10 @@ request_st = st.tuples(st.integers(0, 1), st.integers(10, 60), st.integers(1, 14
                        st.integers(0, 12), st.one_of(st.none(), st.none(), st.none(), st.integers(0, 8)))
 
 
-def _drive(model, mode: str, data) -> tuple[int, int, int]:
+def _drive(model, mode: str, data) -> tuple[int, int, int, dict]:
     """Runs the requests of `data` (see `request_st`) on a small cached engine, checking the invariants after
-    every step and the outputs at the end; returns (prefix-hit tokens, preemptions, snapshots taken)."""
+    every step and the outputs at the end; returns (prefix-hit tokens, preemptions, snapshots taken, the
+    engine's stats). With a host tier ("swap", "offload") the cache's evicted blocks and snapshots go there too."""
     engine = SMALL | {"swap": HOST, "offload": OFFLOAD}.get(mode, {})
     llm = LLM(model, **engine)
     eng, pc = llm.engine, llm.engine.prefix_cache
@@ -478,8 +479,10 @@ def _drive(model, mode: str, data) -> tuple[int, int, int]:
             assert list(g) == list(w) and err <= 1e-4, f"{rid}: position {pos}: logprobs off by {err:.2e}"
     if mode == "offload":
         assert eng.scheduler.num_offload_ops > 0, "the workload was meant to offload"
-        assert eng.host.blocks.num_used == 0, "host blocks leaked"
-    return eng.stats()["prefix_cache_hits"], eng.num_preemptions, pc.num_snapshots_taken
+        held = pc.num_host_blocks + len(pc._host_free_later)  # the cache's evicted blocks stay in the host tier
+        assert eng.host.blocks.num_used == held, "host blocks leaked"
+    stats = eng.stats()
+    return stats["prefix_cache_hits"], eng.num_preemptions, pc.num_snapshots_taken, stats
 
 
 @pytest.mark.slow  # the fast tier keeps test_fixed_interleaving_hits_preempts_and_evicts
@@ -506,7 +509,12 @@ def test_fixed_interleaving_hits_preempts_and_evicts(gdn, mode):
     taken than the pool holds (evictions), so the random test's checks cover them at least once. `offload`:
     with offloaded attention (`kv_offload`), offloading blocks of sequences whose prefix is cached and shared
     (the invariants and outputs; where the offloaded blocks sit in the cache's view of a table:
-    `test_offloaded_blocks_keep_the_positions_of_the_blocks_after_them`)."""
-    hits, preemptions, snapshots = _drive(gdn, mode, FIXED)
+    `test_offloaded_blocks_keep_the_positions_of_the_blocks_after_them`). `swap`: the host tier also holds the
+    cache's evicted blocks and snapshots, and hits bring some back (`test_prefix_host_tier`)."""
+    hits, preemptions, snapshots, stats = _drive(gdn, mode, FIXED)
     assert hits > 0 and snapshots > SMALL["prefix_snapshot_slots"], (hits, preemptions, snapshots)
     assert preemptions > 0 or mode == "offload", preemptions
+    if mode == "swap":  # the host tier also takes the cache's evictions, and hits bring them back
+        moved = [stats[k] for k in ("prefix_blocks_demoted", "prefix_blocks_promoted", "prefix_snapshots_demoted",
+                                    "prefix_host_restores")]
+        assert min(moved) > 0, moved

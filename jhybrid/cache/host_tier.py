@@ -40,8 +40,10 @@ class HostTierConfig:
                              f"{self.num_slots=}: raise host_kv_memory_gb")
 
 
-def plan_host_tier(cfg: ModelConfig, cache: CacheConfig, *, host_kv_memory_gb: float, max_num_seqs: int) -> HostTierConfig:
-    """Splits `host_kv_memory_gb` into state slots (one per swappable sequence) and KV blocks."""
+def plan_host_tier(cfg: ModelConfig, cache: CacheConfig, *, host_kv_memory_gb: float, max_num_seqs: int,
+                   prefix_snapshots: bool = False) -> HostTierConfig:
+    """Splits `host_kv_memory_gb` into state slots (one per swappable sequence; with `prefix_snapshots`, also up
+    to half the budget in slots for the prefix cache's demoted snapshots) and KV blocks."""
     if host_kv_memory_gb <= 0:
         raise ValueError(f"{host_kv_memory_gb=} must be > 0 to build a host tier")
     budget = int(host_kv_memory_gb * 2**30)
@@ -49,7 +51,8 @@ def plan_host_tier(cfg: ModelConfig, cache: CacheConfig, *, host_kv_memory_gb: f
     block_bytes = max(1, cache.block_size * cfg.kv_bytes_per_token(kv_itemsize))
     slot_bytes = cfg.state_bytes_per_sequence()
     # each swapped sequence needs a slot and at least one block
-    num_slots = min(max_num_seqs, budget // (slot_bytes + block_bytes)) + 1
+    wanted = max_num_seqs + (budget // 2 // max(slot_bytes, 1) if prefix_snapshots and cfg.num_linear_layers else 0)
+    num_slots = min(wanted, budget // (slot_bytes + block_bytes)) + 1
     num_blocks = (budget - (num_slots - 1) * slot_bytes) // block_bytes + 1
     if cfg.num_full_layers == 0:
         num_blocks = cache.num_blocks  # no KV bytes: block bookkeeping mirrors the device pool
@@ -121,6 +124,9 @@ class HostAllocator:
         self.slots = SlotAllocator(num_slots)
         self.block_bytes, self.slot_bytes = block_bytes, slot_bytes
         self.entries: dict[int, HostEntry] = {}  # host slot -> entry
+        # callable(num_blocks, num_slots): the prefix cache gives back host blocks and slots it holds (its demoted
+        # blocks and snapshots) until that many are free, for swapping and offloading (None: no prefix host tier)
+        self.reclaim = None
 
     def entry_bytes(self, num_blocks: int) -> int:
         return num_blocks * self.block_bytes + self.slot_bytes
@@ -134,7 +140,11 @@ class HostAllocator:
         return (self.blocks.capacity - 1) * self.block_bytes + (self.slots.capacity - 1) * self.slot_bytes
 
     def can_hold(self, num_tokens: int) -> bool:
-        return self.slots.can_allocate(1) and self.blocks.can_allocate(self.blocks.blocks_needed(num_tokens))
+        """Whether an entry of `num_tokens` fits (the prefix cache's host blocks and slots give way to it)."""
+        need = self.blocks.blocks_needed(num_tokens)
+        if self.reclaim is not None and not (self.slots.can_allocate(1) and self.blocks.can_allocate(need)):
+            self.reclaim(need, 1)
+        return self.slots.can_allocate(1) and self.blocks.can_allocate(need)
 
     def reserve(self, num_tokens: int) -> HostEntry:
         """Allocates a slot and the blocks for `num_tokens` tokens of KV, bound as one entry."""

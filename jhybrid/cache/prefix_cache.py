@@ -58,7 +58,21 @@ once unheld. The sequence reads its host copy, keeps its state slot, and goes on
 blocks after them. Eviction makes room before offloading does: the scheduler offloads only when the free and
 evictable blocks together are too few.
 
-Not yet: the host tier for cached blocks and snapshots.
+The host tier (`attach_host`: with `host_kv_memory_gb`, the blocks and slots of `jhybrid.cache.host_tier`, shared
+with swapping and offloading). An evicted cached block and an evicted snapshot are *demoted* instead of dropped
+when the host tier has room (taken from its free blocks and slots, else from the host tier's own least recently
+used cached blocks and snapshots): the node stays in the trie with a host location (`host_block`,
+`host_snapshot`), so its descendants stay too. The scheduler's output carries the moves (`TierOps`): the engine
+gathers demoted blocks and slots before the step that reuses them, and stores the data in the host arrays after
+reading the previous step (`flush`, which skips a move whose host block or slot changed hands meanwhile). A lookup
+walks device and host nodes alike; a hit that needs host data (blocks on its path, or a host snapshot) is taken
+when it is deeper than the deepest all-device hit and the cost model (`SwapCostModel`) prices copying its bytes in
+below recomputing the extra tokens. Then the host blocks come back into new device blocks (*promoted*: the node is
+a device node again; the host block is freed at the next step) and a host snapshot is copied straight into the
+sequence's slot (it stays on the host). Two rules keep the data right: a block registered in this step (its data
+is not written yet) or a snapshot taken in it is dropped rather than demoted, and a node demoted in this step is
+not promoted in it (its data reaches the host only after the step). Host blocks and snapshots are reclaimed by
+swapping and offloading when those need room (`reclaim_host`): the cache yields.
 """
 
 from __future__ import annotations
@@ -66,18 +80,49 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from jhybrid.cache.allocator import BlockAllocator
 
+if TYPE_CHECKING:
+    from jhybrid.cache.host_tier import HostAllocator, SwapCostModel
+
 
 class _Node:
-    __slots__ = ("id", "parent", "key", "depth", "block", "snapshot", "children", "alive")
+    __slots__ = ("id", "parent", "key", "depth", "block", "snapshot", "children", "alive", "host_block",
+                 "host_snapshot")
 
     def __init__(self, node_id: int, parent: _Node | None, key: tuple, depth: int, block: int):
-        self.id, self.parent, self.key, self.depth, self.block = node_id, parent, key, depth, block
+        self.id, self.parent, self.key, self.depth = node_id, parent, key, depth
+        self.block: int | None = block  # device KV block (None: demoted, `host_block` holds it)
+        self.host_block: int | None = None
         self.snapshot: int | None = None  # snapshot slot: the state after this node's last token
+        self.host_snapshot: int | None = None  # a host slot holding that state (demoted)
         self.children: set[_Node] = set()
         self.alive = True
+
+    def path(self) -> list[_Node]:
+        """The nodes from the root's child down to this one."""
+        out, n = [], self
+        while n is not None:
+            out.append(n)
+            n = n.parent
+        return out[::-1]
+
+
+@dataclasses.dataclass
+class TierOps:
+    """One step's moves between the device and the host tier, in the order they were decided. Demotions:
+    (device block, host block, node) and (snapshot slot, host slot, node), gathered before the step; promotions:
+    (host block, device block) scattered before the step; host restores: (host slot, sequence slot)."""
+
+    demote_blocks: list[tuple[int, int, _Node]] = dataclasses.field(default_factory=list)
+    demote_snapshots: list[tuple[int, int, _Node]] = dataclasses.field(default_factory=list)
+    promote_blocks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    host_restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.demote_blocks or self.demote_snapshots or self.promote_blocks or self.host_restores)
 
 
 @dataclasses.dataclass
@@ -107,9 +152,15 @@ class PrefixCursor:
 @dataclasses.dataclass(frozen=True)
 class Hit:
     num_tokens: int  # the prefix reused: a multiple of the block size
-    blocks: tuple[int, ...]  # its KV blocks
-    snapshot: int | None  # the state slot to restore (None: the model has no linear state)
+    blocks: tuple[int | None, ...]  # its KV blocks (None: a host block, promoted by `acquire`)
+    snapshot: int | None  # the state slot to restore (None: the model has no linear state, or `host_snapshot`)
     node: _Node
+    host_snapshot: int | None = None  # the host slot to restore from (when `snapshot` is None)
+    fallback: Hit | None = None  # the deepest hit without host data (taken when device blocks run short)
+
+    @property
+    def needs_host(self) -> bool:
+        return self.host_snapshot is not None or None in self.blocks
 
 
 class CachingBlockAllocator(BlockAllocator):
@@ -197,7 +248,7 @@ class PrefixCache:
         if snapshot_interval < 0:
             raise ValueError(f"{snapshot_interval=} must be >= 0 (0: only the last block boundary of a prompt)")
         self.blocks = CachingBlockAllocator(num_blocks, block_size)
-        self.blocks.on_evict = self._kill
+        self.blocks.on_evict = self._evict_block
         self.block_size, self.has_state, self.snapshot_interval = block_size, has_state, snapshot_interval
         self.snapshot_slots = snapshot_slots
         self._snap_free: list[int] = list(snapshot_slots) if has_state else []
@@ -212,6 +263,32 @@ class PrefixCache:
         self.num_hits = 0  # of which found (reused)
         self.num_snapshots_taken = 0
         self.num_restores = 0
+        # the host tier (`attach_host`)
+        self.host: HostAllocator | None = None
+        self.cost: SwapCostModel | None = None
+        self.block_bytes = self.snapshot_bytes = 0
+        self._host_blocks: OrderedDict[int, _Node] = OrderedDict()  # host block -> its node; LRU first
+        self._host_snaps: OrderedDict[int, _Node] = OrderedDict()  # host slot -> its node; LRU first
+        self._fresh_blocks: set[int] = set()  # device blocks registered or promoted this step: never demoted in it
+        self._fresh_snaps: set[int] = set()  # snapshot slots taken this step (copied after it)
+        self._moved_now: set[int] = set()  # node ids whose block was demoted this step
+        self._snaps_moved_now: set[int] = set()  # host slots written by this step's demotions
+        self._host_pinned: set[int] = set()  # host slots restored this step
+        self._host_free_later: list[int] = []  # host blocks of promoted nodes: read this step, freed at the next
+        self.ops = TierOps()
+        self.num_blocks_demoted = self.num_blocks_promoted = 0
+        self.num_snapshots_demoted = self.num_host_restores = 0
+
+    def attach_host(self, host: HostAllocator, cost: SwapCostModel | None, *, snapshot_bytes: int) -> None:
+        """Demote evicted blocks and snapshots to `host` (its blocks and slots); `cost` prices bringing them back
+        against recomputing (None: always bring them back)."""
+        self.host, self.cost = host, cost
+        self.block_bytes, self.snapshot_bytes = host.block_bytes, snapshot_bytes
+        host.reclaim = self.reclaim_host
+
+    def take_ops(self) -> TierOps:
+        ops, self.ops = self.ops, TierOps()
+        return ops
 
     # ----------------------------------------------------------------- counts
     @property
@@ -223,44 +300,101 @@ class PrefixCache:
     def num_cached_blocks(self) -> int:
         return len(self.blocks.cached)
 
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self._host_blocks)
+
+    @property
+    def num_host_snapshots(self) -> int:
+        return len(self._host_snaps)
+
     # ----------------------------------------------------------------- lookup
     def lookup(self, token_ids: list[int], cursor: PrefixCursor | None = None) -> tuple[Hit | None, int]:
         """The deepest usable prefix of `token_ids`, at most `len(token_ids) - 1` tokens (None: none), and how
         many tokens of full blocks matched (with or without a snapshot). `cursor`: the sequence's, whose block
-        tuples are reused."""
+        tuples are reused. A hit that needs host data is returned when it is deeper than the deepest all-device
+        hit (its `fallback`) and bringing its bytes in is priced below recomputing the extra tokens."""
         bs = self.block_size
         n = (len(token_ids) - 1) // bs
         keys = (cursor or PrefixCursor()).block_keys(token_ids, n, bs)
         node, best, path = None, None, []
+        host_bytes = 0  # of the host blocks on the path so far
+        device_best = None
         for i in range(n):
             child = self._children.get((node.id if node else 0, keys[i]))
-            if child is None:
+            if child is None or child.id in self._moved_now:  # (a block demoted in this step: not on the host yet)
                 break
             node = child
             path.append(node.block)
+            if node.block is None:
+                host_bytes += self.block_bytes
             if node.snapshot is not None or not self.has_state:
-                best = Hit((i + 1) * bs, tuple(path), node.snapshot, node)
+                hit, extra = Hit((i + 1) * bs, tuple(path), node.snapshot, node), host_bytes
+            elif node.host_snapshot is not None and node.host_snapshot not in self._snaps_moved_now:
+                hit = Hit((i + 1) * bs, tuple(path), None, node, host_snapshot=node.host_snapshot)
+                extra = host_bytes + self.snapshot_bytes
+            else:
+                continue
+            if not extra:
+                best = device_best = hit
+            elif self._worth_loading(hit.num_tokens - (device_best.num_tokens if device_best else 0), extra):
+                best = hit
+        if best is not None and best is not device_best:
+            best = dataclasses.replace(best, fallback=device_best)
         return best, len(path) * bs
 
-    def acquire(self, hit: Hit) -> list[int]:
-        """Takes a reference on the hit's blocks and pins its snapshot for this step; returns the blocks."""
-        for b in hit.blocks:
+    def _worth_loading(self, num_tokens: int, nbytes: int) -> bool:
+        return self.cost is None or nbytes / self.cost.h2d_bytes_per_s < self.cost.recompute_seconds(num_tokens)
+
+    def acquire(self, hit: Hit) -> tuple[Hit | None, list[int]]:
+        """Takes a reference on the hit's blocks (host ones come back into new device blocks) and pins its
+        snapshot for this step; returns the hit taken (its `fallback` when the device has too few blocks for the
+        host ones; None: no hit) and its device blocks."""
+        nodes = hit.node.path()
+        held = [n.block for n in nodes if n.block is not None]
+        for b in held:
             self.blocks.share(b)
+        promote = [n for n in nodes if n.block is None]
+        if promote:
+            if not self.blocks.can_allocate(len(promote)):
+                self.blocks.free(held)
+                return (self.acquire(hit.fallback) if hit.fallback is not None else (None, []))
+            for n in promote:  # out of the host LRU first: the allocation below may demote into the host tier
+                del self._host_blocks[n.host_block]
+            for n, b in zip(promote, self.blocks.allocate(len(promote)), strict=True):
+                self.ops.promote_blocks.append((n.host_block, b))
+                self._host_free_later.append(n.host_block)
+                n.block, n.host_block = b, None
+                self.blocks.cached[b] = n
+                self._fresh_blocks.add(b)
+                self.num_blocks_promoted += 1
         if hit.snapshot is not None:
             self._pinned.add(hit.snapshot)
             self._snap_lru.move_to_end(hit.snapshot)
             self._snap_kept.add(hit.snapshot)
-        return list(hit.blocks)
+        elif hit.host_snapshot is not None:
+            self._host_pinned.add(hit.host_snapshot)
+            self._host_snaps.move_to_end(hit.host_snapshot)
+        return hit, [n.block for n in nodes]
 
     def count(self, num_prompt: int, hit: Hit | None) -> None:
         """Counts one admission's lookup (metrics)."""
         self.num_queries += num_prompt
         if hit is not None:
             self.num_hits += hit.num_tokens
-            self.num_restores += hit.snapshot is not None
+            self.num_restores += hit.snapshot is not None or hit.host_snapshot is not None
+            self.num_host_restores += hit.host_snapshot is not None
 
     def begin_step(self) -> None:
         self._pinned.clear()
+        self._host_pinned.clear()
+        self._fresh_blocks.clear()
+        self._fresh_snaps.clear()
+        self._moved_now.clear()
+        self._snaps_moved_now.clear()
+        if self._host_free_later:
+            self.host.blocks.free(self._host_free_later)
+            self._host_free_later = []
 
     # ----------------------------------------------------------------- where prefill chunks end
     def cut(self, num_tokens: int, start: int, n: int, branch: int = 0) -> int:
@@ -327,6 +461,7 @@ class PrefixCache:
                 if parent is not None:
                     parent.children.add(node)
                 self.blocks.cached[node.block] = node
+                self._fresh_blocks.add(node.block)
             cursor.node, cursor.num_blocks = node, i + 1
             slot = cursor.pending.pop(i + 1, None)
             if slot is not None:
@@ -359,6 +494,7 @@ class PrefixCache:
             return None
         if keep:
             self._snap_kept.add(slot)
+        self._fresh_snaps.add(slot)
         self.num_snapshots_taken += 1
         if rolling:
             cursor.rolling = slot
@@ -378,8 +514,67 @@ class PrefixCache:
                     del self._snap_lru[slot]
                     self._snap_kept.discard(slot)
                     node.snapshot = None
+                    self._demote_snapshot(node, slot)
                     return slot
         return None
+
+    # ----------------------------------------------------------------- the host tier
+    def _demote_snapshot(self, node: _Node, slot: int) -> None:
+        """`node` loses its device snapshot `slot`: keep the state in a host slot when the tier has one."""
+        if self.host is None or slot in self._fresh_snaps or node.host_snapshot is not None:
+            return
+        if not self.host.slots.num_free:
+            victim = next((s for s in self._host_snaps if s not in self._host_pinned), None)
+            if victim is None:
+                return
+            self._host_snaps.pop(victim).host_snapshot = None
+            self.host.slots.free([victim])
+        (hs,) = self.host.slots.allocate(1)
+        node.host_snapshot = hs
+        self._host_snaps[hs] = node
+        self._snaps_moved_now.add(hs)
+        self.ops.demote_snapshots.append((slot, hs, node))
+        self.num_snapshots_demoted += 1
+
+    def _evict_block(self, node: _Node) -> None:
+        """`CachingBlockAllocator.on_evict`: `node`'s device block is taken for reuse. The node moves to a host
+        block when the tier has one (its descendants stay), else it and its descendants leave the trie."""
+        block = node.block
+        if self.host is not None and block not in self._fresh_blocks:
+            hb = self._take_host_block(node)
+            if not node.alive:  # (cannot happen: the victim is never an ancestor) be safe
+                return
+            if hb is not None:
+                node.block, node.host_block = None, hb
+                self._host_blocks[hb] = node
+                self._moved_now.add(node.id)
+                self.ops.demote_blocks.append((block, hb, node))
+                self.num_blocks_demoted += 1
+                return
+        self._kill(node)
+
+    def _take_host_block(self, node: _Node) -> int | None:
+        """A free host block, else the least recently demoted one's (its node and descendants leave the trie),
+        never one of `node`'s ancestors."""
+        if not self.host.blocks.num_free:
+            ancestors = {id(n) for n in node.path()}
+            victim = next((n for n in self._host_blocks.values() if id(n) not in ancestors), None)
+            if victim is None:
+                return None
+            self._kill(victim)
+        return self.host.blocks.allocate(1)[0]
+
+    def reclaim_host(self, num_blocks: int, num_slots: int) -> None:
+        """Frees host blocks and slots held by the cache (least recently used first) until `num_blocks` blocks
+        and `num_slots` slots are free or the cache holds none it may give (swapping and offloading come first)."""
+        while self.host.blocks.num_free < num_blocks and self._host_blocks:
+            self._kill(next(iter(self._host_blocks.values())))
+        while self.host.slots.num_free < num_slots:
+            victim = next((s for s in self._host_snaps if s not in self._host_pinned), None)
+            if victim is None:
+                break
+            self._host_snaps.pop(victim).host_snapshot = None
+            self.host.slots.free([victim])
 
     def _free_slot(self, slot: int) -> None:
         self._snap_kept.discard(slot)
@@ -415,7 +610,8 @@ class PrefixCache:
 
     # ----------------------------------------------------------------- eviction
     def _kill(self, node: _Node) -> None:
-        """`node`'s block is evicted: it and its descendants leave the trie."""
+        """`node`'s block is evicted (from the device, or from the host tier): it and its descendants leave the
+        trie."""
         stack = [node]
         while stack:
             n = stack.pop()
@@ -429,7 +625,15 @@ class PrefixCache:
                 del self._snap_lru[n.snapshot]
                 self._free_slot(n.snapshot)
                 n.snapshot = None
-            if n is not node:
+            if n.host_snapshot is not None:
+                del self._host_snaps[n.host_snapshot]
+                self.host.slots.free([n.host_snapshot])
+                n.host_snapshot = None
+            if n.host_block is not None:
+                del self._host_blocks[n.host_block]
+                self.host.blocks.free([n.host_block])
+                n.host_block = None
+            elif n is not node:
                 self.blocks.uncache(n.block)
 
     def clear(self) -> None:
@@ -439,8 +643,14 @@ class PrefixCache:
         for n in roots:
             block = n.block
             self._kill(n)
-            self.blocks.uncache(block)
+            if block is not None:
+                self.blocks.uncache(block)
         self._pinned.clear()
+        self._host_pinned.clear()
+        self.ops = TierOps()
+        if self._host_free_later:
+            self.host.blocks.free(self._host_free_later)
+            self._host_free_later = []
 
     def check(self, held: dict[int, int], cursors: list[PrefixCursor] = ()) -> None:
         """Invariants (tests): `held` counts the references sequences hold per block."""
@@ -451,7 +661,17 @@ class PrefixCache:
         assert len(blk._free) + len(blk._used) == blk.capacity - 1
         assert blk._used == set(blk.refs) | set(blk.evictable), "a block is neither free, held nor evictable"
         nodes = list(self._children.values())
-        assert {n.block for n in nodes} == set(blk.cached) and len(nodes) == len(blk.cached)
+        device = [n for n in nodes if n.block is not None]
+        assert {n.block for n in device} == set(blk.cached) and len(device) == len(blk.cached)
+        on_host = [n for n in nodes if n.block is None]
+        assert all(n.host_block is not None for n in on_host), "a node has neither a device nor a host block"
+        assert all(n.host_block is None for n in device), "a node has both a device and a host block"
+        assert {n.host_block: n for n in on_host} == dict(self._host_blocks), "host blocks and their nodes disagree"
+        assert {n.host_snapshot: n for n in nodes if n.host_snapshot is not None} == dict(self._host_snaps)
+        if self.host is not None:
+            mine = set(self._host_blocks) | set(self._host_free_later)
+            assert mine <= self.host.blocks._used, "a cached host block is not allocated"
+            assert set(self._host_snaps) <= self.host.slots._used, "a host snapshot slot is not allocated"
         attached = {n.snapshot for n in nodes if n.snapshot is not None}
         assert attached == set(self._snap_lru)
         pending = [s for c in cursors for s in c.pending.values()]

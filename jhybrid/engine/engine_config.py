@@ -71,7 +71,8 @@ class EngineConfig:
         "(measured on the H200 in benchmarks/RESULTS.md, sessions 16-17)", metavar="N", none="the step's whole budget")
     seed: int = _option(0, "seed of requests that give none", metavar="N")
     host_kv_memory_gb: float = _option(
-        0.0, "host memory (GiB) for the KV blocks and state slots of preempted sequences; 0: no host tier",
+        0.0, "host memory (GiB) for the KV blocks and state slots of preempted sequences (and, with prefix caching, "
+        "for the cache's blocks and snapshots evicted from the device); 0: no host tier",
         metavar="G", group="host memory tier")
     preemption_mode: str = _option(
         "auto", "what a preempted sequence does: swap to the host tier (whenever it has room), recompute its tokens "

@@ -17,7 +17,9 @@ they are taken back (`Matcher.undo`), so preemption and failures leave it where 
 With `host_kv_memory_gb > 0` a host tier (`jhybrid.cache.host_tier`) holds the KV and state of preempted
 sequences (`jhybrid.engine.swap`); `preemption_mode` picks swap or recompute ("auto": by the cost model,
 whose host-device bandwidth and prefill rate are measured at start unless given as
-`swap_bandwidth_gbps` / `prefill_tokens_per_s`).
+`swap_bandwidth_gbps` / `prefill_tokens_per_s`). With prefix caching on as well, the cache's evicted blocks and
+snapshots go to the same host tier and come back on a hit where the cost model says so
+(`jhybrid.engine.prefix_tier`).
 
 `kv_offload` (needs the host tier; default "off"): running decode sequences may keep their oldest KV
 blocks in the host tier instead of being preempted (`jhybrid.engine.offload`); their attention over those
@@ -48,6 +50,7 @@ from jhybrid.engine.sampling import SamplingParams, bad_words_token_ids
 from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
 from jhybrid.engine.slot_tables import ban_rows
+from jhybrid.engine.prefix_tier import PrefixTierMover
 from jhybrid.engine.swap import Swapper, check_transfer, measure_prefill_rate, measure_transfer_bandwidth
 from jhybrid.engine.offload import HostAttention, Offloader, OffloadStats
 from jhybrid.model_loader import quantize
@@ -140,6 +143,10 @@ class LLMEngine:
         kv_offload = config.kv_offload
         self.host, self.swapper, self.cost_model = self._host_tier(
             config, max_num_batched_tokens, needs_cost=kv_offload != "off" and config.offload_policy == "cost")
+        self.prefix_mover = None  # the prefix cache's demotions to and promotions from the host tier
+        if self.prefix_cache is not None and self.host is not None:
+            self.prefix_cache.attach_host(self.host, self.cost_model, snapshot_bytes=self.host.slot_bytes)
+            self.prefix_mover = PrefixTierMover(self.host)
         self.host_attn = self.offloader = None
         if kv_offload != "off":
             import os
@@ -205,6 +212,8 @@ class LLMEngine:
             for key in grid:
                 self.runner.warm(key)
             self.runner.warm_slot_programs()
+            if self.prefix_mover is not None:
+                self.runner.state = self.prefix_mover.warm(self.runner.state)
         self.runner.seal()
         if self.tokenizer is not None:  # the grammar library's view of the tokenizer (seconds at 150k tokens)
             try:
@@ -228,7 +237,8 @@ class LLMEngine:
         if not host_kv_memory_gb:
             return None, None, None
         host = HostTier(self.model.cfg, plan_host_tier(self.model.cfg, self.cache, host_kv_memory_gb=host_kv_memory_gb,
-                                                        max_num_seqs=config.max_num_seqs))
+                                                        max_num_seqs=config.max_num_seqs,
+                                                        prefix_snapshots=config.enable_prefix_caching))
         cost = None
         if mode == "auto" or needs_cost:
             if config.swap_bandwidth_gbps is not None:
@@ -372,7 +382,12 @@ class LLMEngine:
             self.num_preemptions += len(sched.preempted)
             if sched.swap_out:  # gather before anything below reuses the pages and slots
                 self.swapper.swap_out(self.runner.state, sched.swap_out)
-            if sched.offload:  # likewise: the blocks are reused from the next step on
+            if sched.tier is not None:  # prefix-cache blocks and snapshots demoted to the host: likewise
+                self.prefix_mover.demote(self.runner.state, sched.tier)
+                # host blocks back into device blocks, host snapshots into the slots of hits (before the step,
+                # and before an offload below gathers a promoted block)
+                self.runner.state = self.prefix_mover.promote(self.runner.state, sched.tier)
+            if sched.offload:  # the blocks are reused from the next step on
                 self.offloader.dispatch(self.runner.state, sched.offload)
             if sched.rows:
                 self.runner.zero_slots(sched.new_slots)
@@ -392,6 +407,8 @@ class LLMEngine:
         self._prev = current
         if self.swapper is not None:
             self.swapper.flush()  # the previous step is read, so swap-out data has (nearly) arrived
+        if self.prefix_mover is not None:
+            self.prefix_mover.flush()  # likewise the prefix cache's demotions
         if self.offloader is not None:
             self.offloader.flush()  # before the next schedule() commits these offloads
         timing["num_steps"] += 1
@@ -430,7 +447,13 @@ class LLMEngine:
                    prefix_snapshots_held=pc.num_snapshots if pc else 0,
                    prefix_snapshots_total=len(pc.snapshot_slots) if pc and pc.has_state else 0,
                    prefix_snapshots_taken=pc.num_snapshots_taken if pc else 0,
-                   prefix_cached_blocks=pc.num_cached_blocks if pc else 0)
+                   prefix_cached_blocks=pc.num_cached_blocks if pc else 0,
+                   prefix_host_blocks=pc.num_host_blocks if pc else 0,
+                   prefix_host_snapshots=pc.num_host_snapshots if pc else 0,
+                   prefix_blocks_demoted=pc.num_blocks_demoted if pc else 0,
+                   prefix_blocks_promoted=pc.num_blocks_promoted if pc else 0,
+                   prefix_snapshots_demoted=pc.num_snapshots_demoted if pc else 0,
+                   prefix_host_restores=pc.num_host_restores if pc else 0)
         if self.host is not None:
             st = self.swapper.stats
             out.update(
@@ -653,9 +676,9 @@ class LLMEngine:
         if sched.prefix is not None:  # what the failed step wrote is unknown
             sched.prefix.clear()
         try:
-            for part in (self.swapper, self.offloader):
+            for part in (self.swapper, self.offloader, self.prefix_mover):
                 if part is not None:
-                    part.flush()  # released host entries are skipped
+                    part.flush()  # released host entries (and the cleared cache's moves) are skipped
             import jax
 
             try:  # a program call queued behind the failed one (a slot program) raises the same error again
@@ -706,7 +729,7 @@ class LLMEngine:
             return []
         prev, self._prev = self._prev, None
         updated = self._read(prev)  # a failure of the next step then cannot be blamed on the parked sequence
-        for part in (self.swapper, self.offloader):
+        for part in (self.swapper, self.offloader, self.prefix_mover):
             if part is not None:
                 part.flush()
         return updated

@@ -55,7 +55,7 @@ from collections.abc import Callable
 
 from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
 from jhybrid.cache.host_tier import HostAllocator, HostEntry, SwapCostModel
-from jhybrid.cache.prefix_cache import PrefixCache
+from jhybrid.cache.prefix_cache import PrefixCache, TierOps
 from jhybrid.engine.sequence import Sequence, Status
 
 
@@ -98,6 +98,9 @@ class SchedulerOutput:
     # (sequence slot, snapshot slot) to copy after it
     restores: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     snapshots: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # the prefix cache's moves to and from the host tier (`TierOps`: demotions gathered before the step, then
+    # promoted blocks and host snapshots written before it); None: nothing to move
+    tier: TierOps | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -351,6 +354,8 @@ class Scheduler:
                 swap_in.append(SwapOp(seq, seq.block_table[: len(entry.blocks)], seq.slot, entry))
             elif hit is not None and hit.snapshot is not None:
                 restores.append((hit.snapshot, seq.slot))  # every row of the slot is overwritten: not zeroed
+            elif hit is not None and hit.host_snapshot is not None:
+                self.prefix.ops.host_restores.append((hit.host_snapshot, seq.slot))  # from the host: not zeroed
             else:
                 new_slots.append(seq.slot)
             if self.prefix is not None and entry is None:
@@ -369,7 +374,9 @@ class Scheduler:
                 row.seq.num_pending += 1
         offload = self._plan_offload(rows) if self.kv_offload != "off" else []
         snapshots = self._register(rows) if self.prefix is not None else []
-        return SchedulerOutput(rows, preempted, new_slots, swap_out, swap_in, offload, restores, snapshots)
+        tier = self.prefix.take_ops() if self.prefix is not None and self.prefix.host is not None else None
+        return SchedulerOutput(rows, preempted, new_slots, swap_out, swap_in, offload, restores, snapshots,
+                               tier or None)
 
     # ----------------------------------------------------------------- prefix caching
     def _lookup(self, seq: Sequence):
@@ -383,7 +390,8 @@ class Scheduler:
         # KV matched deeper than the deepest snapshot: snapshot there this time, for the next request
         seq.prefix.branch = matched if matched > (hit.num_tokens if hit else 0) else 0
         if hit is not None:
-            seq.block_table = self.prefix.acquire(hit)
+            hit, seq.block_table = self.prefix.acquire(hit)  # (its fallback when host blocks cannot come back)
+        if hit is not None:
             seq.num_computed = hit.num_tokens
             self.prefix.start_from(seq.prefix, hit)
         return hit
@@ -478,6 +486,8 @@ class Scheduler:
             if full > 0:
                 candidates.append((full, seq))
         candidates.sort(key=lambda c: -c[0])  # longest device-resident part first
+        if candidates and self.host.reclaim is not None:  # the prefix cache's host blocks give way
+            self.host.reclaim(deficit, 0)
         for full, seq in candidates:
             if deficit <= 0:
                 break

@@ -25,6 +25,8 @@ Names follow vLLM's with a `jhybrid:` prefix, so dashboards carry over:
 | `jhybrid:offload_copy_bytes_total` | counter | `kv_offload="copy"`: host blocks copied to the device |
 | `jhybrid:prefix_cache_queries_total`, `jhybrid:prefix_cache_hits_total` | counter | prefix caching: prompt tokens looked up at admission / found in the cache (vLLM's names) |
 | `jhybrid:prefix_cache_snapshots_held` / `_total`, `jhybrid:prefix_cache_cached_blocks` | gauge | prefix caching: state snapshots held (of the pool), KV blocks indexed by content |
+| `jhybrid:prefix_cache_host_blocks`, `jhybrid:prefix_cache_host_snapshots` | gauge | prefix caching with a host tier: cached blocks and snapshots held in host memory |
+| `jhybrid:prefix_cache_host_blocks_demoted_total` / `_promoted_total`, `jhybrid:prefix_cache_host_snapshots_demoted_total`, `jhybrid:prefix_cache_host_restores_total` | counter | prefix caching with a host tier: blocks and snapshots moved there on eviction, blocks brought back and states restored from there by hits |
 | `jhybrid:output_delivery_seconds{stage}` | histogram | a step's outputs on their way to the streams: `engine_to_server` (the engine loop's emit -> the server process's receiver: pickling, the pipe, the receiver's wait for the GIL), `server_queue` (the receiver -> the event loop running the hand-off to each stream) |
 | `jhybrid:event_loop_lag_seconds` | histogram | how late the event loop runs a timer it set 5 ms ahead: the longest it leaves streams unserved |
 | `jhybrid:request_success_total{finished_reason}` | counter | finished requests: stop, length, abort, error |
@@ -135,6 +137,14 @@ class EngineMetrics:
             "prefix_cache_queries": counter("jhybrid:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache at admission."),
             "prefix_cache_hits": counter("jhybrid:prefix_cache_hits", "Prompt tokens found in the prefix cache (reused)."),
+            "prefix_blocks_demoted": counter("jhybrid:prefix_cache_host_blocks_demoted",
+                                             "Cached KV blocks moved to the host tier when evicted from the device."),
+            "prefix_blocks_promoted": counter("jhybrid:prefix_cache_host_blocks_promoted",
+                                              "Cached KV blocks brought back from the host tier by a hit."),
+            "prefix_snapshots_demoted": counter("jhybrid:prefix_cache_host_snapshots_demoted",
+                                                "State snapshots moved to the host tier when evicted from the device."),
+            "prefix_host_restores": counter("jhybrid:prefix_cache_host_restores",
+                                            "Hits whose state was restored from a snapshot in the host tier."),
         }
         steps = Counter("jhybrid:offload_steps", "Steps with host-KV rows (host) or without (plain).",
                         ["model_name", "path"], registry=r)
@@ -153,6 +163,9 @@ class EngineMetrics:
                                            "Linear-state snapshots held by the prefix cache."),
             "prefix_snapshots_total": gauge("jhybrid:prefix_cache_snapshots_total", "Snapshot slots of the prefix cache."),
             "prefix_cached_blocks": gauge("jhybrid:prefix_cache_cached_blocks", "KV blocks indexed by the prefix cache."),
+            "prefix_host_blocks": gauge("jhybrid:prefix_cache_host_blocks", "Cached KV blocks held in the host tier."),
+            "prefix_host_snapshots": gauge("jhybrid:prefix_cache_host_snapshots",
+                                           "State snapshots of the prefix cache held in the host tier."),
             "host_schedule_seconds": gauge("jhybrid:engine_host_schedule_seconds_total",
                                            "Engine-thread seconds spent scheduling steps."),
             "host_prepare_seconds": gauge("jhybrid:engine_host_prepare_seconds_total",
