@@ -515,6 +515,5 @@ def test_fixed_interleaving_hits_preempts_and_evicts(gdn, mode):
     assert hits > 0 and snapshots > SMALL["prefix_snapshot_slots"], (hits, preemptions, snapshots)
     assert preemptions > 0 or mode == "offload", preemptions
     if mode == "swap":  # the host tier also takes the cache's evictions, and hits bring them back
-        moved = [stats[k] for k in ("prefix_blocks_demoted", "prefix_blocks_promoted", "prefix_snapshots_demoted",
-                                    "prefix_host_restores")]
+        moved = [stats[k] for k in ("prefix_blocks_demoted", "prefix_blocks_promoted")]
         assert min(moved) > 0, moved

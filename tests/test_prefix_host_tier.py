@@ -13,6 +13,8 @@ How the tests were checked to fail (each change made by hand, the file run, the 
     `test_a_block_demoted_this_step_is_not_offered_until_the_next` fails;
   * `PrefixTierMover.flush` writing a move whose node lost its host block (the ownership check dropped):
     `test_flush_skips_a_move_whose_host_block_changed_hands` fails;
+  * `PrefixCache._take_snapshot_slot` demoting every evicted snapshot (not only those known to be shared):
+    `test_a_snapshot_not_known_to_be_shared_is_dropped_not_demoted` fails;
   * `HostAllocator.can_hold` without calling `reclaim`: `test_swapping_reclaims_the_cache_s_host_blocks` fails;
   * `LLMEngine.step` dispatching offloads (`kv_offload`) before the promotions (an offload then gathers a block
     just promoted before its data is written): `test_prefix_cache`'s fixed interleaving in "offload" mode fails
@@ -43,13 +45,13 @@ def _tiered(num_blocks=5, snapshots=range(4, 5), host_blocks=9, host_slots=4, co
     return pc, host
 
 
-def _computed(pc: PrefixCache, tokens_: list[int]) -> list[int]:
-    """A sequence computes `tokens_` in one step (blocks registered, a snapshot at its end) and finishes; the
-    next step begins. Returns its blocks (now cached and unreferenced)."""
+def _computed(pc: PrefixCache, tokens_: list[int], shared: bool = True) -> list[int]:
+    """A sequence computes `tokens_` in one step (blocks registered, a snapshot at its end, known to be shared
+    unless `shared=False`) and finishes; the next step begins. Returns its blocks (now cached and unreferenced)."""
     cursor = PrefixCursor()
     table = pc.blocks.allocate(-(-len(tokens_) // BS))
     pc.register(cursor, tokens_, table, len(tokens_))
-    pc.snapshot(cursor, len(tokens_) // BS, rolling=False)
+    pc.snapshot(cursor, len(tokens_) // BS, rolling=False, keep=shared)
     pc.release(cursor, tokens_, table, len(tokens_))
     pc.blocks.free(table)
     pc.begin_step()
@@ -104,6 +106,14 @@ def test_an_evicted_snapshot_moves_to_a_host_slot_and_is_restored_from_there():
     pc.count(9, hit)
     assert pc.num_host_restores == 1 and pc.num_restores == 1
     pc.check({b_: 1 for b_ in blocks})
+
+
+def test_a_snapshot_not_known_to_be_shared_is_dropped_not_demoted():
+    """A prompt's own end or chunk end, never restored: not worth the bytes of a host copy."""
+    pc, host = _tiered(num_blocks=9)
+    _computed(pc, list(range(8)), shared=False)
+    _computed(pc, list(range(100, 108)))
+    assert pc.take_ops().demote_snapshots == [] and pc.num_host_snapshots == 0 and host.slots.num_used == 0
 
 
 def test_a_block_registered_this_step_is_dropped_not_demoted():
@@ -182,6 +192,7 @@ def test_flush_skips_a_move_whose_host_block_changed_hands():
         k = (np.zeros((9, BS, 1, 2), np.float32),)
         v = (np.zeros((9, BS, 1, 2), np.float32),)
         conv = ssm = ()
+        block_bytes, slot_bytes = 64, 0
 
     pc, host = _tiered()
     _computed(pc, list(range(8)))
@@ -203,9 +214,9 @@ def test_flush_skips_a_move_whose_host_block_changed_hands():
 
 # ----------------------------------------------------------------------------------------- engines
 
-# 10 usable device blocks and 2 snapshot slots, so that two 90-token fillers evict the first prompt's blocks and
+# 10 usable device blocks and one snapshot slot, so that two 88-token fillers evict the first prompt's blocks and
 # snapshot; a host tier (recompute preemption: no cost model, host data is always loaded)
-TIERED = FAMILY_ENGINE | dict(enable_prefix_caching=True, prefix_snapshot_slots=2, host_kv_memory_gb=0.01,
+TIERED = FAMILY_ENGINE | dict(enable_prefix_caching=True, prefix_snapshot_slots=1, host_kv_memory_gb=0.01,
                               preemption_mode="recompute")
 
 
@@ -218,20 +229,22 @@ def model(request, tmp_path_factory):
 
 
 def test_a_prefix_evicted_to_the_host_is_a_hit_equal_to_no_cache(model):
-    """A prompt's blocks and snapshot are pushed off the device by two long prompts; the next prompt with its
-    prefix resumes from the host copies (blocks promoted, the state restored from a host slot) and generates
-    exactly what it generates without the cache."""
+    """Two prompts share a prefix (the second restores the first's snapshot: known to be shared); their blocks and
+    that snapshot are pushed off the device by two long prompts; a third prompt with the prefix resumes from the
+    host copies (blocks promoted, the state restored from a host slot) and generates exactly what it generates
+    without the cache."""
     name, loaded = model
     shared = tokens(1, 40)
-    first, second = shared + tokens(3, 5), shared + tokens(4, 7)
-    want = LLM(loaded, **FAMILY_ENGINE).generate([second], params())[0]
+    first, third = shared + tokens(3, 5), shared + tokens(4, 7)
+    want = LLM(loaded, **FAMILY_ENGINE).generate([third], params())[0]
     llm = LLM(loaded, **TIERED)
-    llm.generate([first], params())
+    llm.generate([first], params(2))  # (its decode stays short of the next block boundary: no decode snapshot)
+    assert llm.generate([shared + tokens(5, 3)], params(2))[0].num_cached_tokens == 32
     for seed in (20, 21):
         llm.generate([tokens(seed, 88)], params(2))
     stats = llm.engine.stats()
     assert stats["prefix_blocks_demoted"] >= 2 and stats["prefix_snapshots_demoted"] >= 1, stats
-    (out,) = llm.generate([second], params())
+    (out,) = llm.generate([third], params())
     stats = llm.engine.stats()
     assert out.num_cached_tokens == 32, f"{name}: reused {out.num_cached_tokens} tokens, not 32"
     assert stats["prefix_blocks_promoted"] >= 2 and stats["prefix_host_restores"] == 1, stats

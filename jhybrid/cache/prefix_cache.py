@@ -61,7 +61,9 @@ evictable blocks together are too few.
 The host tier (`attach_host`: with `host_kv_memory_gb`, the blocks and slots of `jhybrid.cache.host_tier`, shared
 with swapping and offloading). An evicted cached block and an evicted snapshot are *demoted* instead of dropped
 when the host tier has room (taken from its free blocks and slots, else from the host tier's own least recently
-used cached blocks and snapshots): the node stays in the trie with a host location (`host_block`,
+used cached blocks and snapshots; a snapshot only when it is known to be shared, i.e. restored once or taken where
+prompts branch: the others, chunk ends and prompt ends, were 3/4 of the bytes moved on the H200 for ~3% of the
+hits, benchmarks/RESULTS.md, session 24): the node stays in the trie with a host location (`host_block`,
 `host_snapshot`), so its descendants stay too. The scheduler's output carries the moves (`TierOps`): the engine
 gathers demoted blocks and slots before the step that reuses them, and stores the data in the host arrays after
 reading the previous step (`flush`, which skips a move whose host block or slot changed hands meanwhile). A lookup
@@ -514,7 +516,8 @@ class PrefixCache:
                     del self._snap_lru[slot]
                     self._snap_kept.discard(slot)
                     node.snapshot = None
-                    self._demote_snapshot(node, slot)
+                    if kept:  # only a snapshot known to be shared is worth its bytes in the host tier
+                        self._demote_snapshot(node, slot)
                     return slot
         return None
 

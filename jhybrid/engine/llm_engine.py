@@ -454,6 +454,10 @@ class LLMEngine:
                    prefix_blocks_promoted=pc.num_blocks_promoted if pc else 0,
                    prefix_snapshots_demoted=pc.num_snapshots_demoted if pc else 0,
                    prefix_host_restores=pc.num_host_restores if pc else 0)
+        mover = self.prefix_mover
+        out.update(prefix_host_bytes_out=mover.bytes_out if mover else 0, prefix_host_bytes_in=mover.bytes_in if mover else 0,
+                   prefix_host_seconds_out=mover.seconds_out if mover else 0.0,
+                   prefix_host_seconds_in=mover.seconds_in if mover else 0.0)
         if self.host is not None:
             st = self.swapper.stats
             out.update(

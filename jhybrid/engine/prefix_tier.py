@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import numpy as np
@@ -93,15 +94,20 @@ class PrefixTierMover:
         self.host = host
         self.has_kv, self.has_state = bool(host.k), bool(host.conv)
         self._pending: list[tuple[str, list, tuple]] = []  # ("blocks" | "rows", the ops of a piece, device data)
+        # engine-thread seconds and bytes: demotions (gather dispatch + flush) and promotions (read + scatter dispatch)
+        self.seconds_out = self.seconds_in = 0.0
+        self.bytes_out = self.bytes_in = 0
 
     def demote(self, state: HybridState, ops: TierOps) -> None:
         """Gathers the demoted blocks and snapshot rows (reading `state` as it stands) and starts their copies."""
+        t0 = time.perf_counter()
         if self.has_kv:
             for ids, piece in _pieces(ops.demote_blocks, 0):
                 self._start("blocks", piece, gather_blocks(state, ids))
         if self.has_state:
             for ids, piece in _pieces(ops.demote_snapshots, 0):
                 self._start("rows", piece, gather_rows(state, ids))
+        self.seconds_out += time.perf_counter() - t0
 
     def _start(self, kind: str, piece: list, data) -> None:
         for leaf in jax.tree.leaves(data):
@@ -111,23 +117,33 @@ class PrefixTierMover:
     def flush(self) -> None:
         """Stores the arrived demotions in the host arrays (waits for them), in the order they were decided; a move
         whose node no longer owns its host block or slot is skipped."""
+        if not self._pending:
+            return
+        t0 = time.perf_counter()
         host = self.host
         for kind, piece, (a, b) in self._pending:
-            a, b = [np.asarray(x) for x in a], [np.asarray(x) for x in b]
-            for row, (_, dst, node) in enumerate(piece):
-                if kind == "blocks" and node.alive and node.host_block == dst:
-                    for pool, x in zip(host.k + host.v, a + b, strict=True):
-                        pool[dst] = x[row]
-                elif kind == "rows" and node.alive and node.host_snapshot == dst:
-                    for pool, x in zip(host.conv + host.ssm, a + b, strict=True):
-                        pool[dst] = x[row]
+            if kind == "blocks":
+                keep = [(row, dst) for row, (_, dst, node) in enumerate(piece) if node.alive and node.host_block == dst]
+                pools = host.k + host.v
+            else:
+                keep = [(row, dst) for row, (_, dst, node) in enumerate(piece)
+                        if node.alive and node.host_snapshot == dst]
+                pools = host.conv + host.ssm
+            if keep:
+                rows, dsts = (list(x) for x in zip(*keep, strict=True))
+                for pool, x in zip(pools, (*a, *b), strict=True):
+                    pool[dsts] = np.asarray(x)[rows]
+                self.bytes_out += len(rows) * (host.block_bytes if kind == "blocks" else host.slot_bytes)
         self._pending.clear()
+        self.seconds_out += time.perf_counter() - t0
 
     def promote(self, state: HybridState, ops: TierOps) -> HybridState:
         """Writes promoted host blocks into their device blocks and host snapshots into sequence slots."""
         if not (ops.promote_blocks or ops.host_restores):
             return state
+        t0 = time.perf_counter()
         host = self.host  # (their data arrived in an earlier step's flush: nothing pending writes these rows)
+        self.bytes_in += len(ops.promote_blocks) * host.block_bytes + len(ops.host_restores) * host.slot_bytes
         if self.has_kv:
             for ids, piece in _pieces(ops.promote_blocks, 1):
                 src = [op[0] for op in piece]
@@ -140,6 +156,7 @@ class PrefixTierMover:
                 conv = tuple(_padded(pool, src, len(ids)) for pool in host.conv)
                 ssm = tuple(_padded(pool, src, len(ids)) for pool in host.ssm)
                 state = scatter_rows(state, ids, conv, ssm)
+        self.seconds_in += time.perf_counter() - t0
         return state
 
     def warm(self, state: HybridState) -> HybridState:
