@@ -3,16 +3,18 @@ snapshots evicted from the device move to the host tier instead of being dropped
 back, exactly.
 
 How the tests were checked to fail (each change made by hand, the file run, the change undone; never committed):
-  * `PrefixTierMover.promote` without its `scatter_blocks` call (promoted device blocks keep stale KV), or without
-    its `scatter_rows` call (a slot restored from a host snapshot keeps stale state): the engine cases fail by
+  * `PrefixTierMover.promote` without bringing the blocks back (`_bring("b", ...)`: promoted device blocks keep
+    stale KV), or without bringing the snapshots back (`_bring("s", ...)`: a slot restored from a host snapshot
+    keeps stale state): the engine cases fail by
     other tokens or log-probabilities (and so does `test_prefix_cache`'s fixed interleaving in "swap" mode, whose
     host tier now also holds the cache's evictions);
   * `PrefixCache._evict_block` demoting a block registered in the same step (`block not in self._fresh_blocks`
     dropped): `test_a_block_registered_this_step_is_dropped_not_demoted` fails;
   * `PrefixCache.lookup` offering a node demoted in the same step (the `_moved_now` check dropped):
     `test_a_block_demoted_this_step_is_not_offered_until_the_next` fails;
-  * `PrefixTierMover.flush` writing a move whose node lost its host block (the ownership check dropped):
-    `test_flush_skips_a_move_whose_host_block_changed_hands` fails;
+  * `PrefixTierMover._keep` not recording where a host block's data is when the block is demoted into again
+    (the first demotion's location kept): `test_a_promotion_reads_the_data_its_node_was_demoted_with` fails, as it
+    does with `sweep` keeping every piece;
   * `PrefixCache._take_snapshot_slot` demoting every evicted snapshot (not only those known to be shared):
     `test_a_snapshot_not_known_to_be_shared_is_dropped_not_demoted` fails;
   * `HostAllocator.can_hold` without calling `reclaim`: `test_swapping_reclaims_the_cache_s_host_blocks` fails;
@@ -183,33 +185,53 @@ def test_swapping_reclaims_the_cache_s_host_blocks():
     pc.check({})
 
 
-def test_flush_skips_a_move_whose_host_block_changed_hands():
-    """A demoted block's host block given to a swap entry (reclaimed) before its data arrives is not written."""
+def test_a_promotion_reads_the_data_its_node_was_demoted_with():
+    """The mover keeps each demotion's rows in pinned host memory and finds a host block's data by the demotion
+    that last wrote it: after a node is dropped and its host block takes another demotion, a promotion from that
+    block brings the new data, and one from the other block the old; pieces no node needs are swept."""
     jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from jhybrid.cache.state import HybridState
     from jhybrid.engine.prefix_tier import PrefixTierMover
 
-    class Host:  # the arrays of a host tier with one full layer and no linear layer
-        k = (np.zeros((9, BS, 1, 2), np.float32),)
-        v = (np.zeros((9, BS, 1, 2), np.float32),)
-        conv = ssm = ()
+    class Host:  # a host tier of one full layer and no linear layer (the mover reads only these)
+        k, conv = (np.zeros(1),), ()
         block_bytes, slot_bytes = 64, 0
 
-    pc, host = _tiered()
-    _computed(pc, list(range(8)))
-    pc.blocks.allocate(4)
-    ops = pc.take_ops()
-    mover = PrefixTierMover(Host)
-    pages = jax.numpy.ones((5, BS, 1, 2), jax.numpy.float32)
-    from jhybrid.cache.state import HybridState
+    def pages(values):
+        return jnp.asarray(np.asarray(values, np.float32)[:, None, None, None] * np.ones((1, BS, 1, 2), np.float32))
 
-    state = HybridState(k_pages=(pages,), v_pages=(pages * 2,), conv=(), ssm=())
+    pc, host = _tiered(host_blocks=3)  # two host blocks: a freed one is the next taken
+    mover = PrefixTierMover(Host)
+    a, b = list(range(8)), list(range(50, 54))
+    _computed(pc, a)
+    state = HybridState(k_pages=(pages([0, 1, 2, 3, 4]),), v_pages=(pages([0, -1, -2, -3, -4]),), conv=(), ssm=())
+    pc.blocks.free(pc.blocks.allocate(4))
+    ops = pc.take_ops()  # a's two blocks (device 1 and 2, deepest first) go to the host
     mover.demote(state, ops)
-    lost, kept = ops.demote_blocks  # (deepest first) the parent stays the cache's; the child's host block is taken
-    pc._kill(lost[2])
-    host.blocks.allocate(1)  # (a swap entry's block)
-    mover.flush()
-    assert Host.k[0][kept[1]].min() == 1.0 and Host.v[0][kept[1]].min() == 2.0
-    assert Host.k[0][lost[1]].max() == 0.0, "a move whose node is gone was written"
+    (_, hb_child, child), (_, hb_parent, parent) = ops.demote_blocks
+    pc.begin_step()
+    pc._kill(child)  # (the cache drops the deeper block; its host block is free again)
+    _computed(pc, b)
+    state = HybridState(k_pages=(pages([0, 9, 9, 9, 9]),), v_pages=(pages([0, -9, -9, -9, -9]),), conv=(), ssm=())
+    pc.blocks.free(pc.blocks.allocate(4))  # b's block takes the freed host block
+    ops = pc.take_ops()
+    mover.demote(state, ops)
+    ((_, hb_b, node_b),) = ops.demote_blocks
+    assert hb_b == hb_child
+    pc.begin_step()
+    mover.sweep()
+    assert mover.num_pieces == 2, "each piece still holds a live row"
+    state = HybridState(k_pages=(pages([0, 7, 7, 7, 7]),), v_pages=(pages([0, 7, 7, 7, 7]),), conv=(), ssm=())
+    from jhybrid.cache.prefix_cache import TierOps
+
+    state = mover.promote(state, TierOps(promote_blocks=[(hb_parent, 3), (hb_b, 4)]))
+    k, v = np.asarray(state.k_pages[0])[:, 0, 0, 0], np.asarray(state.v_pages[0])[:, 0, 0, 0]
+    assert k[1:].tolist() == [7, 7, 1, 9] and v[1:].tolist() == [7, 7, -1, -9], (k, v)  # (page 0: padding)
+    pc._kill(parent)
+    pc._kill(node_b)
+    mover.sweep()
+    assert mover.num_pieces == 0, "pieces whose rows no node needs are dropped"
 
 
 # ----------------------------------------------------------------------------------------- engines

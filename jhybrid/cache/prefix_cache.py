@@ -65,15 +65,15 @@ used cached blocks and snapshots; a snapshot only when it is known to be shared,
 prompts branch: the others, chunk ends and prompt ends, were 3/4 of the bytes moved on the H200 for ~3% of the
 hits, benchmarks/RESULTS.md, session 24): the node stays in the trie with a host location (`host_block`,
 `host_snapshot`), so its descendants stay too. The scheduler's output carries the moves (`TierOps`): the engine
-gathers demoted blocks and slots before the step that reuses them, and stores the data in the host arrays after
-reading the previous step (`flush`, which skips a move whose host block or slot changed hands meanwhile). A lookup
+gathers demoted blocks and slots before the step that reuses them into pinned host memory, and remembers which
+demotion holds each host block's and slot's data (`jhybrid.engine.prefix_tier`). A lookup
 walks device and host nodes alike; a hit that needs host data (blocks on its path, or a host snapshot) is taken
 when it is deeper than the deepest all-device hit and the cost model (`SwapCostModel`) prices copying its bytes in
 below recomputing the extra tokens. Then the host blocks come back into new device blocks (*promoted*: the node is
 a device node again; the host block is freed at the next step) and a host snapshot is copied straight into the
 sequence's slot (it stays on the host). Two rules keep the data right: a block registered in this step (its data
 is not written yet) or a snapshot taken in it is dropped rather than demoted, and a node demoted in this step is
-not promoted in it (its data reaches the host only after the step). Host blocks and snapshots are reclaimed by
+not promoted in it (its move is being decided in this very step). Host blocks and snapshots are reclaimed by
 swapping and offloading when those need room (`reclaim_host`): the cache yields.
 """
 
