@@ -69,14 +69,23 @@ def run(llm: LLM, work, abort_at: dict[int, int]) -> dict[str, list[int]]:
     return {rid: (s.finish_reason, s.output_ids) for rid, s in seqs.items()}
 
 
-def test_after_warmup_a_random_mixed_workload_compiles_nothing(model):
+# a host tier with swap preemption and the prefix cache's host tier: their programs are warmed too (before,
+# each swap size and `jnp.asarray`'s staging of the swap's block ids compiled at the first swap, after ready)
+TIERED = dict(host_kv_memory_gb=0.01, preemption_mode="swap", enable_prefix_caching=True)
+
+
+@pytest.mark.parametrize("extra", [{}, pytest.param(TIERED, id="host-tier")])
+def test_after_warmup_a_random_mixed_workload_compiles_nothing(model, extra):
     """`warmup=True` compiles every step program (and the slot programs) at start; then a random workload —
     prompt and output lengths, greedy and sampled requests, top-k / top-p, log-probabilities, logit bias,
     penalties, min_p, allowed tokens, min_tokens, aborts, preemptions — compiles nothing: JAX's own compile event never fires (this counts every XLA
     compilation in the process, whatever function caused it). Its tokens equal those of an engine that
-    compiled on demand. Checked to fail: with `warmup=False` the watch counts the workload's compiles."""
+    compiled on demand. Checked to fail: with `warmup=False` the watch counts the workload's compiles; in the
+    host-tier case (swaps and the prefix cache's moves to and from the host) also with `warm_swap_programs` not
+    called, with the prefix tier's `warm` not called, and with the swaps' block ids passed through `jnp.asarray`
+    again."""
     jax.clear_caches()  # an earlier test of this process may have compiled these shapes: warm-up must compile them
-    warm = LLM(model, **ENGINE, warmup=True)
+    warm = LLM(model, **ENGINE, **extra, warmup=True)
     stats = warm.engine.stats()
     grid = warm.engine.runner.program_grid(4, 128)
     assert grid == [(False, 64, 4), (False, 128, 4), (True, 4, 4)]  # one decode bucket, two mixed: sampling is
@@ -87,9 +96,12 @@ def test_after_warmup_a_random_mixed_workload_compiles_nothing(model):
     with CompileWatch() as watch:
         got = run(warm, work, aborts)
         assert warm.engine.num_preemptions > 0, "the pool was meant to be small enough to preempt"
-    assert watch.count == 0, f"{watch.count} programs compiled after warm-up"
-    assert warm.engine.stats()["programs_compiled_after_ready"] == 0
-    cold = LLM(model, **ENGINE)
+    assert watch.count == 0, f"{watch.count} programs compiled after warm-up: {watch.names}"
+    stats = warm.engine.stats()
+    assert stats["programs_compiled_after_ready"] == 0
+    if extra:
+        assert stats["num_swap_out"] > 0 and stats["num_swap_in"] > 0, "the workload was meant to swap"
+    cold = LLM(model, **ENGINE, **extra)
     assert got == run(cold, work, aborts)
 
 

@@ -51,7 +51,7 @@ from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
 from jhybrid.engine.slot_tables import ban_rows
 from jhybrid.engine.prefix_tier import PrefixTierMover
-from jhybrid.engine.swap import Swapper, check_transfer, measure_prefill_rate, measure_transfer_bandwidth
+from jhybrid.engine.swap import Swapper, warm_swap_programs, check_transfer, measure_prefill_rate, measure_transfer_bandwidth
 from jhybrid.engine.offload import HostAttention, Offloader, OffloadStats
 from jhybrid.model_loader import quantize
 
@@ -214,6 +214,9 @@ class LLMEngine:
             self.runner.warm_slot_programs()
             if self.prefix_mover is not None:
                 self.runner.state = self.prefix_mover.warm(self.runner.state)
+            if self.swapper is not None and self.scheduler.preemption_mode != "recompute":
+                self.runner.state = warm_swap_programs(self.swapper, self.runner.state,
+                                                       self.blocks.blocks_needed(self.max_model_len))
         self.runner.seal()
         if self.tokenizer is not None:  # the grammar library's view of the tokenizer (seconds at 150k tokens)
             try:

@@ -29,7 +29,6 @@ import functools
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
@@ -135,7 +134,7 @@ class Swapper:
             n = len(op.device_blocks)
             ids = np.zeros(_pow2(n), np.int32)
             ids[:n] = op.device_blocks
-            data = gather_sequence(state, jnp.asarray(ids), jnp.int32(op.device_slot))
+            data = gather_sequence(state, ids, np.int32(op.device_slot))
             if self.transfer == "pinned":
                 self._resident[op.entry.slot] = (op.entry, _to_pinned(data))
             else:
@@ -176,12 +175,28 @@ class Swapper:
                 k, v, conv, ssm = self.host.read(op.entry.slot, op.entry.blocks, pad_to=_pow2(n))
             ids = np.zeros(_pow2(n), np.int32)
             ids[:n] = op.device_blocks
-            state = scatter_sequence(state, jnp.asarray(ids), jnp.int32(op.device_slot), k, v, conv, ssm)
+            state = scatter_sequence(state, ids, np.int32(op.device_slot), k, v, conv, ssm)
             self.host.release(op.entry.slot)
             self.stats.num_swap_in += 1
             self.stats.bytes_in += self.host.entry_bytes(n)
         self.stats.seconds_in += time.perf_counter() - t0
         return state
+
+
+def warm_swap_programs(swapper: Swapper, state: HybridState, max_blocks: int) -> HybridState:
+    """Compiles the swap gather and scatter for every padded block count up to `max_blocks` (a sequence's most
+    blocks), run on the null page and slot only (padding reads and writes them anyway), with the data in the form
+    a swap in passes it (NumPy arrays from the host tier, or pinned arrays put back on the device); returns the
+    state. Without it the first swap of each size compiled on the request path."""
+    n = 1
+    while True:
+        ids, slot = np.zeros(n, np.int32), np.int32(0)  # (as swaps pass them: NumPy, no device staging)
+        data = gather_sequence(state, ids, slot)
+        data = _to_device(_to_pinned(data)) if swapper.transfer == "pinned" else jax.device_get(data)
+        state = scatter_sequence(state, ids, slot, *data)
+        if n >= max_blocks:
+            return jax.block_until_ready(state)
+        n *= 2
 
 
 def measure_transfer_bandwidth(nbytes: int = 16 << 20, repeats: int = 3, transfer: str = "pageable") -> tuple[float, float]:
