@@ -115,8 +115,9 @@ class PrefixTierMover:
         self.host = host
         self.has_kv, self.has_state = bool(host.k), bool(host.conv)
         self._pieces: dict[int, tuple] = {}  # piece id -> its pinned arrays ((k, v) or (conv, ssm))
-        self._where: dict[tuple[str, int], tuple[int, int, object]] = {}  # ("b", host block) | ("s", host slot) ->
-        self._ids = 0  # (piece id, row, node) of the data demoted into it last
+        # ("b", host block) or ("s", host slot) -> (piece id, row, node) of the demotion that last wrote it
+        self._where: dict[tuple[str, int], tuple[int, int, object]] = {}
+        self._ids = 0  # the last piece id
         self._since_sweep = 0
         self._compiled: dict[tuple[str, int], object] = {}  # (program, rows) -> compiled program
         # engine-thread seconds and bytes: demotions (gather + copy dispatch) and promotions (copy + scatter dispatch)
