@@ -160,10 +160,6 @@ class Hit:
     host_snapshot: int | None = None  # the host slot to restore from (when `snapshot` is None)
     fallback: Hit | None = None  # the deepest hit without host data (taken when device blocks run short)
 
-    @property
-    def needs_host(self) -> bool:
-        return self.host_snapshot is not None or None in self.blocks
-
 
 class CachingBlockAllocator(BlockAllocator):
     """`BlockAllocator` with reference counts and cached blocks. `num_free` counts the never-cached free blocks
@@ -394,9 +390,7 @@ class PrefixCache:
         self._fresh_snaps.clear()
         self._moved_now.clear()
         self._snaps_moved_now.clear()
-        if self._host_free_later:
-            self.host.blocks.free(self._host_free_later)
-            self._host_free_later = []
+        self._free_promoted_host_blocks()
 
     # ----------------------------------------------------------------- where prefill chunks end
     def cut(self, num_tokens: int, start: int, n: int, branch: int = 0) -> int:
@@ -526,12 +520,8 @@ class PrefixCache:
         """`node` loses its device snapshot `slot`: keep the state in a host slot when the tier has one."""
         if self.host is None or slot in self._fresh_snaps or node.host_snapshot is not None:
             return
-        if not self.host.slots.num_free:
-            victim = next((s for s in self._host_snaps if s not in self._host_pinned), None)
-            if victim is None:
-                return
-            self._host_snaps.pop(victim).host_snapshot = None
-            self.host.slots.free([victim])
+        if not self.host.slots.num_free and not self._drop_host_snapshot():
+            return
         (hs,) = self.host.slots.allocate(1)
         node.host_snapshot = hs
         self._host_snaps[hs] = node
@@ -572,12 +562,23 @@ class PrefixCache:
         and `num_slots` slots are free or the cache holds none it may give (swapping and offloading come first)."""
         while self.host.blocks.num_free < num_blocks and self._host_blocks:
             self._kill(next(iter(self._host_blocks.values())))
-        while self.host.slots.num_free < num_slots:
-            victim = next((s for s in self._host_snaps if s not in self._host_pinned), None)
-            if victim is None:
-                break
-            self._host_snaps.pop(victim).host_snapshot = None
-            self.host.slots.free([victim])
+        while self.host.slots.num_free < num_slots and self._drop_host_snapshot():
+            pass
+
+    def _drop_host_snapshot(self) -> bool:
+        """Frees the least recently used host snapshot not restored this step (False: none)."""
+        victim = next((s for s in self._host_snaps if s not in self._host_pinned), None)
+        if victim is None:
+            return False
+        self._host_snaps.pop(victim).host_snapshot = None
+        self.host.slots.free([victim])
+        return True
+
+    def _free_promoted_host_blocks(self) -> None:
+        """The host blocks of nodes promoted in the last step: read by then, free now."""
+        if self._host_free_later:
+            self.host.blocks.free(self._host_free_later)
+            self._host_free_later = []
 
     def _free_slot(self, slot: int) -> None:
         self._snap_kept.discard(slot)
@@ -651,9 +652,7 @@ class PrefixCache:
         self._pinned.clear()
         self._host_pinned.clear()
         self.ops = TierOps()
-        if self._host_free_later:
-            self.host.blocks.free(self._host_free_later)
-            self._host_free_later = []
+        self._free_promoted_host_blocks()
 
     def check(self, held: dict[int, int], cursors: list[PrefixCursor] = ()) -> None:
         """Invariants (tests): `held` counts the references sequences hold per block."""

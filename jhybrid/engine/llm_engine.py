@@ -51,7 +51,8 @@ from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
 from jhybrid.engine.slot_tables import ban_rows
 from jhybrid.engine.prefix_tier import PrefixTierMover
-from jhybrid.engine.swap import Swapper, warm_swap_programs, check_transfer, measure_prefill_rate, measure_transfer_bandwidth
+from jhybrid.engine.swap import (Swapper, check_transfer, measure_prefill_rate, measure_transfer_bandwidth,
+                                 warm_swap_programs)
 from jhybrid.engine.offload import HostAttention, Offloader, OffloadStats
 from jhybrid.model_loader import quantize
 

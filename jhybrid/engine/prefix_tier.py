@@ -35,6 +35,8 @@ from jaxtyping import Array, Int
 from jhybrid.cache.host_tier import HostTier
 from jhybrid.cache.prefix_cache import TierOps
 from jhybrid.cache.state import HybridState
+from jhybrid.engine.offload import gather_blocks
+from jhybrid.engine.swap import _to_pinned
 
 MAX_ROWS = 64  # the largest padded index list of one call
 SWEEP_EVERY = 4096  # rows demoted between two sweeps of the pieces
@@ -63,12 +65,6 @@ def _pieces(ops: list[tuple], column: int) -> list[tuple[np.ndarray, list[tuple]
 
 
 @jax.jit
-def gather_blocks(state: HybridState, ids: Int[Array, "N"]):
-    """`(k, v)`: every full layer's pages `ids`, `[N, BS, KVH, hd]` each."""
-    return tuple(k[ids] for k in state.k_pages), tuple(v[ids] for v in state.v_pages)
-
-
-@jax.jit
 def gather_rows(state: HybridState, ids: Int[Array, "N"]):
     """`(conv, ssm)`: every linear layer's state rows `ids`."""
     return tuple(c[ids] for c in state.conv), tuple(s[ids] for s in state.ssm)
@@ -94,11 +90,6 @@ def scatter_rows_from(state: HybridState, data, src: Int[Array, "N"], dst: Int[A
         conv=tuple(c.at[dst].set(x[src]) for c, x in zip(state.conv, conv, strict=True)),
         ssm=tuple(s.at[dst].set(x[src]) for s, x in zip(state.ssm, ssm, strict=True)),
     )
-
-
-def _to_pinned(data):
-    """Starts the copy of device arrays into page-locked host memory (same sharding)."""
-    return jax.device_put(data, jax.tree.map(lambda x: x.sharding.with_memory_kind("pinned_host"), data))
 
 
 def _to_device(data, like):
