@@ -3,8 +3,8 @@ chat, each against `jhybrid serve`'s app with the cache off and on, in one run.
 
     PYTHONPATH=. python -m benchmarks.prefix_serve [--json out.json]               # the issue's sizes
     PYTHONPATH=. python -m benchmarks.prefix_serve --tiny --json /tmp/ps.json      # CPU smoke test
-    PYTHONPATH=. python -m benchmarks.prefix_serve --only shared --order shuffled --cache all \
-        --num-kv-blocks 4000 --snapshot-slots 16 --host-gb 24   # a device cache too small: the host tier
+    PYTHONPATH=. python -m benchmarks.prefix_serve --only shared --order shuffled --cache all --groups 20 \\
+        --num-kv-blocks 5000 --snapshot-slots 12 --host-gb 16   # a device cache too small: the host tier
 
 The model is the 2.2 B Qwen3-Next-shaped dense hybrid of benchmarks/generate.py (Gated DeltaNet + full
 attention, its 151,936-token vocabulary, random bf16 weights made on the device); prompts are token ids, so no
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num-kv-blocks", type=int, help="device KV blocks (default: the memory plan's)")
     parser.add_argument("--snapshot-slots", type=int, help="device snapshot slots (default: the memory plan's)")
     parser.add_argument("--host-gb", type=float, default=0.0,
-                        help="host tier GiB for the settings 'tier' (and 'on', if given with --host-on)")
+                        help="host tier GiB of the setting 'tier'")
     parser.add_argument("--cache", choices=["off", "on", "both", "tier", "all"], default="both",
                         help="the servers to run (default both: the comparison)")
     parser.add_argument("--order", choices=["group", "shuffled"], default="group",
