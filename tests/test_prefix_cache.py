@@ -17,6 +17,10 @@ never committed):
     invariant check and `test_eviction_*` fail;
   * `Scheduler` not cutting the prefill at the snapshot point (`PrefixCache.cut` returning `n`): no snapshot
     is taken inside a prompt, so the `num_cached_tokens` assertions fail (no hit).
+  * snapshots folded into the step program (`STEP_SNAPSHOT_SHARE`): `engine_step` without its
+    `copy_rows(state, ...)` (the pairs it took in are never copied), and `ModelRunner.execute` without the
+    `copy_slots` of the pairs beyond them (the snapshots of a step with more pairs than its program takes): each
+    fails the engine cases (session 25).
 """
 
 from __future__ import annotations
@@ -242,6 +246,35 @@ def test_planner_sizes_the_snapshot_pool_and_lets_cached_blocks_fill_the_budget(
     assert fixed.num_blocks == 40 and fixed.num_snapshot_slots == 10
 
 
+def test_two_starts_whose_allocations_differ_a_little_plan_the_same_pools(monkeypatch):
+    """With prefix caching the pools fill the free memory the device reports, and their shapes are in every step
+    program's cache key: free bytes are rounded down to `PLAN_GRANULE`, so two starts a few megabytes apart plan
+    the same pools (on the H200 a restart with the cache on compiled again: benchmarks/RESULTS.md, session 25).
+    Checked to fail: without the rounding the two free figures, and the pools, differ."""
+    import jax
+
+    from jhybrid.cache import planner
+    from jhybrid.config import ModelConfig
+    from tests.hf_models import _COMMON, _LINEAR
+
+    class Device:
+        def __init__(self, in_use):
+            self.in_use = in_use
+
+        def memory_stats(self):
+            return {"bytes_limit": 140 << 30, "bytes_in_use": self.in_use}
+
+    cfg = ModelConfig.from_hf(dict(_COMMON, **_LINEAR, model_type="qwen3_5_text"))
+    plans = []
+    for in_use in ((5 << 30) + (3 << 20), (5 << 30) + (41 << 20)):  # 3 MB and 41 MB past 5 GiB
+        monkeypatch.setattr(jax, "local_devices", lambda in_use=in_use: [Device(in_use)])
+        free = planner.device_memory_bytes()
+        assert free == (135 << 30) - planner.PLAN_GRANULE  # 134.99 and 134.96 GiB free: 134.75
+        plans.append(planner.plan_cache(cfg, max_num_seqs=4, max_model_len=64, block_size=BS, kv_dtype="float32",
+                                        memory_fraction=0.5, num_snapshot_slots=None, prefix_caching=True))
+    assert plans[0] == plans[1]
+
+
 def test_snapshot_pool_is_lru_and_skips_pinned():
     pc = _cache(num_blocks=17, snapshots=range(4, 6))  # two snapshot slots
     seqs = [[k * 100 + i for i in range(8)] for k in range(3)]
@@ -341,6 +374,28 @@ def test_next_turn_resumes_from_the_finished_sequence(model):
     (out,) = llm.generate([second], params())
     assert out.num_cached_tokens == 48, f"{name}: reused {out.num_cached_tokens} tokens, not 48"
     assert_exact(f"{name} next turn", out, LLM(loaded, **ENGINE).generate([second], params())[0])
+
+
+def test_rolling_snapshots_beyond_the_step_programs_room_are_skipped_oldest_first(model):
+    """Three sequences decode in lockstep, so each block boundary brings three rolling snapshots in one step. The
+    decode program of their 4-row bucket takes in one (`STEP_SNAPSHOT_SHARE` 0.125), so the scheduler takes one,
+    for the sequence whose last one lies furthest behind, and skips two: at 48 the first row's, at 64 one of the
+    two without any. So the next turns resume at 48, at 64, and at the prompt's cut at 32, and stay exact.
+    Checked to fail: with no budget (every rolling snapshot taken) the skip count is 0 and the next turns reuse
+    64 tokens each; without the oldest-first order one sequence takes both and the reuse is {64, 32, 32}."""
+    name, loaded = model
+    firsts = [tokens(20 + i, 40) for i in range(3)]
+    llm = LLM(loaded, **CACHED | dict(prefix_snapshot_slots=8, max_num_batched_tokens=128))  # prefilled together
+    assert llm.engine.runner.step_snapshots(4) == 1
+    outs = llm.generate(firsts, params(25))  # 40 + 24 fed tokens: boundaries at 48 and 64 in lockstep
+    assert llm.engine.stats()["prefix_rolling_snapshots_skipped"] == 4
+    seconds = [first + out.token_ids + tokens(30 + i, 6) for i, (first, out) in enumerate(zip(firsts, outs))]
+    reused = []
+    for i, second in enumerate(seconds):
+        (out,) = llm.generate([second], params())
+        reused.append(out.num_cached_tokens)
+        assert_exact(f"{name} turn {i}", out, LLM(loaded, **ENGINE).generate([second], params())[0])
+    assert sorted(reused) == [32, 48, 64], f"{name}: the next turns reused {reused} tokens"
 
 
 def test_shared_system_prompt_snapshots_at_the_branch(model):

@@ -14,12 +14,16 @@ from jhybrid.cache.state import CacheConfig
 from jhybrid.config import ModelConfig
 
 _CPU_FALLBACK_BYTES = 4 << 30  # a CPU backend reports no memory limit: plan for 4 GiB
+# Free memory is rounded down to this, so that two starts of one server plan the same pool whatever few megabytes
+# their allocations differ by: the pool's shape is in every step program's cache key, and a pool a few blocks
+# larger made a restart with the compilation cache compile every program again (benchmarks/RESULTS.md, "Session 25")
+PLAN_GRANULE = 256 << 20
 
 
 def device_memory_bytes() -> int:
-    """Free memory of one of this process's devices. In a multi-process job every process must plan the same
-    pool (the same shapes, so the same programs and collectives), so the smallest figure of all processes is
-    returned there."""
+    """Free memory of one of this process's devices, rounded down to `PLAN_GRANULE`. In a multi-process job every
+    process must plan the same pool (the same shapes, so the same programs and collectives), so the smallest figure
+    of all processes is returned there."""
     stats = jax.local_devices()[0].memory_stats() or {}  # jax.devices()[0] may belong to another process
     if "bytes_limit" in stats:
         free = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
@@ -34,7 +38,7 @@ def device_memory_bytes() -> int:
         from jax.experimental import multihost_utils
 
         free = int(np.min(multihost_utils.process_allgather(np.int64(free))))
-    return free
+    return free // PLAN_GRANULE * PLAN_GRANULE if free >= 4 * PLAN_GRANULE else free
 
 
 def plan_cache(

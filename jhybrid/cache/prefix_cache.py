@@ -131,13 +131,14 @@ class TierOps:
 class PrefixCursor:
     """A sequence's place in the trie: the node of its last registered block (None: the root) and how many of
     its blocks are registered; `pending`: depth (in blocks) -> snapshot slot taken but not attached yet;
-    `rolling`: its latest decode snapshot (replaced by the next)."""
+    `rolling`: its latest decode snapshot (replaced by the next), taken after `rolling_depth` blocks."""
 
     node: _Node | None = None
     num_blocks: int = 0
     pending: dict[int, int] = dataclasses.field(default_factory=dict)
     rolling: int | None = None
     rolling_node: _Node | None = None  # where `rolling` is attached (None: pending)
+    rolling_depth: int = 0  # blocks: where its latest decode snapshot was taken (0: none yet)
     branch: int = 0  # tokens: also snapshot here (the deepest boundary a lookup matched KV without a snapshot)
     stopped: bool = False  # its chain went through a node that died: register nothing more
     keys: list[tuple] = dataclasses.field(default_factory=list)  # the token tuples of its full blocks so far
@@ -493,7 +494,7 @@ class PrefixCache:
         self._fresh_snaps.add(slot)
         self.num_snapshots_taken += 1
         if rolling:
-            cursor.rolling = slot
+            cursor.rolling, cursor.rolling_depth = slot, depth
         if node is not None:
             self._attach(node, slot, cursor)
         else:

@@ -91,13 +91,19 @@ def zero_slots(state: HybridState, slot_ids: Int[Array, "N"]) -> HybridState:
     )
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def copy_slots(state: HybridState, src: Int[Array, "N"], dst: Int[Array, "N"]) -> HybridState:
-    """Copies the linear-layer state (conv and recurrent, every layer) of state rows `src` into rows `dst`
-    (prefix-cache snapshots and restores). Padding pairs are (0, 0): the null slot onto itself. No row may be
-    both a source and a destination of one call."""
+def copy_rows(state: HybridState, src: Int[Array, "N"], dst: Int[Array, "N"]) -> HybridState:
+    """Copies the linear-layer state (conv and recurrent, every layer) of state rows `src` into rows `dst`. A pair
+    whose `dst` lies past the last state row is dropped (the padding of the snapshot pairs a step program takes
+    in, `jhybrid.engine.runner.engine_step`). No row may be both a source and a destination of one call."""
     return dataclasses.replace(
         state,
-        conv=tuple(c.at[dst].set(c[src]) for c in state.conv),
-        ssm=tuple(s.at[dst].set(s[src]) for s in state.ssm),
+        conv=tuple(c.at[dst].set(c[src], mode="drop") for c in state.conv),
+        ssm=tuple(s.at[dst].set(s[src], mode="drop") for s in state.ssm),
     )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def copy_slots(state: HybridState, src: Int[Array, "N"], dst: Int[Array, "N"]) -> HybridState:
+    """`copy_rows` as a program of its own (prefix-cache restores, and the snapshots a step program did not take
+    in). Padding pairs are (0, 0): the null slot onto itself."""
+    return copy_rows(state, src, dst)

@@ -165,7 +165,8 @@ class LLMEngine:
                                    offload_policy=config.offload_policy,
                                    max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
                                    prefix_cache=self.prefix_cache,
-                                   token_bucket=lambda n: self.runner.buckets(False, 1, n)[1])
+                                   token_bucket=lambda n: self.runner.buckets(False, 1, n)[1],
+                                   snapshot_budget=self._snapshot_budget if self.runner.step_snapshot_share else None)
         self.requests: dict[Any, Sequence] = {}
         self.grammars = None  # GrammarCache, made with the first structured-output request (or by warmup())
         self._grammar_waiting: list[tuple[Sequence, Any]] = []  # (sequence, future of its compiled grammar)
@@ -327,6 +328,12 @@ class LLMEngine:
             return str(e)
         return None
 
+    def _snapshot_budget(self, decode: bool, num_rows: int, num_tokens: int) -> int:
+        """The prefix-cache snapshots the program of such a step takes in itself (the scheduler's budget of rolling
+        snapshots). A sealed runner may run the step in a larger program, which takes in as many or more."""
+        rows = self.runner.buckets(decode, num_rows, num_tokens)[0]
+        return self.runner.step_snapshots(rows)
+
     def _admit_compiled(self) -> list[Sequence]:
         """Queues the sequences whose grammar compiled (or fails them); returns those that failed. With nothing else
         to run, waits a little for a compile rather than spinning."""
@@ -399,9 +406,9 @@ class LLMEngine:
                     self.runner.copy_slots(sched.restores)
                 if sched.swap_in:
                     self.runner.state = self.swapper.swap_in(self.runner.state, sched.swap_in)
+                # rows that end at a snapshot point have their state copied after the step (most of them by the
+                # step program itself: `ModelRunner.execute`)
                 current = self.runner.execute(sched, self._prev)
-                if sched.snapshots:  # rows that ended at a snapshot point: copy their state (after the step)
-                    self.runner.copy_slots(sched.snapshots)
             t2 = time.perf_counter()
             timing["host_prepare_seconds"] += t2 - t1
         if self._prev is not None:
@@ -451,6 +458,7 @@ class LLMEngine:
                    prefix_snapshots_held=pc.num_snapshots if pc else 0,
                    prefix_snapshots_total=len(pc.snapshot_slots) if pc and pc.has_state else 0,
                    prefix_snapshots_taken=pc.num_snapshots_taken if pc else 0,
+                   prefix_rolling_snapshots_skipped=self.scheduler.num_rolling_snapshots_skipped,
                    prefix_cached_blocks=pc.num_cached_blocks if pc else 0,
                    prefix_host_blocks=pc.num_host_blocks if pc else 0,
                    prefix_host_snapshots=pc.num_host_snapshots if pc else 0,

@@ -9,8 +9,8 @@ Rows whose last fed token was sampled by the previous step (not yet read on the 
 step's device output (`token_src`), so step n+1 is dispatched before step n's tokens reach the host. The call
 of the step program runs on a dispatch thread of the runner (`dispatch_thread`, on the GPU), so the engine reads
 step n and schedules step n+2 while it launches; `state`, `drain()` and `StepResult`'s outputs wait for that call.
-The state programs between steps (zeroing new slots, prefix-cache snapshot copies and restores) are queued on
-the same thread behind it (`_state_op`).
+The state programs between steps (zeroing new slots, prefix-cache restores, and the snapshot copies a step
+program did not take in itself: `STEP_SNAPSHOT_SHARE`) are queued on the same thread behind it (`_state_op`).
 
 Programs. Sampling settings are runtime arrays (`jhybrid.engine.sampling`), so a step's program depends only
 on its shape: decode steps bucket their rows (powers of two from 4), mixed (prefill) steps carry `max_rows`
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 import weakref
@@ -51,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhybrid.cache.state import CacheConfig, HybridState, copy_slots, init_state, zero_slots
+from jhybrid.cache.state import CacheConfig, HybridState, copy_rows, copy_slots, init_state, zero_slots
 from jhybrid.config import ModelConfig
 from jhybrid.engine.heap import freeze_startup_heap
 from jhybrid.engine.sampling import (FLAG_PENALTIES, MAX_BAN_TOKENS, SamplingArrays, SamplingParams, SlotTables,
@@ -67,6 +68,14 @@ log = logging.getLogger("jhybrid.engine")
 MIN_ROWS = 4  # smallest row bucket
 MIN_MIXED_TOKENS = 64  # smallest token bucket of a mixed (prefill) step
 SPLIT_COMPILE_THREAD = "jhybrid-split-compile"  # the thread that compiles split-step programs in the background
+# With prefix caching, a step program copies up to ceil(rows x this) of its rows' state into snapshot slots after
+# its forward (the pairs ride in its packed metadata), so the snapshots a step takes need no program call of their
+# own (a `copy_slots` call cost ~1 ms of the dispatch thread per step at 64 rows on the H200); a prompt's snapshots
+# beyond them go to `copy_slots`, a decode row's rolling ones beyond them are skipped (`Scheduler._register`). A
+# padding pair still moves a row (~75 MB read and written for the 2.2 B model), so the share is what decode rows
+# need on average: each snapshots once every `block_size` (16) tokens. 0: every snapshot is a `copy_slots` call,
+# none skipped (benchmarks/RESULTS.md, "Session 25"). JHYBRID_STEP_SNAPSHOTS sets it.
+STEP_SNAPSHOT_SHARE = float(os.environ.get("JHYBRID_STEP_SNAPSHOTS", "0.0625"))
 
 # the packed metadata: (name, length as a function of T, B, M); float fields travel bit-cast to int32
 _FIELDS = (
@@ -109,9 +118,14 @@ def _unpack(meta: jax.Array, t: int, b: int, m: int) -> dict[str, jax.Array]:
     return out
 
 
-def meta_size(layout: tuple[int, int, int]) -> int:
-    """Length of the packed metadata of `layout = (T, B, M)`."""
-    return sum(size(*layout) for _, size in _FIELDS)
+def meta_size(layout: tuple[int, int, int], snaps: int = 0) -> int:
+    """Length of the packed metadata of `layout = (T, B, M)`, with `snaps` snapshot pairs after the fields."""
+    return sum(size(*layout) for _, size in _FIELDS) + 2 * snaps
+
+
+def step_snapshot_rows(num_rows: int, share: float) -> int:
+    """The snapshot pairs a step program of `num_rows` rows takes in (`STEP_SNAPSHOT_SHARE`)."""
+    return 0 if share <= 0 else min(num_rows, max(1, math.ceil(num_rows * share)))
 
 
 def _step_inputs(meta: jax.Array, prev_out: jax.Array, history: TokenHistory, layout: tuple[int, int, int]):
@@ -157,14 +171,14 @@ def _sample_packed(logits, sampling: SamplingArrays, tables: SlotTables, history
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "layout", "decode", "max_rows", "mesh", "host_layout", "host_attn"),
+    static_argnames=("cfg", "layout", "decode", "max_rows", "mesh", "host_layout", "host_attn", "snaps"),
     donate_argnames=("state", "history"),
 )
 def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array,
                 tables: SlotTables, history: TokenHistory, host_meta: jax.Array | None = None, stage=None,
                 plp_meta: jax.Array | None = None, token_mask: jax.Array | None = None, *,
                 layout: tuple[int, int, int], decode: bool, max_rows: int, mesh=None,
-                host_layout: tuple[int, int] | None = None, host_attn=None):
+                host_layout: tuple[int, int] | None = None, host_attn=None, snaps: int = 0):
     """One step. `meta` is the packed int32 metadata of `layout = (T, B, M)`; `prev_out [2, R]` the previous
     step's output (row 0: its sampled tokens); `tables` the per-slot sampling tables and `history` (donated) the
     per-slot token history, to which the step adds the tokens it feeds (rows with penalties). Returns (`[2, R]`
@@ -177,7 +191,10 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
 
     Offloaded attention (`host_attn`: the engine's `HostAttention`, static, by identity): `host_layout` is
     None for a step without host-KV rows, `(0,)` for "cpu" (`host_meta [1]`: the step's registered id) and
-    `(MH,)` for "copy" (`host_meta [B * MH]`: staging block tables; `stage`: the staging arrays)."""
+    `(MH,)` for "copy" (`host_meta [B * MH]`: staging block tables; `stage`: the staging arrays).
+
+    `snaps`: prefix-cache snapshots taken after the forward, `copy_rows(state, src, dst)` with `src` and `dst` the
+    `snaps` ints each that follow the fields in `meta` (pairs with `dst` past the last state row are padding)."""
     f, batch, sampling, history = _step_inputs(meta, prev_out, history, layout)
     num_tokens = layout[0]
     host = None
@@ -203,6 +220,9 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
         logits, state = forward(cfg, params, state, batch, decode=decode, mesh=mesh, host_attention=host)
     if mesh is not None:  # sample on the gathered logits; keep the state in its shards
         logits, state = parallel.replicated(logits, mesh), parallel.constrain_state(state, cfg, mesh)
+    if snaps:
+        pairs = meta[meta_size(layout) : meta_size(layout, snaps)]
+        state = copy_rows(state, pairs[:snaps], pairs[snaps:])
     packed, top_lp, top_ids = _sample_packed(logits, sampling, tables, history, token_mask, max_rows, mesh)
     if plp_meta is None:
         return packed, top_lp, top_ids, state, history
@@ -319,6 +339,10 @@ class ModelRunner:
         if self.mesh is not None:
             params = parallel.shard_params(cfg, params, self.mesh)
         self.cfg, self.params, self.cache = cfg, params, cache
+        # prefix-cache snapshots folded into the step programs (`STEP_SNAPSHOT_SHARE`), read once: the programs'
+        # shapes depend on it
+        self.step_snapshot_share = STEP_SNAPSHOT_SHARE if cache.num_snapshot_slots else 0.0
+        self._folded = 0  # the snapshot pairs the step just dispatched took in
         self._state = init_state(cfg, cache) if self.mesh is None else parallel.init_sharded_state(cfg, cache, self.mesh)
         self.max_blocks = -(-max_model_len // cache.block_size)
         self.max_model_len = max_model_len
@@ -471,7 +495,21 @@ class ModelRunner:
         num_tokens, num_rows = min(fits)
         return num_rows, num_tokens
 
+    def step_snapshots(self, num_rows: int) -> int:
+        """How many snapshot pairs the step program of `num_rows` rows takes in."""
+        return step_snapshot_rows(num_rows, self.step_snapshot_share)
+
     def execute(self, sched: SchedulerOutput, prev: StepResult | None) -> StepResult:
+        """Dispatches the step, then the prefix-cache snapshots after it (`sched.snapshots`): the step program takes
+        in up to `step_snapshots(rows)` of them, `copy_slots` the rest (and all of them for a split step or one
+        with host-KV rows)."""
+        self._folded = 0
+        result = self._execute(sched, prev)
+        if len(sched.snapshots) > self._folded:
+            self.copy_slots(sched.snapshots[self._folded :])
+        return result
+
+    def _execute(self, sched: SchedulerOutput, prev: StepResult | None) -> StepResult:
         rows = sched.rows
         num_real = len(rows)
         plp_wanted = _prompt_logprob_rows(rows)
@@ -600,6 +638,15 @@ class ModelRunner:
             if split:
                 return self._dispatch_forward(sched, masked, layout, meta, prev_out, want_logprobs.any())
             program = self._program(decode, num_tokens, num_rows, plp)
+            snaps = self.step_snapshots(num_rows)
+            if snaps:  # the first `snaps` snapshot pairs ride in the metadata; padding: a destination past the rows
+                pairs = np.full((2, snaps), self.cache.num_state_rows, np.int32)
+                pairs[0] = 0
+                taken = sched.snapshots[:snaps]
+                if taken:
+                    pairs[:, : len(taken)] = np.array(taken, np.int32).T
+                meta = np.concatenate([meta, pairs.ravel()])
+                self._folded = len(taken)
             args = (self.params, self._state, meta, prev_out, keeper.tables, keeper.history)
             kwargs = dict(plp_args, token_mask=token_mask)
             name = f"{'decode' if decode else 'mixed'}:{num_tokens}:{num_rows}{':plp' if plp else ''}"
@@ -780,12 +827,13 @@ class ModelRunner:
     def _step_args(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
         """engine_step's arguments for bucket (decode, num_tokens, num_rows, plp): (args, kwargs)."""
         layout = (num_tokens, num_rows, self.max_blocks)
-        meta = jax.ShapeDtypeStruct((meta_size(layout),), jnp.int32)
+        snaps = self.step_snapshots(num_rows)
+        meta = jax.ShapeDtypeStruct((meta_size(layout, snaps),), jnp.int32)
         extra = dict(plp_meta=jax.ShapeDtypeStruct((num_tokens + 1,), jnp.int32)) if plp else {}
         extra["token_mask"] = jax.ShapeDtypeStruct((num_rows, bitmask_width(self.cfg.vocab_size)), jnp.int32)
         return ((self.cfg, self.params, self.state, meta, self._no_prev, self.slot_tables.tables,
                  self.slot_tables.history),
-                dict(**extra, layout=layout, decode=decode, max_rows=self.max_rows, mesh=self.mesh))
+                dict(**extra, layout=layout, decode=decode, max_rows=self.max_rows, mesh=self.mesh, snaps=snaps))
 
     def _lower(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
         args, kwargs = self._step_args(decode, num_tokens, num_rows, plp)

@@ -134,6 +134,7 @@ class Scheduler:
         max_prefill_tokens_with_decodes: int | None = None,
         prefix_cache: PrefixCache | None = None,
         token_bucket: Callable[[int], int] | None = None,
+        snapshot_budget: Callable[[bool, int, int], int] | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"need {max_num_seqs=} >= 1 and {max_num_batched_tokens=} >= 1")
@@ -174,6 +175,11 @@ class Scheduler:
         # the token count of the program a mixed step of n tokens runs in (the runner's buckets): a step that
         # carries decodes fills its bucket's padding with prompt tokens, which cost about what padding costs
         self.token_bucket = token_bucket
+        # prefix caching: the snapshots the program of a step (decode?, rows, tokens) takes in itself
+        # (`ModelRunner.step_snapshots`); a decode row's rolling snapshot beyond them is skipped, not copied by a
+        # program call of its own (None: never skipped)
+        self.snapshot_budget = snapshot_budget
+        self.num_rolling_snapshots_skipped = 0
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -373,7 +379,7 @@ class Scheduler:
             if row.samples:
                 row.seq.num_pending += 1
         offload = self._plan_offload(rows) if self.kv_offload != "off" else []
-        snapshots = self._register(rows) if self.prefix is not None else []
+        snapshots = self._register(rows) if self.prefix is not None and rows else []
         tier = self.prefix.take_ops() if self.prefix is not None and self.prefix.host is not None else None
         return SchedulerOutput(rows, preempted, new_slots, swap_out, swap_in, offload, restores, snapshots,
                                tier or None)
@@ -434,8 +440,11 @@ class Scheduler:
 
     def _register(self, rows: list[ScheduledRow]) -> list[tuple[int, int]]:
         """Registers the rows' full blocks (ids known on the host) and picks the rows whose state is snapshotted
-        after this step: (sequence slot, snapshot slot) pairs."""
-        out = []
+        after this step: (sequence slot, snapshot slot) pairs. A prompt's snapshots are always taken. A decode row's
+        rolling snapshot is taken only while the step's program has room for it (`snapshot_budget`), the rows whose
+        last one lies furthest behind first: one skipped leaves the sequence's last one (a block or more behind), so
+        a chat's next turn resumes a little earlier, where a program call of its own would have cost every step."""
+        out, rolling = [], []
         bs = self.blocks.block_size
         for row in rows:
             seq, end = row.seq, row.start + row.num_tokens
@@ -444,9 +453,21 @@ class Scheduler:
                 continue  # no block to register, no snapshot point: 15 of 16 decode rows (host time per step)
             self.prefix.register(seq.prefix, seq.token_ids, _cache_table(seq), upto)
             want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), row.start, end)
-            if want:
-                slot = self.prefix.snapshot(seq.prefix, end // bs, rolling=want == "rolling",
-                                            keep=end == seq.prefix.branch)
+            if want == "rolling":
+                rolling.append((seq.prefix.rolling_depth, end, seq))
+            elif want:
+                slot = self.prefix.snapshot(seq.prefix, end // bs, rolling=False, keep=end == seq.prefix.branch)
+                if slot is not None:
+                    out.append((seq.slot, slot))
+        if rolling:
+            room = len(rolling)
+            if self.snapshot_budget is not None:
+                room = max(0, self.snapshot_budget(all(r.num_tokens == 1 for r in rows), len(rows),
+                                                   sum(r.num_tokens for r in rows)) - len(out))
+                rolling.sort(key=lambda c: c[0])  # the oldest last snapshot first
+            self.num_rolling_snapshots_skipped += max(0, len(rolling) - room)
+            for _, end, seq in rolling[:room]:
+                slot = self.prefix.snapshot(seq.prefix, end // bs, rolling=True)
                 if slot is not None:
                     out.append((seq.slot, slot))
         return out
