@@ -390,11 +390,11 @@ def test_rolling_snapshots_beyond_the_step_programs_room_are_skipped_oldest_firs
     outs = llm.generate(firsts, params(25))  # 40 + 24 fed tokens: boundaries at 48 and 64 in lockstep
     assert llm.engine.stats()["prefix_rolling_snapshots_skipped"] == 4
     seconds = [first + out.token_ids + tokens(30 + i, 6) for i, (first, out) in enumerate(zip(firsts, outs))]
-    reused = []
+    reused, plain = [], LLM(loaded, **ENGINE)
     for i, second in enumerate(seconds):
         (out,) = llm.generate([second], params())
         reused.append(out.num_cached_tokens)
-        assert_exact(f"{name} turn {i}", out, LLM(loaded, **ENGINE).generate([second], params())[0])
+        assert_exact(f"{name} turn {i}", out, plain.generate([second], params())[0])
     assert sorted(reused) == [32, 48, 64], f"{name}: the next turns reused {reused} tokens"
 
 
