@@ -1,0 +1,148 @@
+"""Every Pallas kernel at every power-of-two head dimension from 16 to 256, in bf16 and fp32 (issue 20: "any
+power-of-two head dimension from 16 to 256 on the H200; where a configuration cannot fit, pick smaller tiles or
+fall back to the reference, never a crash at run time").
+
+    PYTHONPATH=. python3 -m benchmarks.head_dims [--dims 16,32,64,128,256] [--json out.json]    # on the GPU
+    PYTHONPATH=. python -m benchmarks.head_dims --interpret --dims 16,32                      # CPU smoke test
+
+Each case runs the kernel through its dispatch function with `impl="pallas"` on small ragged inputs (the cases
+`cases()` builds: paged decode and prefill attention over bf16 or fp32 pages, the Gated DeltaNet and simple-GLA
+decode and chunked-prefill kernels over an fp32 state) and the same call with `impl="reference"`, and prints one
+line per case: PASS with the relative RMS error against the reference and the kernel's median time, or FAIL with
+the error the kernel raised (a shared-memory overflow shows here: what fits is only known on the GPU). Lowering
+for the H200 at every case is the CPU test `tests/test_head_dims.py`. Exit status 1 when any case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, paged_attention
+from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+KERNELS = ("paged_decode", "paged_prefill", "gdn_decode", "gdn_chunk", "sgla_decode", "sgla_chunk")
+TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 2e-3}  # relative RMS error (TF32 dots in fp32 kernels)
+
+
+def _unit(rng, shape):
+    x = rng.normal(size=shape)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _paged(rng, lengths, new, d, dtype, h=8, kvh=2, bs=16):
+    """q for the last `new[b]` positions of each row, pages holding every row's `lengths[b]` tokens, block tables,
+    each query's row and position, cu_seqlens."""
+    max_blocks = max(-(-n // bs) for n in lengths)
+    num_pages = 1 + max_blocks * len(lengths)
+    pages = [jnp.asarray(rng.normal(size=(num_pages, bs, kvh, d)), dtype) for _ in range(2)]
+    tables = (1 + np.arange(len(lengths) * max_blocks)).reshape(len(lengths), max_blocks).astype(np.int32)
+    rows = np.concatenate([[b] * m for b, m in enumerate(new)]).astype(np.int32)
+    positions = np.concatenate([np.arange(n - m, n) for n, m in zip(lengths, new)]).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(len(rows), h, d)), dtype)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(new)]), jnp.int32)
+    return (q, *pages, jnp.asarray(tables), jnp.asarray(rows), jnp.asarray(positions)), cu
+
+
+def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
+    """Per kernel: (a function of `impl` and `interpret` that runs it, its arguments). q / k / v in `dtype`, linear
+    states fp32 (the engine's), value and key head dims both `d`."""
+    rng = rng or np.random.default_rng(d)
+    out = {}
+    args, cu = _paged(rng, [40, 17], [1, 1], d, dtype)
+    out["paged_decode"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
+        *a, cu_seqlens=cu, decode=True, impl=impl, interpret=interpret), args)
+    args, cu = _paged(rng, [40, 17], [30, 17], d, dtype)
+    out["paged_prefill"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
+        *a, cu_seqlens=cu, decode=False, impl=impl, interpret=interpret), args)
+    h, hv, slots = 2, 4, 9
+    state = jnp.asarray(rng.normal(size=(slots, hv, d, d)), jnp.float32)
+    decode_slots = jnp.arange(1, 9, dtype=jnp.int32)
+    q, k = (jnp.asarray(_unit(rng, (8, h, d)), dtype) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(8, hv, d)), dtype)
+    g = jnp.asarray(-rng.uniform(0.0, 1.5, (8, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (8, hv)), jnp.float32)
+    out["gdn_decode"] = (fused_recurrent_gated_delta_rule, (q, k, v, g, beta, state, decode_slots))
+    out["sgla_decode"] = (fused_recurrent_simple_gla, (q, k, v, g, state, decode_slots))
+    cu = jnp.asarray([0, 100, 101, 130], jnp.int32)  # a long prompt, a one-token row, a short prompt
+    chunk_slots = jnp.asarray([1, 2, 3], jnp.int32)
+    q, k = (jnp.asarray(_unit(rng, (130, h, d)), dtype) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(130, hv, d)), dtype)
+    g = jnp.asarray(-rng.uniform(0.0, 0.5, (130, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.0, 1.0, (130, hv)), jnp.float32)
+    out["gdn_chunk"] = (chunk_gated_delta_rule, (q, k, v, g, beta, cu, state, chunk_slots))
+    out["sgla_chunk"] = (chunk_simple_gla, (q, k, v, g, cu, state, chunk_slots))
+    return out
+
+
+def _rel(got, want) -> float:
+    leaves = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    err = num = 0.0
+    for g, w in leaves:
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        err, num = err + float(np.sum((g - w) ** 2)), num + float(np.sum(w**2))
+    return float(np.sqrt(err / max(num, 1e-30)))
+
+
+def run_case(name: str, d: int, dtype, *, interpret: bool, iters: int) -> dict:
+    fn, args = cases(d, dtype)[name]
+    row = dict(kernel=name, head_dim=d, dtype=jnp.dtype(dtype).name)
+    try:
+        want = jax.jit(functools.partial(fn, impl="reference", interpret=False))(*args)
+        kernel = jax.jit(functools.partial(fn, impl="pallas", interpret=interpret))
+        got = jax.block_until_ready(kernel(*args))
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(kernel(*args))
+            times.append(time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001  a kernel that cannot run here is the finding
+        return row | dict(status="FAIL", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    rel = _rel(got, want)
+    ok = bool(np.isfinite(rel)) and rel <= TOLERANCE[dtype]
+    return row | dict(status="PASS" if ok else "FAIL", rel_err=rel, ms=1e3 * float(np.median(times)) if times else None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dims", default="16,32,64,128,256")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--iters", type=int, default=10, help="timed calls per case (median); 0 with --interpret")
+    ap.add_argument("--interpret", action="store_true", help="the Pallas interpreter (CPU smoke test)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    dims = [int(x) for x in args.dims.split(",")]
+    dtypes = [jnp.dtype(x).type for x in args.dtypes.split(",")]
+    names = args.kernels.split(",")
+    iters = 0 if args.interpret else args.iters
+    print(f"{jax.devices()[0].device_kind}; jax {jax.__version__}; {len(names) * len(dims) * len(dtypes)} cases",
+          flush=True)
+    print(f"{'kernel':<14} {'d':>4} {'dtype':<9} {'status':<6} {'rel err':>9} {'ms':>8}  error")
+    rows = []
+    for name in names:
+        for d in dims:
+            for dtype in dtypes:
+                r = run_case(name, d, dtype, interpret=args.interpret, iters=iters)
+                rows.append(r)
+                err = f"{r['rel_err']:.2e}" if "rel_err" in r else "-"
+                ms = f"{r['ms']:.3f}" if r.get("ms") is not None else "-"
+                print(f"{name:<14} {d:>4} {r['dtype']:<9} {r['status']:<6} {err:>9} {ms:>8}  {r.get('error', '')}",
+                      flush=True)
+    failed = [r for r in rows if r["status"] != "PASS"]
+    print(f"{len(rows) - len(failed)} of {len(rows)} cases pass")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=rows), f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
