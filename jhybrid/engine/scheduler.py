@@ -379,7 +379,7 @@ class Scheduler:
             if row.samples:
                 row.seq.num_pending += 1
         offload = self._plan_offload(rows) if self.kv_offload != "off" else []
-        snapshots = self._register(rows) if self.prefix is not None and rows else []
+        snapshots = self._register(rows) if self.prefix is not None else []
         tier = self.prefix.take_ops() if self.prefix is not None and self.prefix.host is not None else None
         return SchedulerOutput(rows, preempted, new_slots, swap_out, swap_in, offload, restores, snapshots,
                                tier or None)
