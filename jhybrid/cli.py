@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
 # The engine flags are EngineConfig's fields (`--max-num-seqs` for `max_num_seqs`), with their help metadata; these
 # are the subcommands' own defaults where they differ from EngineConfig's (`jhybrid serve` compiles before serving).
 GENERATE_DEFAULTS = dict(dtype=None, max_num_seqs=1)
-SERVE_DEFAULTS = dict(dtype=None, max_num_seqs=64, warmup=True)
+SERVE_DEFAULTS = dict(dtype=None, max_num_seqs=64, warmup=True, enable_prefix_caching=True)
 
 
 def _engine_options(parser: argparse.ArgumentParser, *, defaults: dict[str, Any],

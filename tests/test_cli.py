@@ -113,7 +113,10 @@ def test_serve_passes_host_tier_options(monkeypatch):
     assert main(["serve", "--model", "m", "--host-kv-memory-gb", "2.5", "--preemption-mode", "swap"]) == 0
     assert seen["model"] == "m" and seen["host_kv_memory_gb"] == 2.5 and seen["preemption_mode"] == "swap"
     assert seen["offload_policy"] == "cost" and seen["warmup"] is True  # the defaults: compile before serving,
-    assert seen["compilation_cache_dir"].endswith(os.path.join("jhybrid", "jax"))  # with a cache on disk
+    assert seen["compilation_cache_dir"].endswith(os.path.join("jhybrid", "jax"))  # with a cache on disk,
+    assert seen["enable_prefix_caching"] is True and seen["prefix_snapshot_prompt_end"] is False  # prefix caching
+    assert main(["serve", "m", "--no-enable-prefix-caching", "--prefix-snapshot-prompt-end"]) == 0
+    assert seen["enable_prefix_caching"] is False and seen["prefix_snapshot_prompt_end"] is True
     assert main(["serve", "--model", "m", "--host-kv-memory-gb", "1", "--kv-offload", "copy", "--offload-policy",
                  "always", "--no-warmup", "--no-compilation-cache"]) == 0
     assert seen["kv_offload"] == "copy" and seen["offload_policy"] == "always" and seen["warmup"] is False

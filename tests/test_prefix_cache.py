@@ -300,7 +300,10 @@ FAMILIES = {
 # the references run one prompt at a time without the cache on the family tests' engine (3 rows, 96 tokens, 32-token
 # steps, 10 usable blocks of 16: a prompt of these tests needs at most 6), whose programs they share
 ENGINE = FAMILY_ENGINE
-CACHED = ENGINE | dict(num_kv_blocks=24, enable_prefix_caching=True, prefix_snapshot_slots=4)
+# `prefix_snapshot_prompt_end`: the cases below reach every depth (inside a block, on a boundary, a whole prompt)
+# from the second request on; the default (off) is `test_default_snapshots_without_the_prompt_end_cut`
+CACHED = ENGINE | dict(num_kv_blocks=24, enable_prefix_caching=True, prefix_snapshot_slots=4,
+                       prefix_snapshot_prompt_end=True)
 
 
 @pytest.fixture(scope="module", params=[f if f == "gated_deltanet" else pytest.param(f, marks=pytest.mark.slow)
@@ -342,6 +345,26 @@ def _cases():
         "identical_prompt": (shared40 + tokens(3, 5), shared40 + tokens(3, 5), 32),  # its last token is recomputed
         "identical_aligned_prompt": (shared48, shared48, 32),
     }
+
+
+def test_default_snapshots_without_the_prompt_end_cut(model):
+    """By default (`prefix_snapshot_prompt_end` off) a prompt's prefill is not cut at its last block boundary, so
+    a 25-token prompt, one chunk, leaves no snapshot: the next request with it reuses nothing, but its lookup saw
+    16 tokens of KV and it snapshots there, so the one after reuses 16 tokens, exactly. With the option on, the
+    second request already reuses 16 (the cut's snapshot). (Fails if the option defaults to on, or if it is
+    ignored.)"""
+    name, loaded = model
+    prompt = tokens(8, 25)
+    want = LLM(loaded, **ENGINE).generate([prompt], params())[0]
+    for prompt_end, reused in ((False, [0, 0, 16]), (True, [0, 16, 16])):
+        config = CACHED | dict(prefix_snapshot_prompt_end=prompt_end)
+        if not prompt_end:
+            del config["prefix_snapshot_prompt_end"]  # the default
+        llm = LLM(loaded, **config)
+        outs = [llm.generate([prompt], params())[0] for _ in range(3)]
+        assert [o.num_cached_tokens for o in outs] == reused, f"{name} prompt_end={prompt_end}"
+        for i, out in enumerate(outs):
+            assert_exact(f"{name} prompt_end={prompt_end} request {i}", out, want)
 
 
 @pytest.mark.parametrize("case", list(_cases()))

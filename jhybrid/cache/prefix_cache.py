@@ -6,22 +6,24 @@ DeltaNet, lightning attention, Mamba2 and their conv state) keeps one fixed-size
 tokens so far: resuming a prompt at position p needs the state after exactly p tokens of that prefix. So a
 hit is the deepest point p where both exist: the KV blocks of positions [0, p) and a state snapshot at p.
 
-The decision (exact, no kernel change): snapshot points are block boundaries. With the cache on, the
-scheduler cuts a prompt's prefill chunk at the last block boundary strictly inside the prompt (and, with
-`snapshot_interval = N`, at every N-th boundary of a long prompt), so that some step ends there, and ends
-every chunk that the step's token budget cuts short on a block boundary (a few tokens less in that step), so a
-long prompt also leaves a snapshot at the end of each of its chunks, at no extra step; right
-after that step the sequence's state slot is copied into a snapshot slot (one device-side copy of the slot's
-rows in every linear layer, conv and recurrent state: `jhybrid.cache.state.copy_slots`). A prompt whose
-length is a multiple of the block size also snapshots at its end (no cut needed), and a decoding sequence
-snapshots each time its fed tokens reach a block boundary (one copy per `block_size` tokens; each new one
-replaces the sequence's previous decode snapshot), so a finished sequence leaves the state at its last full
-block, where a chat's next turn resumes. And where a lookup matched KV blocks deeper than its deepest snapshot
-(two prompts that share a system prompt but were snapshotted only at their own ends), the request's prefill
-is also cut and snapshotted at that deepest matched boundary (`PrefixCursor.branch`), so the next request
-with that prefix hits there. The cut costs one extra, short step per prompt (its tail is fed
-in the next step, usually beside other rows); a kernel that also wrote the state at a chosen position inside
-a chunk would remove it, and is left for later.
+The decision (exact, no kernel change): snapshot points are block boundaries. With the cache on, the scheduler ends
+every chunk that the step's token budget cuts short on a block boundary (a few tokens less in that step), so a long
+prompt also leaves a snapshot at the end of each of its chunks, at no extra step (with `snapshot_interval = N` it
+also cuts chunks at every N-th boundary of a long prompt, and with `prompt_end` at the last block boundary strictly
+inside each prompt); right after that step the sequence's state slot is copied into a snapshot slot (one device-
+side copy of the slot's rows in every linear layer, conv and recurrent state: `jhybrid.cache.state.copy_slots`). A
+prompt whose length is a multiple of the block size also snapshots at its end (no cut needed), and a decoding
+sequence snapshots each time its fed tokens reach a block boundary (one copy per `block_size` tokens; each new one
+replaces the sequence's previous decode snapshot), so a finished sequence leaves the state at its last full block,
+where a chat's next turn resumes. And where a lookup matched KV blocks deeper than its deepest snapshot (two
+prompts that share a system prompt but were snapshotted only at their own ends), the request's prefill is also cut
+and snapshotted at that deepest matched boundary (`PrefixCursor.branch`), so the next request with that prefix hits
+there. The same happens to a prompt sent again: without `prompt_end` its second request resumes at its last chunk
+end and cuts at its last block boundary, and the third resumes there. The prompt-end cut makes the second one
+resume there, but costs every prompt one extra, short chunk (its tail is fed in a later step, which then runs a
+mixed program instead of the decode one): about 3.5% of served throughput on the H200 at 64 streams without reuse
+(benchmarks/RESULTS.md, session 26), so it is off by default in the engine. A kernel that also wrote the state at a
+chosen position inside a chunk would remove the cost; it is left for later.
 
 The index. Full blocks form a trie: a node is one block of `block_size` tokens under its parent (the
 prefix before it), keyed by `(parent node id, the block's token ids)` in a dict, so a lookup compares
@@ -238,17 +240,19 @@ class PrefixCache:
     """The trie, the caching block allocator (`blocks`, which the scheduler uses as its allocator) and the
     snapshot pool: state rows `snapshot_slots` (past the sequences' slots). `has_state`: the model has linear
     layers (False: no snapshots are needed or taken). `snapshot_interval`: also snapshot every N-th block
-    boundary of a long prompt (0: only the last)."""
+    boundary of a long prompt. `prompt_end`: also cut every prompt's prefill at its last block boundary and
+    snapshot there (a later request with the same prompt resumes there instead of one request later)."""
 
     def __init__(self, num_blocks: int, block_size: int, snapshot_slots: range, *, has_state: bool = True,
-                 snapshot_interval: int = 0):
+                 snapshot_interval: int = 0, prompt_end: bool = True):
         if has_state and len(snapshot_slots) < 1:
             raise ValueError(f"prefix caching of a model with linear layers needs snapshot slots, got {snapshot_slots}")
         if snapshot_interval < 0:
-            raise ValueError(f"{snapshot_interval=} must be >= 0 (0: only the last block boundary of a prompt)")
+            raise ValueError(f"{snapshot_interval=} must be >= 0 (0: none)")
         self.blocks = CachingBlockAllocator(num_blocks, block_size)
         self.blocks.on_evict = self._evict_block
         self.block_size, self.has_state, self.snapshot_interval = block_size, has_state, snapshot_interval
+        self.prompt_end = prompt_end
         self.snapshot_slots = snapshot_slots
         self._snap_free: list[int] = list(snapshot_slots) if has_state else []
         self._snap_lru: OrderedDict[int, _Node] = OrderedDict()  # attached snapshots; LRU first
@@ -396,7 +400,7 @@ class PrefixCache:
     # ----------------------------------------------------------------- where prefill chunks end
     def cut(self, num_tokens: int, start: int, n: int, branch: int = 0) -> int:
         """`n` or fewer tokens from `start`, so that the chunk ends at the next snapshot point inside
-        `(start, start + n)` (the last block boundary before the sequence's last token; every
+        `(start, start + n)` (with `prompt_end`, the last block boundary before the sequence's last token; every
         `snapshot_interval`-th boundary; `branch`); and a chunk that the step's budget ends before the sequence's
         last token ends on a block boundary (at most `block_size - 1` tokens fewer), so that its state is
         snapshotted too: a long prompt leaves a snapshot every chunk, for free."""
@@ -404,7 +408,7 @@ class PrefixCache:
             return n
         bs = self.block_size
         last = (num_tokens - 1) // bs * bs
-        points = [p for p in (last, branch) if p > start]
+        points = [p for p in (last if self.prompt_end else 0, branch) if p > start]
         if self.snapshot_interval:
             step = self.snapshot_interval * bs
             nxt = (start // step + 1) * step

@@ -133,7 +133,8 @@ class LLMEngine:
         if config.enable_prefix_caching:
             self.prefix_cache = PrefixCache(self.cache.num_blocks, block_size, self.cache.snapshot_slots,
                                             has_state=cfg.num_linear_layers > 0,
-                                            snapshot_interval=config.prefix_snapshot_interval)
+                                            snapshot_interval=config.prefix_snapshot_interval,
+                                            prompt_end=config.prefix_snapshot_prompt_end)
             self.blocks = self.prefix_cache.blocks
         else:
             self.blocks = BlockAllocator(self.cache.num_blocks, block_size)

@@ -563,6 +563,15 @@ def _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, chunk_size, interpret):
     return q, k, v, g, beta, cu_seqlens.astype(jnp.int32), layout
 
 
+def default_num_stages(key_dim: int, itemsize: int) -> int:
+    """The sequential pass's pipeline depth: 3 for 2-byte inputs, 2 for 4-byte ones, and 1 from K = 256, where
+    a stage holds [C, K] tiles twice as wide (on the H200, K = 256 asked for 332 KB of shared memory with three
+    stages in bf16 and 234 KB with two in fp32, against 227 KB: benchmarks/head_dims, RESULTS.md session 26)."""
+    if key_dim >= 256:
+        return 1
+    return 3 if itemsize <= 2 else 2
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -611,8 +620,8 @@ def chunk_gated_delta_rule_pallas(
     (`single_block_v` values per program) updates them as the decode kernel would. `row_groups` (G) overrides
     the sequential pass's programs per value tile (`_row_groups`). The defaults are the fastest
     checked configuration on the H200 (benchmarks/RESULTS.md).
-    `num_stages` of the sequential pass defaults to 3, or 2 for 4-byte inputs: its loop pipelines the q and
-    k tiles and the scores (80 KiB a stage in fp32; three stages exceed the H200's 227 KiB of shared memory).
+    `num_stages` of the sequential pass defaults to `default_num_stages`: its loop pipelines the q and k tiles
+    and the scores (80 KiB a stage in fp32 at K = 128; three stages exceed the H200's 227 KiB of shared memory).
     """
     if wy_precision not in _PRECISIONS:
         raise ValueError(f"unknown {wy_precision=}; choose one of {tuple(_PRECISIONS)}")
@@ -620,7 +629,7 @@ def chunk_gated_delta_rule_pallas(
     value_dim = v.shape[-1]
     c = chunk_size
     block_v = min(block_v, value_dim)
-    num_stages = num_stages or (3 if jnp.dtype(v.dtype).itemsize <= 2 else 2)
+    num_stages = num_stages or default_num_stages(key_dim, jnp.dtype(v.dtype).itemsize)
     scale = key_dim**-0.5 if scale is None else scale
     scores = scores and gcum and fused_output
     q, k, v, g, beta, cu, layout = _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, c, interpret)
