@@ -83,7 +83,8 @@ def test_after_warmup_a_random_mixed_workload_compiles_nothing(model, extra):
     compiled on demand. Checked to fail: with `warmup=False` the watch counts the workload's compiles; in the
     host-tier case (swaps and the prefix cache's moves to and from the host) also with `warm_swap_programs` not
     called, with the prefix tier's `warm` not called, and with the swaps' block ids passed through `jnp.asarray`
-    again."""
+    again. After `close()`, another engine's compiles are not counted as this one's (checked to fail without
+    it)."""
     jax.clear_caches()  # an earlier test of this process may have compiled these shapes: warm-up must compile them
     warm = LLM(model, **ENGINE, **extra, warmup=True)
     stats = warm.engine.stats()
@@ -103,6 +104,9 @@ def test_after_warmup_a_random_mixed_workload_compiles_nothing(model, extra):
         assert stats["num_swap_out"] > 0 and stats["num_swap_in"] > 0, "the workload was meant to swap"
     cold = LLM(model, **ENGINE, **extra)
     assert got == run(cold, work, aborts)
+    warm.engine.close()  # done: later compiles of the process (another engine's) are not this one's stalls
+    jax.jit(lambda x: x * 3 + 1)(np.arange(5))  # a fresh program
+    assert warm.engine.stats()["programs_compiled_after_ready"] == 0  # fails without close()
 
 
 def test_warmup_returns_once_the_queued_slot_programs_compiled(model, monkeypatch):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -227,8 +228,11 @@ class LLMEngine:
             except (ImportError, ValueError) as e:
                 log.warning("structured output is unavailable: %s", e)
         # every program the process compiles from now on, each logged by name
+        if self._after_ready is not None:  # warmed up again
+            self._after_ready.close()
         self._after_ready = CompileWatch(warn="after the engine was ready (a stall on the request path)",
                                          background=SPLIT_COMPILE_THREAD)
+        weakref.finalize(self, self._after_ready.close)  # the watch holds no reference to the engine
         hits = self.runner.program_cache.hits if self.runner.program_cache else 0  # loaded without XLA's event
         self.startup_programs_compiled += watch.count + hits
         self.startup_compile_seconds += time.perf_counter() - t0
@@ -371,6 +375,14 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             return ids, f"prompt of {len(ids)} tokens is too long: max_model_len is {self.max_model_len}"
         return ids, None
+
+    def close(self) -> None:
+        """Stops counting (and logging) compiles as this engine's `programs_compiled_after_ready`: called when the
+        engine is done serving (the server's engine thread ends), and when the engine is garbage-collected. Without
+        it, the next engine of the process (a benchmark's second server, a test's reference engine) had its own
+        warm-up logged as this one's stalls. Idempotent; the engine may still be used."""
+        if self._after_ready is not None:
+            self._after_ready.close()
 
     def abort(self, request_id: Any) -> None:
         seq = self.requests.get(request_id)

@@ -93,8 +93,10 @@ class ThreadBackend:
         try:
             self.loop.run()
         except BaseException as e:  # noqa: BLE001 - EngineFailure, or a bug of the loop
+            self.engine.close()
             frontend._on_fatal(e)
         else:
+            self.engine.close()
             frontend._on_stopped()
 
     def is_alive(self) -> bool:
