@@ -347,13 +347,21 @@ def _cases():
     }
 
 
-def test_default_snapshots_without_the_prompt_end_cut(model):
+@pytest.fixture(scope="module")
+def gdn_model(tmp_path_factory):
+    """A Gated DeltaNet model alone, for the scheduling policy's tests: they do not depend on the layer kind."""
+    path = tmp_path_factory.mktemp("gdn_policy")
+    FAMILIES["gated_deltanet"](path)
+    return "gated_deltanet", LLM(path, **ENGINE).model
+
+
+def test_default_snapshots_without_the_prompt_end_cut(gdn_model):
     """By default (`prefix_snapshot_prompt_end` off) a prompt's prefill is not cut at its last block boundary, so
     a 25-token prompt, one chunk, leaves no snapshot: the next request with it reuses nothing, but its lookup saw
     16 tokens of KV and it snapshots there, so the one after reuses 16 tokens, exactly. With the option on, the
     second request already reuses 16 (the cut's snapshot). (Fails if the option defaults to on, or if it is
     ignored.)"""
-    name, loaded = model
+    name, loaded = gdn_model
     prompt = tokens(8, 25)
     want = LLM(loaded, **ENGINE).generate([prompt], params())[0]
     for prompt_end, reused in ((False, [0, 0, 16]), (True, [0, 16, 16])):
