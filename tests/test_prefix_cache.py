@@ -205,15 +205,17 @@ def test_eviction_of_a_parent_frees_its_descendants():
 
 def test_cut_ends_chunks_at_snapshot_points_and_block_boundaries():
     """The hand-worked chunk ends of `cut` (block size 4): the next snapshot point inside the chunk (the last
-    boundary before the last token, the branch, the interval), else a budget-cut chunk ends on a block boundary;
+    boundary before the last token with `prompt_end`, the branch, the interval), else a budget-cut chunk ends on a block boundary;
     the final chunk is not cut. Checked to fail without the alignment (a 38-token budget gave 38, not 36)."""
     pc = _cache()
     assert pc.cut(100, 0, 40) == 40  # 40 is a boundary
     assert pc.cut(100, 0, 38) == 36  # the budget's end, aligned down
     assert pc.cut(100, 2, 3) == 2  # to the boundary at 4
     assert pc.cut(100, 1, 2) == 2  # no boundary inside: as is
-    assert pc.cut(10, 0, 10) == 8  # the last boundary before token 9
-    assert pc.cut(10, 8, 2) == 2  # the tail is fed whole
+    assert pc.cut(10, 0, 10) == 10  # the default: a prompt is not cut at its end ...
+    ends = _cache(prompt_end=True)
+    assert ends.cut(10, 0, 10) == 8  # ... with `prompt_end`, at the last boundary before token 9
+    assert ends.cut(10, 8, 2) == 2  # the tail is fed whole
     assert pc.cut(100, 0, 40, branch=12) == 12
     assert _cache(snapshot_interval=5).cut(100, 0, 40) == 20 and _cache(snapshot_interval=5).cut(100, 20, 40) == 20
     assert pc.wants_snapshot(100, 100, 0, 36) is True and pc.wants_snapshot(100, 100, 0, 38) is False

@@ -244,7 +244,7 @@ class PrefixCache:
     snapshot there (a later request with the same prompt resumes there instead of one request later)."""
 
     def __init__(self, num_blocks: int, block_size: int, snapshot_slots: range, *, has_state: bool = True,
-                 snapshot_interval: int = 0, prompt_end: bool = True):
+                 snapshot_interval: int = 0, prompt_end: bool = False):
         if has_state and len(snapshot_slots) < 1:
             raise ValueError(f"prefix caching of a model with linear layers needs snapshot slots, got {snapshot_slots}")
         if snapshot_interval < 0:
