@@ -110,50 +110,47 @@ def byte_counts(cfg, shapes: dict[str, tuple], itemsize: int = 2) -> dict:
         n = math.prod(shape) * itemsize
         if name == "embed":
             continue
-        if num_experts and ".mlp." in name and "router" not in name and "shared" not in name and shape[0] == num_experts:
+        routed = (num_experts > 0 and ".mlp." in name and "router" not in name and "shared" not in name
+                  and shape[0] == num_experts)
+        if routed:
             experts += n
         else:
             dense += n
         if len(shape) >= 2 and name != "lm_head":
-            matmul_per_token += math.prod(shape) if not (num_experts and shape[0] == num_experts and ".mlp." in name) \
-                else math.prod(shape) * cfg.num_experts_per_tok / num_experts
+            matmul_per_token += math.prod(shape) * (cfg.num_experts_per_tok / num_experts if routed else 1)
     return dict(dense=dense, experts=experts, top_k=cfg.num_experts_per_tok, num_experts=num_experts,
                 state=cfg.state_bytes_per_sequence(), kv_per_token=cfg.kv_bytes_per_token(itemsize),
                 matmul_params_per_token=matmul_per_token)
 
 
+def _median_seconds(f, *args, reps: int = 10) -> float:
+    """Median wall seconds of the jitted `f(*args)` after one call that compiles it."""
+    f(*args).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(*args).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def read_bandwidth(tiny: bool) -> float:
-    """Bytes/s of a jnp sum over 4 GiB of bf16 (reads only), median of 10."""
+    """Bytes/s of a jnp sum over 4 GiB of bf16 (reads only)."""
     import jax
     import jax.numpy as jnp
 
     n = (1 << 20) if tiny else (2 << 30)  # elements
-    x = jnp.ones((n,), jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    f(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    del x
-    return 2 * n / float(np.median(times))
+    return 2 * n / _median_seconds(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), jnp.ones((n,), jnp.bfloat16))
 
 
 def matmul_tflops(tiny: bool) -> float:
+    """bf16 matmul rate of XLA on n^3 (n = 8192)."""
     import jax
     import jax.numpy as jnp
 
     n = 512 if tiny else 8192
     a = jnp.ones((n, n), jnp.bfloat16)
-    f = jax.jit(jnp.dot)
-    f(a, a).block_until_ready()
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        f(a, a).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / float(np.median(times)) / 1e12
+    return 2 * n**3 / _median_seconds(jax.jit(jnp.dot), a, a) / 1e12
 
 
 # ----------------------------------------------------------------------------------------- one model (subprocess)

@@ -228,8 +228,7 @@ class LLMEngine:
             except (ImportError, ValueError) as e:
                 log.warning("structured output is unavailable: %s", e)
         # every program the process compiles from now on, each logged by name
-        if self._after_ready is not None:  # warmed up again
-            self._after_ready.close()
+        self.close()  # warmed up again: the last watch stops
         self._after_ready = CompileWatch(warn="after the engine was ready (a stall on the request path)",
                                          background=SPLIT_COMPILE_THREAD)
         weakref.finalize(self, self._after_ready.close)  # the watch holds no reference to the engine

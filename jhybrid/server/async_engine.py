@@ -93,11 +93,11 @@ class ThreadBackend:
         try:
             self.loop.run()
         except BaseException as e:  # noqa: BLE001 - EngineFailure, or a bug of the loop
-            self.engine.close()
             frontend._on_fatal(e)
         else:
-            self.engine.close()
             frontend._on_stopped()
+        finally:
+            self.engine.close()
 
     def is_alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
