@@ -154,12 +154,10 @@ def matmul_tflops(tiny: bool) -> float:
 
 
 # ----------------------------------------------------------------------------------------- one model (subprocess)
-def worker(name: str, tiny: bool, out: str) -> None:
+def worker(name: str, tiny: bool, out: str, prefill_only: bool = False) -> None:
     import jax
 
-    import jhybrid
     from benchmarks.decode_step import random_params
-    from benchmarks.fp8 import decode_steps, prefill_seconds
     from jhybrid.config import ModelConfig
     from jhybrid.model_loader import LoadedModel
     from jhybrid.models.params import flatten_shapes, param_shapes
@@ -181,6 +179,15 @@ def worker(name: str, tiny: bool, out: str) -> None:
     model = LoadedModel(cfg=cfg, params=random_params(cfg), tokenizer=None)
     jax.block_until_ready(model.params)
     save()
+
+    if not prefill_only:
+        decode_rows(model, name, tiny, counts, bw, row, save)
+    prefill_row(model, cfg, tiny, counts, rate, row, save, name)
+
+
+def decode_rows(model, name, tiny, counts, bw, row, save) -> None:
+    import jhybrid
+    from benchmarks.fp8 import decode_steps
 
     prompt, new = (32, 8) if tiny else (512, 64)
     batch_big = 4 if tiny else 256
@@ -206,6 +213,11 @@ def worker(name: str, tiny: bool, out: str) -> None:
         save()
     del llm
     gc.collect()
+
+
+def prefill_row(model, cfg, tiny, counts, rate, row, save, name) -> None:
+    import jhybrid
+    from benchmarks.fp8 import prefill_seconds
 
     length = 256 if tiny else 8192
     llm = jhybrid.LLM(model, dtype=None, max_num_seqs=1, max_model_len=length + 8, max_num_batched_tokens=length)
@@ -252,19 +264,26 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write {machine_info, models, kernels} here")
     ap.add_argument("--only", default="qwen3_next,nemotron_h,minimax", help="models, comma-separated")
     ap.add_argument("--skip-kernels", action="store_true", help="no `benchmarks.kernels --quick` run")
+    ap.add_argument("--prefill-only", action="store_true", help="only the models' prefill rows")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test of the script)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per subprocess")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        worker(a.worker, a.tiny, a.out)
+        worker(a.worker, a.tiny, a.out, a.prefill_only)
         return 0
     models, kernels, failed = [], [], []
-    with tempfile.TemporaryDirectory() as tmp:
+    # each part's JSON lands beside --json as it is written, so a run cut short by a time limit keeps its rows
+    keep = os.path.splitext(a.json)[0] + "-parts" if a.json else None
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = keep or scratch
         for name in a.only.split(","):
             out = os.path.join(tmp, f"{name}.json")
-            cmd = [sys.executable, "-m", "benchmarks.floors", "--worker", name, "--out", out] + (["--tiny"] if a.tiny else [])
+            cmd = ([sys.executable, "-m", "benchmarks.floors", "--worker", name, "--out", out] + (["--tiny"] if a.tiny else [])
+                   + (["--prefill-only"] if a.prefill_only else []))
             log(f"== {name}")
             try:
                 rc = subprocess.run(cmd, timeout=a.timeout).returncode

@@ -29,10 +29,12 @@ from pallas_kernels.gated_delta_rule import (
     fused_recurrent_gated_delta_rule_reference,
 )
 from pallas_kernels.paged_attention import (
+    paged_attention,
     paged_attention_decode_pallas,
     paged_attention_prefill_pallas,
     paged_attention_reference,
 )
+from pallas_kernels.paged_attention.self_attention import packed_causal_attention
 
 try:
     import torch
@@ -491,11 +493,50 @@ def bench_paged_prefill(quick):
         t_d = time_jax(dense, (qd, k, v), reps=10)
         record("paged_prefill", shape, ours, "cuDNN attention, unpaged (XLA)", t_d, err, rel, 2e-2,
                f"{note}; cuDNN {flops / (t_d[0] * 1e-3) / 1e12:.1f} TFLOP/s, rel err {e_d[1]:.2e}")
+        # the engine's path: the step's tokens by cuDNN (packed rows), the (here empty) prefixes by the kernel
+        split = jax.jit(lambda *a: paged_attention(*a[:6], cu_seqlens=cu, impl="pallas", new_kv=a[6:],
+                                                   self_impl="cudnn", return_lse=True))
+        sargs = args + (k.reshape(T, KVH, D), v.reshape(T, KVH, D))
+        got_o, got_lse = split(*sargs)
+        e_o = errors(np.asarray(got_o[idx], np.float32), np.asarray(want_o, np.float32))
+        e_l = errors(np.asarray(got_lse[idx]), np.asarray(want_lse))
+        print(f"split prefill check: out {e_o} lse {e_l}", flush=True)
+        t_s = time_jax(split, sargs, reps=10)
+        record("prefill_split", shape, t_s, "cuDNN attention, unpaged (XLA)", t_d, max(e_o[0], e_l[0]),
+               max(e_o[1], e_l[1]), 2e-2, f"cuDNN self + Pallas prefix {flops / (t_s[0] * 1e-3) / 1e12:.1f} TFLOP/s; "
+               f"the Pallas kernel alone {ours[0]:.3f} ms")
     except Exception as e:
         print(f"  cuDNN attention baseline failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
         xla = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla"))
         t_x = time_jax(xla, (q.reshape(B, L, H, D), k, v), reps=10)
         record("paged_prefill", shape, ours, "XLA attention, unpaged", t_x, err, rel, 2e-2, note)
+
+
+def probe_cudnn_packed():
+    """cuDNN's packed (THD) attention on a tiny ragged batch (rows of 5, 0, 9 and 3 tokens, then padding) against
+    the jnp form: its output and where its softmax statistics land (`self_attention._cudnn` reads them as
+    [row, head, position within the row])."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    cu = jnp.asarray([0, 5, 5, 14, 17], jnp.int32)
+    T, H, KVH, D = 24, 4, 2, 64
+    key = jax.random.split(jax.random.PRNGKey(11), 3)
+    q, k, v = (jax.random.normal(kk, (T, h, D), jnp.bfloat16) for kk, h in zip(key, (H, KVH, KVH)))
+    want_o, want_lse = packed_causal_attention(q, k, v, cu, scale=D**-0.5, impl="reference")
+    got_o, got_lse = jax.jit(functools.partial(packed_causal_attention, scale=D**-0.5, impl="cudnn"))(q, k, v, cu)
+    lens = cu[1:] - cu[:-1]
+    _, stats = dot_product_attention(q[None], k[None], v[None], q_seqlen=lens[None], kv_seqlen=lens[None],
+                                     q_offsets=cu[None], kv_offsets=cu[None], scale=D**-0.5,
+                                     mask_type=MaskType.PADDING_CAUSAL, qkv_layout="BTNH", return_residual=True)
+    print(f"cuDNN packed probe: stats shape {stats.shape}; out {errors(got_o[:17], want_o[:17])} "
+          f"lse {errors(got_lse[:17], want_lse[:17])}", flush=True)
+    st, wl = np.asarray(stats, np.float64), np.asarray(want_lse, np.float64)
+    for b in range(4):
+        s_, e_ = int(cu[b]), int(cu[b + 1])
+        if e_ > s_:
+            print(f"  row {b}: want lse[:, 0] {np.round(wl[s_:e_, 0], 3).tolist()}", flush=True)
+    for i in range(st.shape[0]):
+        print(f"  stats[{i}, 0, :18] {np.round(st[i, 0, :18], 3).tolist()}", flush=True)
 
 
 def bench_paged_prefill_suffix(quick):
@@ -533,7 +574,20 @@ def bench_paged_prefill_suffix(quick):
             runs[splits] = (time_jax(fn, args, reps=10), max(e_o[0], e_l[0]), max(e_o[1], e_l[1]))
             print(f"paged prefill suffix C{C} num_splits={splits or 'default'}: {runs[splits][0][0]:.4f} ms, "
                   f"out {e_o} lse {e_l}", flush=True)
+        # split: the 256 new tokens among themselves by cuDNN, the C cached ones by the kernel
+        rows_, pos_ = np.repeat(np.arange(B), S), np.tile(np.arange(C, L), B)
+        pages_ = tables[rows_, pos_ // BS]
+        k_new, v_new = k_pages[pages_, pos_ % BS], v_pages[pages_, pos_ % BS]  # [B*S, KVH, D]
+        split = jax.jit(lambda *a: paged_attention(*a[:6], cu_seqlens=cu, impl="pallas", new_kv=a[6:],
+                                                   self_impl="cudnn", return_lse=True))
+        got_o, got_lse = split(*args, k_new, v_new)
+        e_o = errors(np.asarray(got_o[idx], np.float32), np.asarray(want_o, np.float32))
+        e_l = errors(np.asarray(got_lse[idx]), np.asarray(want_lse))
+        t_s = time_jax(split, args + (k_new, v_new), reps=10)
+        print(f"paged prefill suffix C{C} split: {t_s[0]:.4f} ms, out {e_o} lse {e_l}", flush=True)
         flops = 4 * H * D * B * S * (C + (S + 1) / 2)
+        record("suffix_split", shape, t_s, "the Pallas kernel alone", runs[None][0], max(e_o[0], e_l[0]),
+               max(e_o[1], e_l[1]), 2e-2, f"{flops / (t_s[0] * 1e-3) / 1e12:.1f} TFLOP/s split")
         (ours, err, rel), (base, err1, rel1) = runs[None], runs[1]
         record("prefill_suffix", shape, ours, "the same kernel, one KV split", base, max(err, err1), max(rel, rel1),
                2e-2, f"{flops / 1e9:.1f} GFLOP -> {flops / (ours[0] * 1e-3) / 1e12:.1f} TFLOP/s split, "
@@ -562,7 +616,7 @@ def main():
     parser.add_argument("--json", default=None)
     parser.add_argument("--quick", action="store_true", help="one config per kernel, no sweeps")
     parser.add_argument("--commit", default=os.environ.get("JHYBRID_COMMIT"))
-    parser.add_argument("--only", default="copy,decode,paged,chunk,prefill,suffix")
+    parser.add_argument("--only", default="copy,decode,paged,chunk,probe,prefill,suffix")
     a = parser.parse_args()
     commit = a.commit
     if commit is None:
@@ -577,7 +631,7 @@ def main():
     info["copy"] = bwinfo
     copy_bw = bwinfo.get("torch_tbps", bwinfo.get("jnp_tbps", 4.0))
     for name, fn in (("decode", bench_gdn_decode), ("paged", lambda q: bench_paged_decode(q, copy_bw)),
-                     ("chunk", bench_gdn_chunk), ("prefill", bench_paged_prefill), ("chunk_ab", bench_gdn_chunk_ab),
+                     ("chunk", bench_gdn_chunk), ("probe", lambda q: probe_cudnn_packed()), ("prefill", bench_paged_prefill), ("chunk_ab", bench_gdn_chunk_ab),
                      ("suffix", bench_paged_prefill_suffix)):
         if name in only:
             try:

@@ -105,7 +105,7 @@ def forward_pipelined(cfg: ModelConfig, params: dict, state: HybridState, batch:
                 f = g  # the g-th full layer owns caches["k"][g]
                 _, _, p = layers[full[g]]
                 normed = rms_norm(h.x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
-                q, gate, caches["k"][f], caches["v"][f] = attention_qkv(
+                q, gate, caches["k"][f], caches["v"][f], _ = attention_qkv(
                     cfg, p["attn"], normed, caches["k"][f], caches["v"][f], h.batch, inv_freq, kernels)
                 n = q.shape[0]
                 h.job = io_callback(functools.partial(attn.start, f), jax.ShapeDtypeStruct((), jnp.int32), host.step,

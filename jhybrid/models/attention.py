@@ -35,14 +35,14 @@ def attention_layer(
     `host.offsets[t]` (a multiple of the block size), so the GPU part attends with positions shifted by
     it (RoPE already used the true positions); `host(q)` returns the host part's (o, lse) and the two are
     merged by LSE."""
-    q, gate, k_pages, v_pages = attention_qkv(cfg, p, x, k_pages, v_pages, batch, inv_freq, kernels)
+    q, gate, k_pages, v_pages, new_kv = attention_qkv(cfg, p, x, k_pages, v_pages, batch, inv_freq, kernels)
     if host is None:
         o = paged_attention(
             q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions,
-            cu_seqlens=batch.cu_seqlens, decode=decode, scale=cfg.attention_scale, **(kernels or {}),
+            cu_seqlens=batch.cu_seqlens, decode=decode, scale=cfg.attention_scale, new_kv=new_kv, **(kernels or {}),
         )
     else:
-        o_dev, lse_dev = device_part(cfg, q, k_pages, v_pages, batch, host.offsets, decode, kernels)
+        o_dev, lse_dev = device_part(cfg, q, k_pages, v_pages, batch, host.offsets, decode, kernels, new_kv)
         o, _ = merge_attention(o_dev, lse_dev, *host(q))
     return attention_out(cfg, p, o, gate, x.dtype), k_pages, v_pages
 
@@ -50,9 +50,9 @@ def attention_layer(
 def attention_qkv(
     cfg: ModelConfig, p: dict, x: Float[Array, "T D"], k_pages: Array, v_pages: Array, batch: Batch, inv_freq: Array,
     kernels: dict | None = None,
-) -> tuple[Float[Array, "T H hd"], Array | None, Array, Array]:
+) -> tuple[Float[Array, "T H hd"], Array | None, Array, Array, tuple[Array, Array]]:
     """The layer up to the attention: q `[T, H, hd]` (normalised, rotated), the output gate `[T, H*hd]` (or
-    None) and the pages with this step's K/V written."""
+    None), the pages with this step's K/V written, and that K/V `([T, KVH, hd], [T, KVH, hd])`."""
     num_tokens = x.shape[0]
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q_out = h * hd * (2 if cfg.attn_output_gate else 1)
@@ -74,15 +74,17 @@ def attention_qkv(
     q = apply_rope(q, batch.positions, inv_freq)
     k = apply_rope(k, batch.positions, inv_freq)
     k_pages, v_pages = write_kv_pages(k_pages, v_pages, k, v, batch.slot_mapping)
-    return q, gate, k_pages, v_pages
+    return q, gate, k_pages, v_pages, (k, v)
 
 
-def device_part(cfg: ModelConfig, q, k_pages, v_pages, batch: Batch, offsets, decode: bool, kernels: dict | None):
+def device_part(cfg: ModelConfig, q, k_pages, v_pages, batch: Batch, offsets, decode: bool, kernels: dict | None,
+                new_kv=None):
     """Offloaded attention's GPU part: (o `[T, H, hd]`, lse `[T, H]`) over the device blocks, whose first key
     sits at position `offsets[t]` of the sequence."""
     return paged_attention(
         q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions - offsets,
-        cu_seqlens=batch.cu_seqlens, decode=decode, scale=cfg.attention_scale, return_lse=True, **(kernels or {}),
+        cu_seqlens=batch.cu_seqlens, decode=decode, scale=cfg.attention_scale, return_lse=True, new_kv=new_kv,
+        **(kernels or {}),
     )
 
 

@@ -11,9 +11,15 @@
   * "auto": on GPU, for shapes they support, the Pallas decode kernel for decode batches and the Pallas
     prefill kernel for ragged prefill batches (`AUTO_PALLAS_PREFILL`, set since its check on the H200,
     benchmarks/RESULTS.md); else the reference.
+
+A ragged prefill given its own keys and values (`new_kv`) runs split (`self_attention.py`): the step's tokens
+among themselves by cuDNN's fused attention, the rows' cached prefixes by the Pallas kernel, merged by LSE
+(`AUTO_CUDNN_PREFILL` on the GPU; `self_impl` picks the self part's implementation explicitly).
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 from jax.sharding import PartitionSpec as P
@@ -22,6 +28,7 @@ from pallas_kernels.paged_attention.decode import paged_attention_decode_pallas
 from pallas_kernels.paged_attention.merge import merge_attention
 from pallas_kernels.paged_attention.prefill import paged_attention_prefill_pallas
 from pallas_kernels.paged_attention.reference import paged_attention_reference, write_kv_pages
+from pallas_kernels.paged_attention.self_attention import cudnn_supported, split_prefill_attention
 
 _IMPLS = ("auto", "reference", "pallas")
 _TUNING = ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page", "block_q")
@@ -29,6 +36,11 @@ _PREFILL_TUNING = ("pages_per_block", "num_warps", "num_stages", "block_q", "per
 # "auto" routes prefill (many queries per row) to the ragged Pallas kernel: checked against the reference on
 # the H200 (benchmarks/kernels.py, 2026-11-30 session 2). Set False to fall back to the reference.
 AUTO_PALLAS_PREFILL = True
+# "auto" splits a ragged prefill given `new_kv` into cuDNN self-attention + the Pallas kernel over the prefix:
+# benchmarks/RESULTS.md, session 27. JHYBRID_CUDNN_PREFILL=0 turns it off (traced into the programs, so set it
+# before the engine starts).
+AUTO_CUDNN_PREFILL = os.environ.get("JHYBRID_CUDNN_PREFILL", "1") != "0"
+_SELF_IMPLS = ("cudnn", "reference")
 
 
 def _pow2(x: int) -> bool:
@@ -45,16 +57,23 @@ def paged_attention(
     q, k_pages, v_pages, block_tables, token_seq, positions, *,
     impl: str = "auto", interpret: bool = False, cu_seqlens=None, decode: bool = False,
     scale: float | None = None, sliding_window: int | None = None, soft_cap: float | None = None,
-    return_lse: bool = False, mesh=None, **tuning,
+    return_lse: bool = False, mesh=None, new_kv=None, self_impl: str | None = None, **tuning,
 ):
     """Same arguments and result as `paged_attention_reference`; `impl` picks the implementation.
 
     `cu_seqlens [B + 1]` (the rows' query ranges in the packed queries) and `decode` (static: one query per
     row, `token_seq == arange(B)`) describe the batch's structure. `tuning` (pages_per_block, num_splits,
     num_warps, num_stages) goes to the Pallas kernel.
+
+    `new_kv`: this step's keys and values `([T, KVH, D], [T, KVH, D])`, packed like q (and already written into
+    the pages; a decode step ignores them). With them a ragged Pallas prefill runs split: `self_impl` ("cudnn"
+    or "reference") attends the step's tokens among themselves, the Pallas kernel their rows' earlier keys. None: "cudnn" on the GPU where
+    it applies (`AUTO_CUDNN_PREFILL`, bf16/fp16, no sliding window or soft cap, no mesh), else no split.
     """
     if impl not in _IMPLS:
         raise ValueError(f"unknown paged attention {impl=}; choose one of {_IMPLS}")
+    if self_impl is not None and self_impl not in _SELF_IMPLS:
+        raise ValueError(f"unknown prefill self-attention {self_impl=}; choose one of {_SELF_IMPLS}")
     if unknown := set(tuning) - set(_TUNING):
         raise ValueError(f"unknown paged attention tuning arguments {unknown}; known: {_TUNING}")
     kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, return_lse=return_lse)
@@ -71,6 +90,14 @@ def paged_attention(
         )
     if not decode and cu_seqlens is not None:  # ragged prefill: query tiles per row
         tuning = {k: v for k, v in tuning.items() if k in _PREFILL_TUNING}
+        self_impl = _split_impl(q, k_pages, new_kv, self_impl, sliding_window, soft_cap, mesh)
+        if self_impl is not None:
+            scale = q.shape[-1] ** -0.5 if scale is None else scale
+            prefix = lambda pos: paged_attention_prefill_pallas(  # noqa: E731
+                q, k_pages, v_pages, block_tables, cu_seqlens, pos, interpret=interpret, scale=scale, return_lse=True,
+                **tuning)
+            o, lse = split_prefill_attention(q, *new_kv, cu_seqlens, positions, prefix, scale=scale, impl=self_impl)
+            return (o, lse) if return_lse else o
         kernel = lambda q, kp, vp, bt, rows, pos: paged_attention_prefill_pallas(  # noqa: E731
             q, kp, vp, bt, rows, pos, interpret=interpret, **kw, **tuning
         )
@@ -86,6 +113,21 @@ def paged_attention(
     return kernel(q, k_pages, v_pages, block_tables, rows, positions)
 
 
+def _split_impl(q, k_pages, new_kv, self_impl, sliding_window, soft_cap, mesh) -> str | None:
+    """The self-attention implementation a ragged Pallas prefill splits off, or None (no split)."""
+    if new_kv is None:
+        if self_impl is not None:
+            raise ValueError(f"{self_impl=} needs this step's keys and values (new_kv)")
+        return None
+    if self_impl is None:
+        auto = (AUTO_CUDNN_PREFILL and jax.default_backend() == "gpu" and cudnn_supported(q, k_pages)
+                and sliding_window is None and soft_cap is None and (mesh is None or mesh.size == 1))
+        return "cudnn" if auto else None
+    if sliding_window is not None or soft_cap is not None or (mesh is not None and mesh.size > 1):
+        raise ValueError("the split prefill supports neither a sliding window, a soft cap nor a mesh")
+    return self_impl
+
+
 def _per_head_shard(kernel, mesh, return_lse: bool):
     """`kernel` run per shard of a 1-D mesh: each device attends with its q heads over its kv heads."""
     (axis,) = mesh.axis_names
@@ -96,6 +138,7 @@ def _per_head_shard(kernel, mesh, return_lse: bool):
 
 
 __all__ = [
+    "AUTO_CUDNN_PREFILL",
     "AUTO_PALLAS_PREFILL",
     "merge_attention",
     "paged_attention",
