@@ -57,7 +57,9 @@ def main(argv=None):
         hf.update(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
     cfg = ModelConfig.from_hf(hf)
-    eng = LLMEngine(LoadedModel(cfg=cfg, params=random_params(cfg)), max_num_seqs=64, max_model_len=args.max_model_len)
+    tokens = max(int(spec.split(":")[1]) for spec in args.programs.split(","))  # the largest step's tokens
+    eng = LLMEngine(LoadedModel(cfg=cfg, params=random_params(cfg)), max_num_seqs=64, max_model_len=args.max_model_len,
+                    max_num_batched_tokens=max(2048, tokens))
     runner = eng.runner
     keys, runs = [], {}
     for spec in args.programs.split(","):
