@@ -18,8 +18,8 @@ Per model, in a subprocess of its own (so each has the whole device):
   read, over the read bandwidth measured in the same process (a jnp reduction over 4 GiB);
 - batch-256 decode (qwen3_next; prompt 512, 128 new tokens): the same step, tokens/s, and its bytes floor
   (weights once, 256 sequences' KV at the mean context and their state read and written);
-- prefill of one 8,192-token prompt (`max_tokens=1`, the second call): ms, and the model FLOPs' share of the
-  bf16 matmul rate measured in the same process (XLA, 8192^3). Model FLOPs: 2 x the matmul weights a token
+- prefill of one 8,192-token prompt (`max_tokens=1`, the median of 5 calls after the one that compiles): ms, and
+  the model FLOPs' share of the bf16 matmul rate measured in the same process (XLA, 8192^3). Model FLOPs: 2 x the matmul weights a token
   passes (the LM head once per prompt, not per token) x tokens, plus causal attention (2 x T^2 x heads x head
   dim per full-attention layer); the linear layers' recurrences are not counted.
 
@@ -221,7 +221,7 @@ def prefill_row(model, cfg, tiny, counts, rate, row, save, name) -> None:
 
     length = 256 if tiny else 8192
     llm = jhybrid.LLM(model, dtype=None, max_num_seqs=1, max_model_len=length + 8, max_num_batched_tokens=length)
-    seconds = prefill_seconds(llm, rows=1, length=length)
+    seconds = prefill_seconds(llm, rows=1, length=length, repeats=5)
     attn = 2 * length**2 * cfg.num_heads * cfg.head_dim * cfg.num_full_layers
     flops = 2 * counts["matmul_params_per_token"] * length + attn
     row.update(prefill_8k_ms=seconds * 1e3, prefill_8k_tflops=flops / seconds / 1e12,

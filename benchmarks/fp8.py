@@ -122,16 +122,22 @@ def decode_steps(llm, batch: int, prompt_len: int = 512, new: int = 64) -> float
     return float(np.median(times[4:])) * 1e3
 
 
-def prefill_seconds(llm, rows: int = 16, length: int = 1024) -> float:
+def prefill_seconds(llm, rows: int = 16, length: int = 1024, repeats: int = 1) -> float:
+    """Seconds of one `generate` of `rows` prompts of `length` tokens, `max_tokens=1`, after a call that compiles:
+    the median of `repeats` calls (each with prompts of its own). The first call after the compiling one ran
+    17 ms (25%) slower than the next ones for an 8k prompt on the H200 (benchmarks/RESULTS.md, session 27)."""
     import jhybrid
 
     sp = jhybrid.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     vocab = llm.engine.model.cfg.vocab_size
     prompts = [[(11 * r + t) % vocab for t in range(length)] for r in range(rows)]
     llm.generate(prompts, sp, use_tqdm=False)  # compiles
-    t0 = time.perf_counter()
-    llm.generate([[(t + 1) % vocab for t in p] for p in prompts], sp, use_tqdm=False)
-    return time.perf_counter() - t0
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        llm.generate([[(t + 1 + i) % vocab for t in p] for p in prompts], sp, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 # `--moe`: the same model with every MLP a Qwen3-Next MoE (64 routed experts of 512, 8 per token, a shared expert of

@@ -111,6 +111,27 @@ def test_generation_stops_at_max_model_len(tiny):
     assert out.finish_reason == "length" and len(out.token_ids) == 4
 
 
+def test_no_step_feeds_tokens_past_the_length_limit(tiny):
+    """A sequence whose sampled-but-unread token reaches its max_tokens (or max_model_len) gets no further step:
+    the engine runs one step ahead of its reads, and that step's row would be wasted work (one decode step after
+    every length-limited request; the floors' 8k prefill row paid a whole decode step for it). Checked to fail
+    without `Scheduler._ends_by_length`."""
+    _, model = tiny
+    llm = LLM(model, **ENGINE)  # max_model_len 320, 128-token steps
+    fed = []
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda sched, prev: fed.append([r.num_tokens for r in sched.rows]) or execute(sched, prev)
+    cases = [([5] * 40, 1, [[40]]),  # the prefill samples the only token
+             ([5] * 40, 3, [[40], [1], [1]]),  # two decode steps feed tokens 1 and 2; token 3 is never fed
+             ([7] * 318, 50, [[128], [128], [62], [1]])]  # max_model_len 320 after 2 tokens
+    for prompt, max_tokens, steps in cases:
+        fed.clear()
+        (out,) = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **GREEDY))
+        assert out.finish_reason == "length" and len(out.token_ids) == min(max_tokens, 320 - len(prompt))
+        assert fed == steps, f"max_tokens={max_tokens}: steps fed {fed}, want {steps}"
+    assert_all_free(llm)
+
+
 def test_stops_and_stream():
     # the bundled model (it has a tokenizer) on test_bundled_model.py's engine shapes: their programs are reused
     llm = LLM(jhybrid.default_model_path(), dtype="float32", max_num_seqs=1, max_model_len=64)

@@ -191,6 +191,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether `seq`'s tokens in flight already reach its length limit (max_tokens or max_model_len): the
+        read that brings them ends it (by length, or earlier by a stop), so a step that feeds them is wasted."""
+        return bool(seq.num_pending) and (seq.num_generated >= seq.params.max_tokens
+                                          or seq.num_tokens >= self.max_model_len)
+
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """Ends a sequence (stop, length, abort, error) and returns its blocks and slot."""
         if seq.is_finished:
@@ -298,7 +304,8 @@ class Scheduler:
             self.prefix.begin_step()
         # 1. running sequences: decoding ones (one token to feed) first, then those still prefilling, each group
         # in arrival order; when blocks run out, preempt the newest running sequence not scheduled yet
-        decoding = [s for s in self.running if s.num_uncomputed == 1]
+        # (one whose pending tokens reach its max_tokens or max_model_len ends once they are read: no step for it)
+        decoding = [s for s in self.running if s.num_uncomputed == 1 and not self._ends_by_length(s)]
         prefilling = [s for s in self.running if s.num_uncomputed > 1]
         for seq in decoding + prefilling:
             if budget <= 0:

@@ -1,0 +1,66 @@
+"""Where one long prefill's wall time goes through the public API: `LLM.generate` of one 8,192-token prompt with
+`max_tokens=1` (the floors' prefill row), with the engine's step calls and reads timed on the host.
+
+    PYTHONPATH=. python3 -m benchmarks.prefill_timeline [--model qwen3_next] [--length 8192] [--tiny]
+
+Prints, per timed call, when each step program call started and returned and when its tokens were read (ms from
+the start of `generate`), the rows and tokens of each step, and the whole call's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen3_next", choices=("qwen3_next", "nemotron_h", "minimax"))
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true")
+    a = ap.parse_args(argv)
+    import jax
+
+    import jhybrid
+    from benchmarks.decode_step import random_params
+    from benchmarks.floors import hf_config
+    from jhybrid.config import ModelConfig
+    from jhybrid.model_loader import LoadedModel
+
+    cfg = ModelConfig.from_hf(hf_config(a.model, a.tiny))
+    model = LoadedModel(cfg=cfg, params=random_params(cfg), tokenizer=None)
+    jax.block_until_ready(model.params)
+    llm = jhybrid.LLM(model, dtype=None, max_num_seqs=1, max_model_len=a.length + 8, max_num_batched_tokens=a.length)
+    engine = llm.engine
+    events: list[tuple[str, float]] = []
+    execute, read = engine.runner.execute, engine._read
+
+    def timed_execute(sched, prev):
+        events.append((f"call  {[r.num_tokens for r in sched.rows]} tokens", time.perf_counter()))
+        out = execute(sched, prev)
+        events.append(("  returned", time.perf_counter()))
+        return out
+
+    def timed_read(result):
+        events.append(("read  start", time.perf_counter()))
+        out = read(result)
+        events.append(("  read done", time.perf_counter()))
+        return out
+
+    engine.runner.execute, engine._read = timed_execute, timed_read
+    sp = jhybrid.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    vocab = cfg.vocab_size
+    for i in range(a.repeats + 1):
+        events.clear()
+        t0 = time.perf_counter()
+        llm.generate([[(7 * i + t) % vocab for t in range(a.length)]], sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        print(f"generate #{i}{' (compiles)' if i == 0 else ''}: {wall * 1e3:.1f} ms", flush=True)
+        if i:
+            for name, t in events:
+                print(f"  {(t - t0) * 1e3:9.2f} ms  {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
