@@ -120,5 +120,5 @@ def split_prefill_attention(q, k, v, cu_seqlens, positions, prefix_attention, *,
     # a step of fresh prompts only skips the prefix kernel and the merge (their layout passes cost ~0.5 ms per 16k
     # tokens of a layer on the H200, session 27). XLA's runtime reads the predicate back to pick the branch, as it
     # does for the sampler's conds: the program call still returns at once (session 15), but the device may idle
-    # briefly at each of these points; a step with a prefix (every mixed step with decode rows) pays that only
+    # briefly at each such point, in every prefill step (not measured in serving yet)
     return jax.lax.cond(jnp.any(before >= 0), with_prefix, lambda _: (o_self, lse_self), None)
