@@ -19,9 +19,9 @@ Per model, in a subprocess of its own (so each has the whole device):
 - batch-256 decode (qwen3_next; prompt 512, 128 new tokens): the same step, tokens/s, and its bytes floor
   (weights once, 256 sequences' KV at the mean context and their state read and written);
 - prefill of one 8,192-token prompt (`max_tokens=1`, the median of 5 calls after the one that compiles): ms, and
-  the model FLOPs' share of the bf16 matmul rate measured in the same process (XLA, 8192^3). Model FLOPs: 2 x the matmul weights a token
-  passes (the LM head once per prompt, not per token) x tokens, plus causal attention (2 x T^2 x heads x head
-  dim per full-attention layer); the linear layers' recurrences are not counted.
+  the model FLOPs' share of the bf16 matmul rate measured in the same process (XLA, 8192^3). Model FLOPs: 2 x
+  the matmul weights a token passes (the LM head once per prompt, not per token) x tokens, plus causal attention
+  (2 x T^2 x heads x head dim per full-attention layer); the linear layers' recurrences are not counted.
 
 On the H200 (no network), with the serving wheels and fla's carried in the git-ignored `.whl/` (fla-core and
 flash-linear-attention 0.6.0 are pure Python: `pip download --no-deps --only-binary=:all: --python-version 3.12
@@ -282,8 +282,8 @@ def main(argv=None) -> int:
         tmp = keep or scratch
         for name in a.only.split(","):
             out = os.path.join(tmp, f"{name}.json")
-            cmd = ([sys.executable, "-m", "benchmarks.floors", "--worker", name, "--out", out] + (["--tiny"] if a.tiny else [])
-                   + (["--prefill-only"] if a.prefill_only else []))
+            cmd = [sys.executable, "-m", "benchmarks.floors", "--worker", name, "--out", out]
+            cmd += (["--tiny"] if a.tiny else []) + (["--prefill-only"] if a.prefill_only else [])
             log(f"== {name}")
             try:
                 rc = subprocess.run(cmd, timeout=a.timeout).returncode

@@ -631,7 +631,8 @@ def main():
     info["copy"] = bwinfo
     copy_bw = bwinfo.get("torch_tbps", bwinfo.get("jnp_tbps", 4.0))
     for name, fn in (("decode", bench_gdn_decode), ("paged", lambda q: bench_paged_decode(q, copy_bw)),
-                     ("chunk", bench_gdn_chunk), ("probe", lambda q: probe_cudnn_packed()), ("prefill", bench_paged_prefill), ("chunk_ab", bench_gdn_chunk_ab),
+                     ("chunk", bench_gdn_chunk), ("probe", lambda q: probe_cudnn_packed()),
+                     ("prefill", bench_paged_prefill), ("chunk_ab", bench_gdn_chunk_ab),
                      ("suffix", bench_paged_prefill_suffix)):
         if name in only:
             try:

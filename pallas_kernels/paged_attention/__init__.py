@@ -67,8 +67,9 @@ def paged_attention(
 
     `new_kv`: this step's keys and values `([T, KVH, D], [T, KVH, D])`, packed like q (and already written into
     the pages; a decode step ignores them). With them a ragged Pallas prefill runs split: `self_impl` ("cudnn"
-    or "reference") attends the step's tokens among themselves, the Pallas kernel their rows' earlier keys. None: "cudnn" on the GPU where
-    it applies (`AUTO_CUDNN_PREFILL`, bf16/fp16, no sliding window or soft cap, no mesh), else no split.
+    or "reference") attends the step's tokens among themselves, the Pallas kernel their rows' earlier keys.
+    None: "cudnn" on the GPU where it applies (`AUTO_CUDNN_PREFILL`, bf16/fp16, no sliding window or soft cap,
+    no mesh), else no split.
     """
     if impl not in _IMPLS:
         raise ValueError(f"unknown paged attention {impl=}; choose one of {_IMPLS}")
