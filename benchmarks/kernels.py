@@ -436,6 +436,13 @@ def matmul_rate():
     return rate
 
 
+def split_prefill(cu):
+    """The engine's prefill attention, jitted: `(q, k_pages, v_pages, tables, token_seq, positions, k_new, v_new)`
+    -> (o, lse), the step's own tokens by cuDNN and the rows' cached prefixes by the Pallas kernel."""
+    return jax.jit(lambda *a: paged_attention(*a[:6], cu_seqlens=cu, impl="pallas", new_kv=a[6:], self_impl="cudnn",
+                                              return_lse=True))
+
+
 def bench_paged_prefill(quick):
     B, L, H, KVH, D, BS = 8, 2048, 16, 2, 256, 16
     T, M = B * L, L // BS
@@ -494,8 +501,7 @@ def bench_paged_prefill(quick):
         record("paged_prefill", shape, ours, "cuDNN attention, unpaged (XLA)", t_d, err, rel, 2e-2,
                f"{note}; cuDNN {flops / (t_d[0] * 1e-3) / 1e12:.1f} TFLOP/s, rel err {e_d[1]:.2e}")
         # the engine's path: the step's tokens by cuDNN (packed rows), the (here empty) prefixes by the kernel
-        split = jax.jit(lambda *a: paged_attention(*a[:6], cu_seqlens=cu, impl="pallas", new_kv=a[6:],
-                                                   self_impl="cudnn", return_lse=True))
+        split = split_prefill(cu)
         sargs = args + (k.reshape(T, KVH, D), v.reshape(T, KVH, D))
         got_o, got_lse = split(*sargs)
         e_o = errors(np.asarray(got_o[idx], np.float32), np.asarray(want_o, np.float32))
@@ -578,8 +584,7 @@ def bench_paged_prefill_suffix(quick):
         rows_, pos_ = np.repeat(np.arange(B), S), np.tile(np.arange(C, L), B)
         pages_ = tables[rows_, pos_ // BS]
         k_new, v_new = k_pages[pages_, pos_ % BS], v_pages[pages_, pos_ % BS]  # [B*S, KVH, D]
-        split = jax.jit(lambda *a: paged_attention(*a[:6], cu_seqlens=cu, impl="pallas", new_kv=a[6:],
-                                                   self_impl="cudnn", return_lse=True))
+        split = split_prefill(cu)
         got_o, got_lse = split(*args, k_new, v_new)
         e_o = errors(np.asarray(got_o[idx], np.float32), np.asarray(want_o, np.float32))
         e_l = errors(np.asarray(got_lse[idx]), np.asarray(want_lse))

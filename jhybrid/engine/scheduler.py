@@ -191,11 +191,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _tokens_left(self, seq: Sequence) -> int:
+        """Tokens `seq` may still generate beyond those it has or has in flight (max_tokens, max_model_len)."""
+        return min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens)
+
     def _ends_by_length(self, seq: Sequence) -> bool:
         """Whether `seq`'s tokens in flight already reach its length limit (max_tokens or max_model_len): the
         read that brings them ends it (by length, or earlier by a stop), so a step that feeds them is wasted."""
-        return bool(seq.num_pending) and (seq.num_generated >= seq.params.max_tokens
-                                          or seq.num_tokens >= self.max_model_len)
+        return bool(seq.num_pending) and self._tokens_left(seq) <= 0
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """Ends a sequence (stop, length, abort, error) and returns its blocks and slot."""
@@ -540,7 +543,7 @@ class Scheduler:
         device block freed: a preemption frees all of the victim's blocks at once (a long victim covers many
         steps of growth), an offload only the blocks it moves."""
         cost = self.cost_model
-        steps = min(seq.params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens)
+        steps = self._tokens_left(seq)
         victim = self.running[-1]
         tokens = victim.num_computed
         preempt = cost.recompute_seconds(tokens)
