@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention import self_attention
 from pallas_kernels.paged_attention.self_attention import packed_causal_attention, prefix_positions
 from tests.test_kernels_pallas import _paged_inputs, assert_close
 from tests.test_paged_prefill_pallas import _with_padding
@@ -40,8 +41,12 @@ def _new_kv(args, token_seq, positions, n_real):
             jnp.asarray(np.concatenate([v, np.full((pad, *v.shape[1:]), np.nan, v.dtype)])))
 
 
+@pytest.mark.parametrize("skip_empty_prefix", [False, True])
 @pytest.mark.parametrize("lengths,new,h,kvh,d,bs", CASES)
-def test_split_prefill_matches_reference(lengths, new, h, kvh, d, bs):
+def test_split_prefill_matches_reference(lengths, new, h, kvh, d, bs, skip_empty_prefix, monkeypatch):
+    # both forms of a step without prefixes: the prefix part run (the default) and skipped by a `lax.cond`
+    monkeypatch.setattr(self_attention, "SKIP_EMPTY_PREFIX", skip_empty_prefix)
+    jax.clear_caches()  # a trace of the other setting must not be reused
     rng = np.random.default_rng(sum(lengths) + d)
     args, cu = _with_padding(_paged_inputs(rng, lengths, new, h, kvh, d, bs, jnp.float32), lengths, new)
     real = int(cu[-1])

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
@@ -79,10 +80,30 @@ class Fp8Weight:
         return self.w.dtype
 
 
+# XLA's GPU simplifier rewrites a dot of fewer multiply-adds than this as an elementwise product over the whole
+# weight plus a reduction (two kernels, three times the weight's bytes): at one row that is every projection of
+# 4096 x 2048 or less, 27 us instead of ~6 us on the H200 (issue 20, `benchmarks/device_loop.py`). `linear` pads
+# the rows of such a dot up to this size when its weight is large enough to matter; 0 turns that off.
+MIN_GEMM_MACS = 10_000_000
+_MIN_PADDED_WEIGHT = 1 << 20  # elements: smaller weights (routers, gates) are cheap either way
+
+
+def _gemm_rows(m: int, k: int, n: int) -> int:
+    """The rows `x` is padded to for a `[m, k] x [k, n]` dot (m itself when no padding is needed)."""
+    if not MIN_GEMM_MACS or m * k * n >= MIN_GEMM_MACS or k * n < _MIN_PADDED_WEIGHT:
+        return m
+    return -(-MIN_GEMM_MACS // (k * n)) + 1  # the threshold's comparison is not ours to rely on: one row more
+
+
 def linear(x: Float[Array, "... K"], w: Array | Fp8Weight) -> Float[Array, "... N"]:
     """`x @ w`: a plain matmul, or the block-wise FP8 matmul for an `Fp8Weight` (FP8 tensor cores on a GPU that has
-    them, else its jnp reference), in `x`'s dtype; per shard (`jax.shard_map`) for a weight split over a mesh."""
+    them, else its jnp reference), in `x`'s dtype; per shard (`jax.shard_map`) for a weight split over a mesh. A
+    plain matmul of few rows is padded with zero rows up to a GEMM's size (`MIN_GEMM_MACS`)."""
     if not isinstance(w, Fp8Weight):
+        if x.ndim == 2 and w.ndim == 2:
+            rows = _gemm_rows(x.shape[0], *w.shape)
+            if rows > x.shape[0]:
+                return (jnp.pad(x, ((0, rows - x.shape[0]), (0, 0))) @ w)[: x.shape[0]]
         return x @ w
     lead = x.shape[:-1]
     x = x.reshape(-1, x.shape[-1])  # [M, K]

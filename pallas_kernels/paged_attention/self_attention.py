@@ -17,6 +17,8 @@ composition is tested on the CPU; cuDNN itself is checked against the paged refe
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -98,6 +100,13 @@ def _cudnn(q, k, v, cu_seqlens, row, scale):
     return o[0], lse
 
 
+# whether a step with no prefix at all skips the prefix part through a `lax.cond` (JHYBRID_PREFIX_SKIP=1). Off by
+# default: XLA's runtime reads the cond's predicate back to the host, so the program's call waits for the device to
+# reach it in every prefill step. Served at 64 streams on the H200, same machine (session 28): 7,060 tok/s and ITL
+# p99 29.6 ms with the cond, 8,269 tok/s and 20.2 ms without; its gain is ~0.5 ms per 16k fresh tokens per layer.
+SKIP_EMPTY_PREFIX = os.environ.get("JHYBRID_PREFIX_SKIP", "0") == "1"
+
+
 def prefix_positions(positions: Int[Array, "T"], cu_seqlens: Int[Array, "B+1"]) -> Int[Array, "T"]:
     """Each token's row's last position before this step (its row's first new position - 1): attending up to it
     reads the row's prefix only. -1 for fresh rows and padding tokens (the Pallas kernel skips those)."""
@@ -109,7 +118,7 @@ def prefix_positions(positions: Int[Array, "T"], cu_seqlens: Int[Array, "B+1"]) 
 def split_prefill_attention(q, k, v, cu_seqlens, positions, prefix_attention, *, scale: float, impl: str = "cudnn"):
     """The step's self-attention (`packed_causal_attention`) merged with `prefix_attention(prefix_positions)`,
     a callable returning (o, lse) of the queries over their rows' keys up to the given positions (the Pallas
-    kernel), skipped when no row has a prefix. Returns (o in q's dtype, lse fp32)."""
+    kernel), skipped when no row has a prefix if `SKIP_EMPTY_PREFIX`. Returns (o in q's dtype, lse fp32)."""
     o_self, lse_self = packed_causal_attention(q, k, v, cu_seqlens, scale=scale, impl=impl)
     before = prefix_positions(positions, cu_seqlens)
 
@@ -117,8 +126,8 @@ def split_prefill_attention(q, k, v, cu_seqlens, positions, prefix_attention, *,
         o_pre, lse_pre = prefix_attention(before)
         return merge_attention(o_self, lse_self, o_pre.astype(o_self.dtype), lse_pre)
 
-    # a step of fresh prompts only skips the prefix kernel and the merge (their layout passes cost ~0.5 ms per 16k
-    # tokens of a layer on the H200, session 27). XLA's runtime reads the predicate back to pick the branch, as it
-    # does for the sampler's conds: the program call still returns at once (session 15), but the device may idle
-    # briefly at each such point, in every prefill step (not measured in serving yet)
+    # with SKIP_EMPTY_PREFIX a step of fresh prompts only skips the prefix kernel and the merge (their layout passes
+    # cost ~0.5 ms per 16k tokens of a layer on the H200, session 27), at the price of a predicate read (above)
+    if not SKIP_EMPTY_PREFIX:
+        return with_prefix(None)
     return jax.lax.cond(jnp.any(before >= 0), with_prefix, lambda _: (o_self, lse_self), None)

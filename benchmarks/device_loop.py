@@ -1,0 +1,277 @@
+"""Batch-1 decode with the host out of the loop: how much of a token's time is the device's (issue 20).
+
+    PYTHONPATH=. python3 -m benchmarks.device_loop [--models qwen3_next,nemotron_h,minimax] [--steps 64]
+        [--trace DIR] [--json out.json] [--tiny]
+
+For each model of `benchmarks.floors` (random bf16 weights made on the device), after a 512-token prefill of
+one sequence, a decode token is timed three ways:
+
+- `call`: the jitted decode forward called once per token, back to back, on device-resident inputs (what a
+  step costs when the host only dispatches it: the program's call, its CUDA-graph launch and the device);
+- `loop`: `--steps` decode steps inside one program (`lax.fori_loop`; each step's greedy token, position and
+  KV slot computed on the device and fed to the next), so no host work sits between steps;
+- `engine`: `LLM.generate`'s steady decode step at batch 1 (`benchmarks.fp8.decode_steps`, as `floors`).
+
+Beside them the bytes floor of `floors` (weights a token reads + the fp32 state read and written + the KV, at
+the same run's read bandwidth). With `--trace`, the loop is traced once more and its kernels are summed by name
+per token (kernel time, launches per token, the top kernels). `loop` against `call` is the host's share of a
+step that a device-side multi-step decode would remove; `loop` against the floor is the device's own excess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import dataclasses
+import glob
+import gzip
+import importlib
+import json
+import os
+import re
+import time
+
+import numpy as np
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def _decode_inputs(runner, table, slot, position: int, token: int):
+    import jax
+    import jax.numpy as jnp
+
+    from jhybrid.models import RowSpec, make_batch
+
+    batch = make_batch([RowSpec([token], position, table, slot)], block_size=runner.block_size,
+                       max_blocks_per_seq=runner.max_blocks, num_tokens=1, num_rows=1)
+    return jax.tree.map(jnp.asarray, batch)
+
+
+def make_loop(cfg, block_size: int, steps: int):
+    """A jitted program of `steps` greedy batch-1 decode steps; returns (tokens [steps], state)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jhybrid.models import forward
+
+    def run(params, state, batch):
+        def body(i, carry):
+            state, batch, tokens = carry
+            logits, state = forward(cfg, params, state, batch, decode=True)
+            token = jnp.argmax(logits[0]).astype(jnp.int32)
+            pos = batch.positions + 1
+            page = batch.block_tables[0, pos[0] // block_size]
+            batch = dataclasses.replace(batch, token_ids=token[None], positions=pos,
+                                        slot_mapping=(page * block_size + pos[0] % block_size)[None])
+            return state, batch, tokens.at[i].set(token)
+
+        state, _, tokens = jax.lax.fori_loop(0, steps, body, (state, batch, jnp.zeros((steps,), jnp.int32)))
+        return tokens, state
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
+def kernel_sums(folder: str, per: int, top: int) -> dict:
+    """Device kernels of the trace in `folder`, summed by name and divided by `per`."""
+    (trace,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    pids = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu = {pid for pid, n in pids.items() if "GPU" in n.upper() and "HOST" not in n.upper()} or set(pids)
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu:
+            total[e["name"]] += e.get("dur", 0)
+            count[e["name"]] += 1
+    return dict(kernel_ms=sum(total.values()) / per / 1e3, launches=sum(count.values()) / per,
+                top=[(k, v / per / 1e3, count[k] / per) for k, v in total.most_common(top)])
+
+
+_SHAPE = re.compile(r"\b(bf16|f16|f32|s32|u32|s8|u8|pred|f8e4m3fn)\[([0-9,]*)\]")
+_ITEMSIZE = dict(bf16=2, f16=2, f32=4, s32=4, u32=4, s8=1, u8=1, pred=1, f8e4m3fn=1)
+
+
+def fusion_bytes(hlo: str) -> dict[str, int]:
+    """For each instruction of the optimized HLO text, the bytes of its result and operands as printed
+    (`%name = TYPE[dims] op(TYPE[dims] %a, ...)`): what a kernel of that name moves at least once."""
+    out = {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*)", line)
+        if not m:
+            continue
+        head = m.group(2).split(", calls=")[0].split(", kind=")[0]
+        total = 0
+        for dtype, dims in _SHAPE.findall(head):
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            total += n * _ITEMSIZE[dtype]
+        out[m.group(1)] = total
+    return out
+
+
+def small_dots(tiny: bool) -> list[dict]:
+    """The decode projections' dot at 1-4 rows on its own: its median time, and whether XLA compiled it as a GEMM
+    or as an elementwise product plus a reduction (a `reduce` in the optimized HLO)."""
+    import jax
+    import jax.numpy as jnp
+
+    shapes = [(64, 32), (128, 64)] if tiny else [(4096, 2048), (2048, 2048), (5632, 2048), (2048, 11264)]
+    out = []
+    for k, n in shapes:
+        w = jax.random.normal(jax.random.key(0), (k, n), jnp.bfloat16)
+        for m in (1, 2, 3, 4):
+            x = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+            f = jax.jit(lambda x, w: x @ w)
+            text = f.lower(x, w).compile().as_text()
+            f(x, w).block_until_ready()
+            times = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                f(x, w).block_until_ready()
+                times.append(time.perf_counter() - t0)
+            r = dict(m=m, k=k, n=n, macs=m * k * n, us=float(np.median(times)) * 1e6,
+                     reduce=" reduce(" in text, gemm="gemm" in text or "custom-call" in text)
+            log(f"dot [{m},{k}] x [{k},{n}] ({m * k * n / 1e6:.1f} M MACs): {r['us']:.1f} us (host-timed call), "
+                f"{'reduce' if r['reduce'] else 'no reduce'}, {'GEMM' if r['gemm'] else 'no GEMM'}")
+            out.append(r)
+    return out
+
+
+def one_model(name: str, args) -> dict:
+    import jax
+
+    from benchmarks.decode_step import random_params
+    from benchmarks.floors import byte_counts, hf_config, read_bandwidth
+    from jhybrid.config import ModelConfig
+    from jhybrid.models.params import flatten_shapes, param_shapes
+    from tests.runner_helpers import SequenceRunner, _step
+
+    cfg = ModelConfig.from_hf(hf_config(name, args.tiny))
+    counts = byte_counts(cfg, flatten_shapes(param_shapes(cfg)))
+    bw = read_bandwidth(args.tiny)
+    prompt = 32 if args.tiny else 512
+    runner = SequenceRunner(cfg, random_params(cfg), max_len=prompt + 2 * args.steps + 64)
+    jax.block_until_ready(runner.params)
+    table, slot = runner.start()
+    logits = runner.step([t % cfg.vocab_size for t in range(1, prompt + 1)], 0, table, slot)
+    position, token = prompt, int(np.argmax(np.asarray(logits)))
+    experts = counts["experts"] * (counts["top_k"] / counts["num_experts"] if counts["num_experts"] else 1)
+    floor = (counts["dense"] + experts + 2 * counts["state"] + counts["kv_per_token"] * (prompt + args.steps)) / bw * 1e3
+    row = dict(model=name, floor_ms=floor, read_tbps=bw / 1e12)
+
+    # call: one program call per token, inputs on the device (the token is not fed back: same work per step)
+    batch = _decode_inputs(runner, table, slot, position, token)
+    kw = dict(decode=True, all_logits=False, kernel_impl="auto", interpret=False)
+    for _ in range(3):
+        logits, runner.state = _step(cfg, runner.params, runner.state, batch, **kw)
+    jax.block_until_ready(logits)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            logits, runner.state = _step(cfg, runner.params, runner.state, batch, **kw)
+        jax.block_until_ready(logits)
+        times.append((time.perf_counter() - t0) / args.steps * 1e3)
+    row["call_ms"] = float(np.median(times))
+
+    # loop: the steps in one program
+    loop = make_loop(cfg, runner.block_size, args.steps)
+    t0 = time.perf_counter()
+    tokens, runner.state = loop(runner.params, runner.state, batch)
+    jax.block_until_ready(tokens)
+    row["loop_compile_s"] = time.perf_counter() - t0
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        tokens, runner.state = loop(runner.params, runner.state, batch)
+        jax.block_until_ready(tokens)
+        times.append((time.perf_counter() - t0) / args.steps * 1e3)
+    row["loop_ms"] = float(np.median(times))
+    if args.hlo:
+        text = loop.lower(runner.params, runner.state, batch).compile().as_text()
+        with open(os.path.join(args.hlo, f"{name}.hlo.txt"), "w") as f:
+            f.write(text)
+        operand_bytes = fusion_bytes(text)
+    if args.trace:
+        folder = os.path.join(args.trace, name)
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            tokens, runner.state = loop(runner.params, runner.state, batch)
+            jax.block_until_ready(tokens)
+        row["loop_kernels"] = kernel_sums(folder, args.steps, args.top)
+        if args.hlo:  # each top kernel's operand + result bytes and the bandwidth they imply
+            row["loop_kernels"]["top"] = [(k, ms, c, operand_bytes.get(k)) for k, ms, c in row["loop_kernels"]["top"]]
+    del runner
+    row["engine_ms"] = engine_step(cfg, args) if args.engine else None
+    return row
+
+
+def engine_step(cfg, args) -> float:
+    import jhybrid
+    from benchmarks.decode_step import random_params
+    from benchmarks.fp8 import decode_steps
+    from jhybrid.model_loader import LoadedModel
+
+    prompt, new = (32, 8) if args.tiny else (512, 64)
+    llm = jhybrid.LLM(LoadedModel(cfg=cfg, params=random_params(cfg), tokenizer=None), dtype=None, max_num_seqs=1,
+                      max_model_len=prompt + 2 * new + 8, max_num_batched_tokens=64 if args.tiny else 2048)
+    return decode_steps(llm, 1, prompt, new)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3_next,nemotron_h,minimax", help="comma-separated, from benchmarks.floors")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per timed round (and in the loop program)")
+    ap.add_argument("--trace", default=None, help="trace the loop once into DIR/<model> and print its kernels")
+    ap.add_argument("--top", type=int, default=15, help="kernels printed per model with --trace")
+    ap.add_argument("--no-engine", dest="engine", action="store_false", help="skip the LLM.generate row")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--small-dots", action="store_true", help="first, the decode projections' dots alone at 1-4 rows")
+    ap.add_argument("--hlo", default=None, help="write the loop program's optimized HLO to DIR/<model>.hlo.txt; with "
+                    "--trace, each top kernel's bytes (result + operands) and bandwidth")
+    ap.add_argument("--tiny", action="store_true", help="the floors' tiny configs (a CPU check of the script)")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module switch first, e.g. jhybrid.models.quant.FENCE_HEADS=False (a Python literal)")
+    args = ap.parse_args(argv)
+    for item in args.set:
+        target, _, value = item.partition("=")
+        module, _, name = target.rpartition(".")
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            ap.error(f"--set {item}: {module} has no {name}")
+        setattr(mod, name, ast.literal_eval(value))
+        log(f"{target} = {getattr(mod, name)!r}")
+    rows = []
+    if args.small_dots:
+        rows.append(dict(model="small_dots", dots=small_dots(args.tiny)))
+    for name in filter(None, args.models.split(",")):
+        rows.append(one_model(name, args))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        r = rows[-1]
+        if "loop_kernels" in r:
+            k = r["loop_kernels"]
+            log(f"[{name}] loop kernels per token: {k['kernel_ms']:.3f} ms in {k['launches']:.0f} launches")
+            for kname, ms, c, *nbytes in k["top"]:
+                extra = ""
+                if nbytes and nbytes[0]:
+                    extra = f"  {nbytes[0] / 1e6:7.2f} MB  {nbytes[0] * c / ms / 1e9:6.2f} TB/s"
+                log(f"  {ms:8.4f} ms  x{c:5.1f}{extra}  {kname[:100]}")
+    log("\n| model | floor ms | call ms | loop ms | engine ms | call / floor | loop / floor | engine / floor |")
+    log("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if r["model"] == "small_dots":
+            continue
+        e = r["engine_ms"]
+        log(f"| {r['model']} | {r['floor_ms']:.3f} | {r['call_ms']:.3f} | {r['loop_ms']:.3f} | "
+            f"{'-' if e is None else f'{e:.3f}'} | {r['call_ms'] / r['floor_ms']:.2f}x | "
+            f"{r['loop_ms'] / r['floor_ms']:.2f}x | {'-' if e is None else f'{e / r['floor_ms']:.2f}x'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
