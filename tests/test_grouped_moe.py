@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +29,20 @@ from pallas_kernels.grouped_matmul import (
 )
 from tests.test_kernels_pallas import assert_close, lower_for_h200
 
+gm = importlib.import_module("pallas_kernels.grouped_matmul")
 
+
+@pytest.mark.parametrize("by_counting", [True, False])
 @pytest.mark.parametrize("num_pairs,num_experts,block_m", [(1, 4, 16), (24, 6, 16), (40, 3, 16), (300, 64, 16),
                                                             (64, 8, 32)])
-def test_expert_tiles_lay_out_every_pair_in_a_tile_of_its_expert(num_pairs, num_experts, block_m):
+def test_expert_tiles_lay_out_every_pair_in_a_tile_of_its_expert(num_pairs, num_experts, block_m, by_counting,
+                                                                 monkeypatch):
     """Every pair lands in its own row, inside a tile of its expert, in its order among its expert's pairs; `row_pair`
     inverts `pair_row`; tiles after the last run are unused (-1); pairs of experts outside `[0, E)` are dropped; the
-    static tile count covers the worst case (every expert with a partly filled tile). Checked to fail with the pairs
-    of each expert taken in reverse order, and with `num_tiles` leaving out the partial tiles."""
+    static tile count covers the worst case (every expert with a partly filled tile). Both ways of ranking a pair
+    among its expert's (counting, the small steps' way, and a stable sort). Checked to fail with the pairs of each
+    expert taken in reverse order, with `num_tiles` leaving out the partial tiles, and with the counted rank one off."""
+    monkeypatch.setattr(gm, "RANK_BY_COUNTING_MAX", 1 << 30 if by_counting else 0)
     rng = np.random.default_rng(num_pairs)
     ids = rng.integers(-1, num_experts + 1, num_pairs)  # some outside [0, E): dropped
     pair_row, row_pair, tile_expert = (np.asarray(a) for a in expert_tiles(jnp.asarray(ids), num_experts, block_m))
@@ -48,8 +55,9 @@ def test_expert_tiles_lay_out_every_pair_in_a_tile_of_its_expert(num_pairs, num_
     assert (tile_expert[rows // block_m] == ids[valid]).all()
     assert (row_pair[rows] == np.flatnonzero(valid)).all()
     assert (np.delete(row_pair, rows) == num_pairs).all()  # every other row is padding
-    for e in range(num_experts):  # stable: an expert's pairs keep their order
-        assert (np.diff(pair_row[ids == e]) > 0).all()
+    for e in range(num_experts):  # stable: an expert's pairs keep their order, in the first rows of its run
+        rows_e = pair_row[ids == e]
+        assert (np.diff(rows_e) == 1).all() and (rows_e.size == 0 or rows_e[0] % block_m == 0)
     used = tile_expert >= 0
     assert used.sum() == sum(-(-np.sum(ids == e) // block_m) for e in range(num_experts))
     assert not used[used.argmin():].any() if not used.all() else True  # unused tiles only at the end

@@ -219,3 +219,25 @@ def test_step_programs_use_cublas_gemms_on_the_gpu_unless_xla_flags_say(monkeypa
     assert default_compiler_options("cpu") is None
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=true")
     assert default_compiler_options("gpu") is None
+
+
+def test_graph_conditionals_switch_lists_every_default_kind_and_parses(monkeypatch):
+    # The option replaces XLA's list of command-buffer kinds, so the switch must name the defaults too; the value must
+    # also be one XLA parses (a "+CONDITIONAL" is refused: checked). Fails if the switch adds nothing, drops a default
+    # kind, or yields a value XLA rejects (compiled here on the CPU, whose DebugOptions parse the same option).
+    import jax
+    import jax.numpy as jnp
+
+    from jhybrid.engine import runner
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(runner, "GRAPH_CONDITIONALS", True)
+    options = runner.default_compiler_options("gpu")
+    kinds = options["xla_gpu_enable_command_buffer"].split(",")
+    assert {"CONDITIONAL", "WHILE"} <= set(kinds)
+    assert {"FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "DYNAMIC_SLICE_FUSION"} <= set(kinds)
+    f = jax.jit(lambda x: jax.lax.cond(x.sum() > 0, lambda y: y + 1, lambda y: y - 1, x))
+    compiled = f.lower(jnp.ones(3)).compile(compiler_options={"xla_gpu_enable_command_buffer": ",".join(kinds)})
+    assert list(compiled(jnp.ones(3))) == [2.0, 2.0, 2.0]
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")  # the user's choice wins
+    assert "xla_gpu_enable_command_buffer" not in runner.default_compiler_options("gpu")

@@ -92,14 +92,31 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 _ROW_MATRICES = {"block_tables": lambda m: m, "recent": lambda m: MAX_BAN_TOKENS - 1}  # [B, ...] fields
 
 
+# the step programs' conditionals (the sampler's `lax.cond`s) as CUDA-graph conditional nodes, evaluated on the
+# device, instead of XLA's default: the runtime copies each predicate to the host and waits for the device to reach
+# it, so the next program's launch cannot be queued ahead. Off until measured (an A/B switch,
+# JHYBRID_GRAPH_CONDITIONALS=1): a prefill cond of the same kind cost 15% of served throughput (RESULTS, session 28)
+GRAPH_CONDITIONALS = os.environ.get("JHYBRID_GRAPH_CONDITIONALS", "0") == "1"
+# XLA's default command-buffer kinds (its DebugOptions defaults), to which GRAPH_CONDITIONALS adds CONDITIONAL
+# and WHILE: the option replaces the list, it cannot add to it
+_DEFAULT_GRAPH_KINDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+
+
 def default_compiler_options(backend: str) -> dict[str, str | bool | int] | None:
     """XLA options for the step programs on `backend`. On the GPU: matmuls through cuBLAS, not Triton GEMM
     fusions (`xla_gpu_enable_triton_gemm=false`): the autotuner then only picks among cuBLAS algorithms, which cut
     the step programs' cold compilation by about a third on the H200 with the steps as fast (benchmarks/
-    RESULTS.md, "Session 18"). An `xla_gpu_enable_triton_gemm` in XLA_FLAGS is the user's choice and is kept."""
-    if backend != "gpu" or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", ""):
+    RESULTS.md, "Session 18"). An `xla_gpu_enable_triton_gemm` in XLA_FLAGS is the user's choice and is kept;
+    so is an `xla_gpu_enable_command_buffer` there, over GRAPH_CONDITIONALS."""
+    if backend != "gpu":
         return None
-    return {"xla_gpu_enable_triton_gemm": False}
+    flags = os.environ.get("XLA_FLAGS", "")
+    options: dict[str, str | bool | int] = {}
+    if "xla_gpu_enable_triton_gemm" not in flags:
+        options["xla_gpu_enable_triton_gemm"] = False
+    if GRAPH_CONDITIONALS and "xla_gpu_enable_command_buffer" not in flags:
+        options["xla_gpu_enable_command_buffer"] = _DEFAULT_GRAPH_KINDS + ",CONDITIONAL,WHILE"
+    return options or None
 
 
 def _pow2(n: int, minimum: int) -> int:

@@ -395,7 +395,8 @@ def _layout(cu_seqlens, num_tokens: int, batch: int, c: int) -> _Layout:
     chunks_per_row = jnp.where(row_len > 1, (row_len + c - 1) // c, 0)  # [B]
     row_chunks = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(chunks_per_row)])
     ids = jnp.arange(num_chunks, dtype=jnp.int32)
-    chunk_row = jnp.clip(jnp.searchsorted(row_chunks[1:], ids, side="right"), 0, batch - 1)
+    # compare_all: one fusion (the default `scan` is a while loop the GPU drives from the host)
+    chunk_row = jnp.clip(jnp.searchsorted(row_chunks[1:], ids, side="right", method="compare_all"), 0, batch - 1)
     chunk_start = cu[chunk_row] + (ids - row_chunks[chunk_row]) * c
     chunk_len = jnp.where(ids < row_chunks[-1], jnp.minimum(c, cu[chunk_row + 1] - chunk_start), 0)
     chunk_start = jnp.where(chunk_len > 0, chunk_start, 0)

@@ -35,6 +35,12 @@ def default_block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if mean < 24 else 64 if mean < 256 else 128
 
 
+# `expert_tiles` ranks pairs within their expert by counting (a [P, E + 1] one-hot and its running sum) while the
+# one-hot has at most this many elements, and by a stable sort beyond: a sort on the GPU is several kernels and
+# device copies a layer (MiniMax's batch-1 step: ~20 launches of its ~62 per layer), the counting form two fusions
+RANK_BY_COUNTING_MAX = 1 << 21
+
+
 def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) -> tuple[Array, Array, Array]:
     """The expert-sorted row layout of P (token, expert) pairs; a pair whose expert is outside `[0, E)` is dropped
     (another device's expert under expert splitting). Returns
@@ -47,19 +53,26 @@ def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) ->
     m = tiles_total * block_m
     valid = (expert_ids >= 0) & (expert_ids < num_experts)
     e = jnp.where(valid, expert_ids, num_experts).astype(jnp.int32)  # dropped pairs: a last group of their own
-    counts = jnp.bincount(e, length=num_experts + 1)[:num_experts]  # [E]
+    if p * (num_experts + 1) <= RANK_BY_COUNTING_MAX:
+        onehot = (e[:, None] == jnp.arange(num_experts + 1, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [P, E+1]
+        running = jnp.cumsum(onehot, axis=0)  # [P, E+1]: pairs of each expert up to and including this one
+        counts = running[-1, :num_experts]  # [E]
+        rank = jnp.take_along_axis(running, e[:, None], axis=1)[:, 0] - 1  # [P]: earlier pairs of the same expert
+    else:
+        counts = jnp.bincount(e, length=num_experts + 1)[:num_experts]  # [E]
+        order = jnp.argsort(e, stable=True)  # [P]
+        first_pair = jnp.cumsum(counts) - counts  # [E]: where each expert's pairs start in sorted order
+        sorted_rank = jnp.arange(p, dtype=jnp.int32) - first_pair[jnp.minimum(e[order], num_experts - 1)]
+        rank = jnp.zeros(p, jnp.int32).at[order].set(sorted_rank.astype(jnp.int32))
     tiles = (counts + block_m - 1) // block_m  # [E]
     tile_end = jnp.cumsum(tiles)  # [E]
     row_start = (tile_end - tiles) * block_m  # [E]: the first row of each expert's run
-    first_pair = jnp.cumsum(counts) - counts  # [E]: where each expert's pairs start in sorted order
-    order = jnp.argsort(e, stable=True)  # [P]
-    sorted_e = e[order]
-    safe_e = jnp.minimum(sorted_e, num_experts - 1)
-    rows = row_start[safe_e] + jnp.arange(p, dtype=jnp.int32) - first_pair[safe_e]
-    rows = jnp.where(sorted_e < num_experts, rows, m)
-    pair_row = jnp.zeros(p, jnp.int32).at[order].set(rows.astype(jnp.int32))
+    pair_row = jnp.where(valid, row_start[jnp.minimum(e, num_experts - 1)] + rank, m).astype(jnp.int32)
     row_pair = jnp.full(m, p, jnp.int32).at[pair_row].set(jnp.arange(p, dtype=jnp.int32), mode="drop")
-    tile_expert = jnp.searchsorted(tile_end, jnp.arange(tiles_total, dtype=tile_end.dtype), side="right")
+    # each tile's expert (`compare_all`: one comparison and sum; the default method is a `scan`, an XLA while loop
+    # that the GPU runs from the host, iteration by iteration, with device copies of its carry)
+    tile_expert = jnp.searchsorted(tile_end, jnp.arange(tiles_total, dtype=tile_end.dtype), side="right",
+                                   method="compare_all")
     tile_expert = jnp.where(tile_expert < num_experts, tile_expert, -1).astype(jnp.int32)
     return pair_row, row_pair, tile_expert
 

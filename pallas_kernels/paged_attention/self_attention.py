@@ -39,7 +39,8 @@ def cudnn_supported(q, k_pages) -> bool:
 def token_rows(cu_seqlens: Int[Array, "B+1"], num_tokens: int) -> tuple[Array, Array]:
     """Each packed token's row `[T]` (clipped to B - 1 for padding tokens) and whether it is a real token `[T]`."""
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    row = jnp.searchsorted(cu_seqlens[1:], t, side="right").astype(jnp.int32)
+    # compare_all: T x B comparisons in one fusion; the default `scan` is a while loop the GPU runs from the host
+    row = jnp.searchsorted(cu_seqlens[1:], t, side="right", method="compare_all").astype(jnp.int32)
     return jnp.minimum(row, cu_seqlens.shape[0] - 2), t < cu_seqlens[-1]
 
 
