@@ -35,10 +35,10 @@ def default_block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if mean < 24 else 64 if mean < 256 else 128
 
 
-# `expert_tiles` ranks pairs within their expert by counting (a [P, E + 1] one-hot and its running sum) while the
-# one-hot has at most this many elements, and by a stable sort beyond: a sort on the GPU is several kernels and
-# device copies a layer (MiniMax's batch-1 step: ~20 launches of its ~62 per layer), the counting form two fusions
-RANK_BY_COUNTING_MAX = 1 << 21
+# `expert_tiles` ranks pairs within their expert by comparing every pair with every other (a [P, P] mask, one
+# fusion) up to this many pairs, and by a stable sort beyond: a sort on the GPU is several kernels and device copies a
+# layer, a cost that matters in decode steps (few pairs)
+RANK_BY_COUNTING_MAX = 1024
 
 
 def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) -> tuple[Array, Array, Array]:
@@ -53,11 +53,11 @@ def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) ->
     m = tiles_total * block_m
     valid = (expert_ids >= 0) & (expert_ids < num_experts)
     e = jnp.where(valid, expert_ids, num_experts).astype(jnp.int32)  # dropped pairs: a last group of their own
-    if p * (num_experts + 1) <= RANK_BY_COUNTING_MAX:
-        onehot = (e[:, None] == jnp.arange(num_experts + 1, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [P, E+1]
-        running = jnp.cumsum(onehot, axis=0)  # [P, E+1]: pairs of each expert up to and including this one
-        counts = running[-1, :num_experts]  # [E]
-        rank = jnp.take_along_axis(running, e[:, None], axis=1)[:, 0] - 1  # [P]: earlier pairs of the same expert
+    if p <= RANK_BY_COUNTING_MAX:
+        ids = jnp.arange(p, dtype=jnp.int32)
+        earlier_same = (e[:, None] == e[None, :]) & (ids[None, :] < ids[:, None])  # [P, P]: q before p, same expert
+        rank = jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # [P]
+        counts = jnp.sum(e[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
     else:
         counts = jnp.bincount(e, length=num_experts + 1)[:num_experts]  # [E]
         order = jnp.argsort(e, stable=True)  # [P]
