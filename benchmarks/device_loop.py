@@ -79,7 +79,8 @@ def kernel_sums(folder: str, per: int, top: int) -> dict:
     (trace,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
     with gzip.open(trace) as f:
         events = json.load(f)["traceEvents"]
-    pids = {e["pid"]: e["args"].get("name", "") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    pids = {e["pid"]: e["args"].get("name", "") for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, n in pids.items() if "GPU" in n.upper() and "HOST" not in n.upper()} or set(pids)
     total, count = collections.Counter(), collections.Counter()
     for e in events:
@@ -160,7 +161,8 @@ def one_model(name: str, args) -> dict:
     logits = runner.step([t % cfg.vocab_size for t in range(1, prompt + 1)], 0, table, slot)
     position, token = prompt, int(np.argmax(np.asarray(logits)))
     experts = counts["experts"] * (counts["top_k"] / counts["num_experts"] if counts["num_experts"] else 1)
-    floor = (counts["dense"] + experts + 2 * counts["state"] + counts["kv_per_token"] * (prompt + args.steps)) / bw * 1e3
+    floor_bytes = counts["dense"] + experts + 2 * counts["state"] + counts["kv_per_token"] * (prompt + args.steps)
+    floor = floor_bytes / bw * 1e3
     row = dict(model=name, floor_ms=floor, read_tbps=bw / 1e12)
 
     # call: one program call per token, inputs on the device (the token is not fed back: same work per step)

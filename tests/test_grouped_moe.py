@@ -40,8 +40,9 @@ def test_expert_tiles_lay_out_every_pair_in_a_tile_of_its_expert(num_pairs, num_
     """Every pair lands in its own row, inside a tile of its expert, in its order among its expert's pairs; `row_pair`
     inverts `pair_row`; tiles after the last run are unused (-1); pairs of experts outside `[0, E)` are dropped; the
     static tile count covers the worst case (every expert with a partly filled tile). Both ways of ranking a pair
-    among its expert's (pairwise comparison, the small steps' way, and a stable sort). Checked to fail with the pairs of each
-    expert taken in reverse order, with `num_tiles` leaving out the partial tiles, and with the counted rank one off."""
+    among its expert's (pairwise comparison, the small steps' way, and a stable sort). Checked to fail with the
+    pairs of each expert taken in reverse order, with `num_tiles` leaving out the partial tiles, and with the
+    compared rank counting the pair itself."""
     monkeypatch.setattr(gm, "RANK_BY_COUNTING_MAX", 1 << 30 if by_counting else -1)
     rng = np.random.default_rng(num_pairs)
     ids = rng.integers(-1, num_experts + 1, num_pairs)  # some outside [0, E): dropped

@@ -22,7 +22,8 @@ from jhybrid.models.quant import _gemm_rows, linear
 def _padded_rows(x, w) -> int | None:
     """The rows of the dot `linear` runs for x @ w, when more than x's (None: not padded)."""
     # a new function each call: make_jaxpr caches a function's trace, which would hide a changed MIN_GEMM_MACS
-    (dot,) = [e for e in jax.make_jaxpr(lambda a, b: linear(a, b))(x, w).jaxpr.eqns if e.primitive.name == "dot_general"]
+    eqns = jax.make_jaxpr(lambda a, b: linear(a, b))(x, w).jaxpr.eqns
+    (dot,) = [e for e in eqns if e.primitive.name == "dot_general"]
     rows = dot.invars[0].aval.shape[0]
     return rows if rows > x.shape[0] else None
 
