@@ -2,6 +2,7 @@
 measured against, then the kernel rows of `benchmarks.kernels --quick`, all on one GPU in one call.
 
     PYTHONPATH=. python3 -m benchmarks.floors [--json out.json] [--only qwen3_next,nemotron_h,minimax] [--skip-kernels]
+        [--decode-only | --prefill-only]
     PYTHONPATH=. python -m benchmarks.floors --tiny --skip-kernels      # CPU smoke test (tiny shapes, no floors)
 
 Models (random bf16 weights made on the device, `benchmarks.decode_step.random_params`):
@@ -154,7 +155,7 @@ def matmul_tflops(tiny: bool) -> float:
 
 
 # ----------------------------------------------------------------------------------------- one model (subprocess)
-def worker(name: str, tiny: bool, out: str, prefill_only: bool = False) -> None:
+def worker(name: str, tiny: bool, out: str, prefill_only: bool = False, decode_only: bool = False) -> None:
     import jax
 
     from benchmarks.decode_step import random_params
@@ -182,7 +183,8 @@ def worker(name: str, tiny: bool, out: str, prefill_only: bool = False) -> None:
 
     if not prefill_only:
         decode_rows(model, name, tiny, counts, bw, row, save)
-    prefill_row(model, cfg, tiny, counts, rate, row, save, name)
+    if not decode_only:
+        prefill_row(model, cfg, tiny, counts, rate, row, save, name)
 
 
 def decode_rows(model, name, tiny, counts, bw, row, save) -> None:
@@ -265,13 +267,14 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="qwen3_next,nemotron_h,minimax", help="models, comma-separated")
     ap.add_argument("--skip-kernels", action="store_true", help="no `benchmarks.kernels --quick` run")
     ap.add_argument("--prefill-only", action="store_true", help="only the models' prefill rows")
+    ap.add_argument("--decode-only", action="store_true", help="only the models' decode rows")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test of the script)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per subprocess")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        worker(a.worker, a.tiny, a.out, a.prefill_only)
+        worker(a.worker, a.tiny, a.out, a.prefill_only, a.decode_only)
         return 0
     models, kernels, failed = [], [], []
     # each part's JSON lands beside --json as it is written, so a run cut short by a time limit keeps its rows
@@ -284,6 +287,7 @@ def main(argv=None) -> int:
             out = os.path.join(tmp, f"{name}.json")
             cmd = [sys.executable, "-m", "benchmarks.floors", "--worker", name, "--out", out]
             cmd += (["--tiny"] if a.tiny else []) + (["--prefill-only"] if a.prefill_only else [])
+            cmd += ["--decode-only"] if a.decode_only else []
             log(f"== {name}")
             try:
                 rc = subprocess.run(cmd, timeout=a.timeout).returncode
