@@ -32,10 +32,10 @@ from tests.test_kernels_pallas import assert_close, lower_for_h200
 gm = importlib.import_module("pallas_kernels.grouped_matmul")
 
 
-@pytest.mark.parametrize("by_counting", [True, False])
+@pytest.mark.parametrize("by_comparison", [True, False])
 @pytest.mark.parametrize("num_pairs,num_experts,block_m", [(1, 4, 16), (24, 6, 16), (40, 3, 16), (300, 64, 16),
                                                             (64, 8, 32)])
-def test_expert_tiles_lay_out_every_pair_in_a_tile_of_its_expert(num_pairs, num_experts, block_m, by_counting,
+def test_expert_tiles_lay_out_every_pair_in_a_tile_of_its_expert(num_pairs, num_experts, block_m, by_comparison,
                                                                  monkeypatch):
     """Every pair lands in its own row, inside a tile of its expert, in its order among its expert's pairs; `row_pair`
     inverts `pair_row`; tiles after the last run are unused (-1); pairs of experts outside `[0, E)` are dropped; the
@@ -43,7 +43,7 @@ def test_expert_tiles_lay_out_every_pair_in_a_tile_of_its_expert(num_pairs, num_
     among its expert's (pairwise comparison, the small steps' way, and a stable sort). Checked to fail with the
     pairs of each expert taken in reverse order, with `num_tiles` leaving out the partial tiles, and with the
     compared rank counting the pair itself."""
-    monkeypatch.setattr(gm, "RANK_BY_COUNTING_MAX", 1 << 30 if by_counting else -1)
+    monkeypatch.setattr(gm, "RANK_BY_COMPARISON_MAX", 1 << 30 if by_comparison else -1)
     rng = np.random.default_rng(num_pairs)
     ids = rng.integers(-1, num_experts + 1, num_pairs)  # some outside [0, E): dropped
     pair_row, row_pair, tile_expert = (np.asarray(a) for a in expert_tiles(jnp.asarray(ids), num_experts, block_m))

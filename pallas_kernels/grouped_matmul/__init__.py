@@ -38,7 +38,7 @@ def default_block_m(num_pairs: int, num_experts: int) -> int:
 # `expert_tiles` ranks pairs within their expert by comparing every pair with every other (a [P, P] mask, one
 # fusion) up to this many pairs, and by a stable sort beyond: a sort on the GPU is several kernels and device copies a
 # layer, a cost that matters in decode steps (few pairs)
-RANK_BY_COUNTING_MAX = 1024
+RANK_BY_COMPARISON_MAX = 1024
 
 
 def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) -> tuple[Array, Array, Array]:
@@ -53,7 +53,7 @@ def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) ->
     m = tiles_total * block_m
     valid = (expert_ids >= 0) & (expert_ids < num_experts)
     e = jnp.where(valid, expert_ids, num_experts).astype(jnp.int32)  # dropped pairs: a last group of their own
-    if p <= RANK_BY_COUNTING_MAX:
+    if p <= RANK_BY_COMPARISON_MAX:
         ids = jnp.arange(p, dtype=jnp.int32)
         earlier_same = (e[:, None] == e[None, :]) & (ids[None, :] < ids[:, None])  # [P, P]: q before p, same expert
         rank = jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # [P]
