@@ -21,18 +21,18 @@ step that a device-side multi-step decode would remove; `loop` against the floor
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import dataclasses
 import glob
 import gzip
-import importlib
 import json
 import os
 import re
 import time
 
 import numpy as np
+
+from benchmarks.switches import add_set_argument, apply_sets
 
 
 def log(*a):
@@ -235,17 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hlo", default=None, help="write the loop program's optimized HLO to DIR/<model>.hlo.txt; with "
                     "--trace, each top kernel's bytes (result + operands) and bandwidth")
     ap.add_argument("--tiny", action="store_true", help="the floors' tiny configs (a CPU check of the script)")
-    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                    help="set a module switch first, e.g. jhybrid.models.quant.FENCE_HEADS=False (a Python literal)")
+    add_set_argument(ap, "jhybrid.models.quant.MIN_GEMM_MACS=0")
     args = ap.parse_args(argv)
-    for item in args.set:
-        target, _, value = item.partition("=")
-        module, _, name = target.rpartition(".")
-        mod = importlib.import_module(module)
-        if not hasattr(mod, name):
-            ap.error(f"--set {item}: {module} has no {name}")
-        setattr(mod, name, ast.literal_eval(value))
-        log(f"{target} = {getattr(mod, name)!r}")
+    apply_sets(ap, args.set)
     rows = []
     if args.small_dots:
         rows.append(dict(model="small_dots", dots=small_dots(args.tiny)))

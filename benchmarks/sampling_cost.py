@@ -33,6 +33,7 @@ import os
 import numpy as np
 
 from benchmarks.decode_step import decode_step_times, random_model
+from benchmarks.switches import add_set_argument, apply_sets
 from benchmarks.trace_gaps import load as load_trace
 
 
@@ -90,22 +91,9 @@ def main(argv=None) -> int:
                         help="synth (default): a byte-level BPE tokenizer of 151,665 tokens (benchmarks/grammar_mask.py) "
                              "for the model's 151,936 ids, as Qwen's; bundled: the example's 4,096-token tokenizer, whose "
                              "147,840 ids beyond it made each grammar mask ~30x slower to fill (benchmarks/RESULTS.md)")
-    parser.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
-                        help="set a module switch before the engine is built, e.g. "
-                             "jhybrid.engine.sampling.TOP_K_CHUNK=2048 (repeatable; the value is a Python literal)")
+    add_set_argument(parser, "jhybrid.engine.sampling.TOP_K_CHUNK=2048")
     args = parser.parse_args(argv)
-
-    import ast
-    import importlib
-
-    for item in args.set:
-        target, value = item.split("=", 1)
-        module, name = target.rsplit(".", 1)
-        mod = importlib.import_module(module)
-        if not hasattr(mod, name):
-            parser.error(f"--set {item}: {module} has no {name}")
-        setattr(mod, name, ast.literal_eval(value))
-        print(f"{target} = {getattr(mod, name)!r}", flush=True)
+    apply_sets(parser, args.set)
 
     import jax
 
