@@ -155,7 +155,8 @@ def one_model(name: str, args) -> dict:
     counts = byte_counts(cfg, flatten_shapes(param_shapes(cfg)))
     bw = read_bandwidth(args.tiny)
     prompt = 32 if args.tiny else 512
-    runner = SequenceRunner(cfg, random_params(cfg), max_len=prompt + 2 * args.steps + 64)
+    params = random_params(cfg)  # made once: the engine row below runs on the same weights
+    runner = SequenceRunner(cfg, params, max_len=prompt + 2 * args.steps + 64)
     jax.block_until_ready(runner.params)
     table, slot = runner.start()
     logits = runner.step([t % cfg.vocab_size for t in range(1, prompt + 1)], 0, table, slot)
@@ -206,19 +207,18 @@ def one_model(name: str, args) -> dict:
         row["loop_kernels"] = kernel_sums(folder, args.steps, args.top)
         if args.hlo:  # each top kernel's operand + result bytes and the bandwidth they imply
             row["loop_kernels"]["top"] = [(k, ms, c, operand_bytes.get(k)) for k, ms, c in row["loop_kernels"]["top"]]
-    del runner
-    row["engine_ms"] = engine_step(cfg, args) if args.engine else None
+    del runner  # its state and KV pool
+    row["engine_ms"] = engine_step(cfg, params, args) if args.engine else None
     return row
 
 
-def engine_step(cfg, args) -> float:
+def engine_step(cfg, params, args) -> float:
     import jhybrid
-    from benchmarks.decode_step import random_params
     from benchmarks.fp8 import decode_steps
     from jhybrid.model_loader import LoadedModel
 
     prompt, new = (32, 8) if args.tiny else (512, 64)
-    llm = jhybrid.LLM(LoadedModel(cfg=cfg, params=random_params(cfg), tokenizer=None), dtype=None, max_num_seqs=1,
+    llm = jhybrid.LLM(LoadedModel(cfg=cfg, params=params, tokenizer=None), dtype=None, max_num_seqs=1,
                       max_model_len=prompt + 2 * new + 8, max_num_batched_tokens=64 if args.tiny else 2048)
     return decode_steps(llm, 1, prompt, new)
 
