@@ -105,6 +105,7 @@ METRIC_AFTER_READY = "jhybrid:programs_compiled_after_ready_total"
 STARTUP_LOG_RE = re.compile(r"(\d+)\s+(?:step\s+)?programs?\s+compiled\s+in\s+([0-9.]+)\s*s")
 XLA_COMPILE_RE = "Finished XLA compilation of"  # JAX_LOG_COMPILES: each backend compile, cache loads included
 CACHE_HIT_RE = "Persistent compilation cache hit for"
+OWN_LOG_RE = re.compile(r"(INFO|WARNING|ERROR) jhybrid")  # the server's log format: "LEVEL logger: message"
 LOG_CAP = 12 << 20  # bytes of each log file (the device run brings back files of up to 16 MiB)
 # seconds each later phase keeps when an earlier one runs long (the whole run has --time-budget)
 MIN_COLD, MIN_CACHED, MIN_LOAD, MIN_OFFLINE = 60, 60, 20, 120
@@ -137,6 +138,7 @@ class Child:
         self.start = time.perf_counter()
         self.num_xla_compiles = self.num_cache_hits = 0
         self.lines: list[str] = []
+        self.marks: list[str] = []  # the project's own log lines (not XLA's), stamped: where start-up time goes
         self._written = 0
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -157,6 +159,8 @@ class Child:
                     self.num_xla_compiles += 1
                 if CACHE_HIT_RE in line:
                     self.num_cache_hits += 1
+                if OWN_LOG_RE.match(line) and len(self.marks) < 200:
+                    self.marks.append(stamp + line[:400])
             if len(line) > 2000:  # JAX_LOG_COMPILES lists every argument's shape
                 line = line[:2000] + f" ... [{len(line) - 2000} more characters]"
             if self._written < LOG_CAP:
@@ -540,6 +544,7 @@ class Startup:
     compile_s: float | None = None
     after_ready: float | None = None
     error: str = ""
+    marks: list[str] = dataclasses.field(default_factory=list)  # the server's own log lines up to healthy
 
 
 def start_server(label: str, cmd_tail: list[str], env: dict, out: Path, timeout: float, echo: bool) -> Startup:
@@ -562,6 +567,8 @@ def start_server(label: str, cmd_tail: list[str], env: dict, out: Path, timeout:
         return st
     st = Startup(True, seconds, child, port)
     st.xla_compiles, st.cache_hits = child.counts()
+    with child._lock:
+        st.marks = list(child.marks)
     m = scrape(port)
     st.programs, st.compile_s, st.after_ready = (metric(m, METRIC_STARTUP_PROGRAMS), metric(m, METRIC_STARTUP_SECONDS),
                                                  metric(m, METRIC_AFTER_READY))
@@ -933,7 +940,11 @@ def main(argv=None) -> int:
             entries = sum(1 for _ in cache_dir.rglob("*") if _.is_file())
             starts[label] = {"ok": st.ok, "seconds": st.seconds, "xla_compiles": st.xla_compiles - st.cache_hits,
                              "xla_cache_hits": st.cache_hits, "startup_programs": st.programs,
-                             "startup_compile_s": st.compile_s, "after_ready": st.after_ready, "error": st.error}
+                             "startup_compile_s": st.compile_s, "after_ready": st.after_ready, "error": st.error,
+                             "log": st.marks}
+            for line in st.marks:
+                if "start-up" in line or "loaded" in line.lower():
+                    log(f"[serve] {label}: {line}")
             log(f"[serve] {label}: {'healthy' if st.ok else 'FAILED'} after {st.seconds:.1f} s; startup programs "
                 f"{fmt(st.programs, '.0f')} in {fmt(st.compile_s)} s; XLA compiles {st.xla_compiles - st.cache_hits}, "
                 f"cache hits {st.cache_hits}" + (f"; {st.error}" if st.error else ""))

@@ -177,6 +177,7 @@ class LLMEngine:
         self.num_preemptions = 0
         self.startup_programs_compiled = 0
         self.startup_compile_seconds = 0.0
+        self.startup_phases: dict[str, float] = {}  # seconds of each phase of `warmup`
         self._after_ready = None  # a CompileWatch once warmed up
         # host time per step by phase, and the time spent waiting for the device (`stats()`)
         self.timing = dict(num_steps=0, host_schedule_seconds=0.0, host_prepare_seconds=0.0,
@@ -209,24 +210,42 @@ class LLMEngine:
         t0 = time.perf_counter()
         grid = self.runner.program_grid(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)
         grid += self.runner.prompt_logprob_grid(self.scheduler.max_num_batched_tokens)
+        runner, phases = self.runner, {}
+        lower0, times0 = runner.lower_seconds, dict(runner.compile_times)
         with CompileWatch() as watch, tqdm(total=len(grid), desc="compiling step programs", unit="program",
                                            disable=not progress) as bar:
-            compiled = self.runner.compile_all(grid, threads=threads, progress=lambda key: bar.update())
+            t1 = time.perf_counter()
+            compiled = runner.compile_all(grid, threads=threads, progress=lambda key: bar.update())
             bar.update(len(grid) - bar.n)
+            phases["step programs"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
             for key in grid:
-                self.runner.warm(key)
-            self.runner.warm_slot_programs()
+                runner.warm(key)
+            phases["first runs"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            runner.warm_slot_programs()
             if self.prefix_mover is not None:
-                self.runner.state = self.prefix_mover.warm(self.runner.state)
+                runner.state = self.prefix_mover.warm(runner.state)
             if self.swapper is not None and self.scheduler.preemption_mode != "recompute":
-                self.runner.state = warm_swap_programs(self.swapper, self.runner.state,
-                                                       self.blocks.blocks_needed(self.max_model_len))
-        self.runner.seal()
+                runner.state = warm_swap_programs(self.swapper, runner.state,
+                                                  self.blocks.blocks_needed(self.max_model_len))
+            phases["slot programs"] = time.perf_counter() - t1
+        runner.seal()
+        t1 = time.perf_counter()
         if self.tokenizer is not None:  # the grammar library's view of the tokenizer (seconds at 150k tokens)
             try:
                 self._grammar_cache().warm()
             except (ImportError, ValueError) as e:
                 log.warning("structured output is unavailable: %s", e)
+        phases["grammar"] = time.perf_counter() - t1
+        self.startup_phases = phases
+        times = {k: v for k, v in runner.compile_times.items() if k not in times0}
+        slowest = ", ".join(f"{_bucket_name(k)} {v:.1f} s" for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:4])
+        log.info("start-up phases: step programs %.1f s (tracing %.1f s on this thread, %d XLA compiles taking "
+                 "%.1f s together%s), first runs %.1f s, slot programs %.1f s, grammar %.1f s",
+                 phases["step programs"], runner.lower_seconds - lower0, len(times), sum(times.values()),
+                 f"; slowest: {slowest}" if slowest else "", phases["first runs"], phases["slot programs"],
+                 phases["grammar"])
         # every program the process compiles from now on, each logged by name
         self.close()  # warmed up again: the last watch stops
         self._after_ready = CompileWatch(warn="after the engine was ready (a stall on the request path)",
@@ -765,6 +784,12 @@ class LLMEngine:
     def _end_isolation(self) -> None:
         self.scheduler.max_num_seqs = self._saved_max_num_seqs
         self._suspects = self._saved_max_num_seqs = None
+
+
+def _bucket_name(key: tuple) -> str:
+    """A step program's key as the logs name it: `decode:ROWS`, `mixed:TOKENS` (`+plp`: prompt logprobs)."""
+    decode, num_tokens, num_rows, *plp = key
+    return (f"decode:{num_rows}" if decode else f"mixed:{num_tokens}x{num_rows}") + ("+plp" if plp else "")
 
 
 class EngineFailure(RuntimeError):

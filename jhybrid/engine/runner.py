@@ -404,6 +404,8 @@ class ModelRunner:
 
             self.program_cache = ProgramCache(compilation.program_cache_dir)
         self.lower_seconds = 0.0
+        # seconds XLA took for each step program `compile_all` compiled (on its thread; loads not included)
+        self.compile_times: dict[tuple, float] = {}
         self.num_compiled_after_seal = 0
         self.compiled_shapes: set[tuple] = set()  # every (layout, decode, host layout) a step ran with
         self._all_allowed: dict[int, jax.Array] = {}  # [rows, W] all-ones grammar bitmasks (device), by rows
@@ -928,7 +930,10 @@ class ModelRunner:
         t0 = time.perf_counter()
 
         def build(key, low, cache_key):
-            return key, self._compile(low, cache_key)
+            t1 = time.perf_counter()
+            program = self._compile(low, cache_key)
+            self.compile_times[key] = time.perf_counter() - t1
+            return key, program
 
         def load(key):
             return key, self.program_cache.load(cache_keys[key])
