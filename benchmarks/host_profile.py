@@ -44,7 +44,7 @@ def phases(log: list) -> dict:
                          "schedule_ms": float(np.mean([r.scheduled - r.start for r in rs]) * 1e3),
                          "prepare_dispatch_ms": float(np.mean([r.dispatched - r.scheduled for r in rs]) * 1e3),
                          "device_wait_ms": float(np.mean([r.device_wait for r in rs]) * 1e3),
-                         "rest_ms": float(np.mean([r.end - r.dispatched - r.device_wait for r in rs]) * 1e3),
+                         "rest_ms": float(np.mean([r.rest for r in rs]) * 1e3),
                          "step_ms": float(np.mean([r.end - r.start for r in rs]) * 1e3),
                          "rows": float(np.mean([r.rows for r in rs])), "tokens": float(np.mean([r.tokens for r in rs]))}
     return out

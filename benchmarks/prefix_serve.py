@@ -124,7 +124,7 @@ def explain_ttft(results: list[dict], steps: list) -> dict:
             acc["schedule_ms"].append(sum(s.scheduled - s.start for s in window) * 1e3)
             acc["prepare_dispatch_ms"].append(sum(s.dispatched - s.scheduled for s in window) * 1e3)
             acc["device_wait_ms"].append(sum(s.device_wait for s in window) * 1e3)
-            acc["rest_of_loop_ms"].append(sum(s.end - s.dispatched - s.device_wait for s in window) * 1e3)
+            acc["rest_of_loop_ms"].append(sum(s.rest for s in window) * 1e3)
             acc["between_steps_ms"].append(sum(b.start - s.end for s, b in zip(window, window[1:])) * 1e3)
             acc["prompt_tokens_in_steps"].append(sum(s.prompt_tokens for s in window))
         out[name] = {"requests": len(group), **{k: float(np.mean(v)) for k, v in acc.items()}}

@@ -201,7 +201,7 @@ def host_phases(log, calls=None) -> dict[str, float]:
         return dict.fromkeys(HOST_PHASES, float("nan"))
     parts = {"schedule": [r.scheduled - r.start for r in steps], "prepare": [r.dispatched - r.scheduled for r in steps],
              "wait": [r.device_wait for r in steps],
-             "read+rest": [r.end - r.dispatched - r.device_wait for r in steps],
+             "read+rest": [r.rest for r in steps],
              "call": [c.returned - c.started for c in decode_calls] or [float("nan")],
              "drain": [c.drain_wait for c in decode_calls] or [float("nan")]}
     return {k: float(np.median(v)) * 1e3 for k, v in parts.items()}

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 FIELDS = ("start", "scheduled", "dispatched", "end", "rows", "tokens", "prompt_rows", "prompt_tokens", "restores",
-          "snapshots", "device_wait")
+          "snapshots", "device_wait", "read_start")
 
 
 def record(engine) -> None:

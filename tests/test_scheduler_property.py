@@ -1,7 +1,7 @@
 """Randomised property test of the scheduler and allocators (host only, no model).
 
 Hypothesis drives synthetic arrivals, engine steps (read one step behind, as the engine does, through the
-engine's own token handling `LLMEngine._postprocess` on random "sampled" tokens: EOS, length and
+engine's own token handling (`LLMEngine._read`: `_take_tokens` and `_finish_lit`) on random "sampled" tokens: EOS, length and
 max_model_len stops), aborts and the preemptions a small pool forces, and checks the invariants after every step: no block or
 slot held twice, used counts equal what sequences hold, every fed token has KV room, every row's tokens
 are known on the host or sampled by the previous step, and in the end every request finished (with a
@@ -12,6 +12,7 @@ position it stopped, and the host allocators agree with the entries.
 
 from __future__ import annotations
 
+import collections
 import random
 from types import SimpleNamespace
 
@@ -30,17 +31,20 @@ EOS = 0  # the token id that stops a sequence (unless it ignores EOS)
 
 
 class HostEngine(LLMEngine):
-    """The engine's host half without a model: its own `_postprocess` (append each sampling row's token unless
-    the sequence finished meanwhile, stop on EOS / stop ids / `max_tokens` / `max_model_len`) reads a step's
-    tokens, drawn at random from `vocab` ids (EOS among them) in place of a device's."""
+    """The engine's host half without a model: its own read (`LLMEngine._read`: append each sampling row's token
+    unless the sequence finished meanwhile, stop on EOS / stop ids / `max_tokens` / `max_model_len`) reads a
+    step's tokens, drawn at random from `vocab` ids (EOS among them) in place of a device's."""
 
     def __init__(self, scheduler: Scheduler, max_model_len: int, rng: random.Random, vocab: int = 20):
         self.scheduler, self.max_model_len, self.eos_token_ids = scheduler, max_model_len, frozenset({EOS})
         self.rng, self.vocab = rng, vocab
+        self.timing = collections.defaultdict(float)
 
     def read(self, step: SchedulerOutput) -> None:
         tokens = np.array([self.rng.randrange(self.vocab) for _ in step.rows])
-        self._postprocess(SimpleNamespace(sched=step), tokens, np.zeros(len(step.rows)), None, None)
+        logp = np.zeros(len(step.rows), np.float32)
+        self._read(SimpleNamespace(sched=step, plp_rows=(), fetch_tokens=lambda: (tokens, logp),
+                                   fetch=lambda: (tokens, logp, None, None), fetch_prompt_logprobs=lambda: None))
 
 
 def check_invariants(sched: Scheduler, blocks: BlockAllocator, slots: SlotAllocator, all_seqs: list[Sequence],

@@ -1,8 +1,9 @@
-"""The engine loop: schedule -> dispatch -> read the previous step -> stop handling.
+"""The engine loop: read a step's tokens -> schedule -> dispatch -> the read step's text and stop handling.
 
 `step()` dispatches step n+1 before it reads step n's sampled tokens (JAX dispatch is asynchronous), so
 tokenisation, stop checks and scheduling on the host overlap the device's work. A sequence that stops at
-step n was already scheduled into step n+1; that row's token is dropped.
+step n was already scheduled into step n+1; that row's token is dropped. A step's read comes in two halves
+around the next dispatch: its tokens and the stops they decide first, its text after (`step()`).
 
 Structured output (`SamplingParams.structured_outputs`, `jhybrid.engine.structured_output`): a request's grammar
 mask for its next token depends on the token step n sampled, which the host has not read when step n+1 is
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import weakref
 from typing import Any, NamedTuple
@@ -59,6 +61,11 @@ from jhybrid.model_loader import quantize
 
 log = logging.getLogger("jhybrid.engine")
 
+# `step()` writes a step's text, logprob entries and stop strings' effects after it dispatched the next step, so
+# that the device gets its next step sooner; off (JHYBRID_DEFER_POSTPROCESS=0): before scheduling, as through
+# session 28, for comparison (benchmarks/RESULTS.md, "Session 29")
+DEFER_POSTPROCESS = os.environ.get("JHYBRID_DEFER_POSTPROCESS", "1") != "0"
+
 
 def _tp_free_bytes(tensor_parallel_size: int) -> int | None:
     """Under tensor parallelism each device holds 1/N of the KV pool and of the state slots: the budget
@@ -72,9 +79,10 @@ def _tp_free_bytes(tensor_parallel_size: int) -> int | None:
 
 
 class StepRecord(NamedTuple):
-    """One engine step as `LLMEngine.step_log` records it: perf_counter seconds at its start, after scheduling,
-    after dispatching and at its end; its rows and tokens, those of prompts, the state restores and snapshots
-    it carried, and the seconds it waited for the device (reading the previous step)."""
+    """One engine step as `LLMEngine.step_log` records it: perf_counter seconds when its scheduling started,
+    after scheduling, after dispatching and at its end; its rows and tokens, those of prompts, the state restores
+    and snapshots it carried, the seconds it waited for the device (reading the step before last), and when the
+    `step()` call began (its read of that step's tokens comes before the scheduling)."""
 
     start: float
     scheduled: float
@@ -87,6 +95,14 @@ class StepRecord(NamedTuple):
     restores: int
     snapshots: int
     device_wait: float
+    read_start: float | None = None
+
+    @property
+    def rest(self) -> float:
+        """Seconds of the call spent neither scheduling, dispatching nor waiting for the device: reading the
+        results into the requests (before the scheduling and after the dispatch)."""
+        before = self.start - self.read_start if self.read_start is not None else 0.0
+        return before + self.end - self.dispatched - self.device_wait
 
 class LLMEngine:
     """The engine over a loaded model. `config` holds the options (`EngineConfig`; `options` replace its fields,
@@ -172,7 +188,10 @@ class LLMEngine:
         self.requests: dict[Any, Sequence] = {}
         self.grammars = None  # GrammarCache, made with the first structured-output request (or by warmup())
         self._grammar_waiting: list[tuple[Sequence, Any]] = []  # (sequence, future of its compiled grammar)
+        # the steps dispatched and not read yet: `_prev` the last, `_older` the one before it (`step()`)
         self._prev: StepResult | None = None
+        self._older: StepResult | None = None
+        self._lit: tuple | None = None  # (step, what `_take_tokens` left for `_finish_lit`) between the two
         self._arrivals = 0
         self.num_preemptions = 0
         self.startup_programs_compiled = 0
@@ -362,7 +381,7 @@ class LLMEngine:
         to run, waits a little for a compile rather than spinning."""
         from concurrent.futures import FIRST_COMPLETED, wait
 
-        if not self.scheduler.has_work() and self._prev is None:
+        if not self.scheduler.has_work() and self._prev is None and self._older is None:
             wait([f for _, f in self._grammar_waiting], timeout=0.05, return_when=FIRST_COMPLETED)
         failed, waiting = [], []
         for seq, future in self._grammar_waiting:
@@ -408,15 +427,34 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._prev is not None or bool(self._grammar_waiting)
+        return (self.scheduler.has_work() or self._prev is not None or self._older is not None
+                or bool(self._grammar_waiting))
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> list[Sequence]:
-        """One engine iteration; returns the sequences that got tokens or finished while reading."""
-        timing, t0 = self.timing, time.perf_counter()
-        start, wait0, sched, t1, t2 = t0, timing["device_wait_seconds"], None, t0, t0
-        current = None
+        """One engine iteration; returns the sequences that got tokens or finished while reading.
+
+        Two steps are in flight between calls: n+1 (`_older`) and n+2 (`_prev`). A call reads step n+1's tokens
+        into its sequences (waits for the device; EOS, stop tokens, length and grammar stops), schedules and
+        dispatches step n+3, then turns step n+1's tokens into text, log-probability entries and stop strings'
+        effects. That last part runs while the device works (`DEFER_POSTPROCESS`): the time from one step's end to
+        the next step's dispatch is then only the read, the scheduling and the dispatch (benchmarks/RESULTS.md,
+        "Session 29"). Sequences with stop strings are finished in the read, text included, as their stop
+        depends on the text."""
+        timing, entered = self.timing, time.perf_counter()
+        wait0, sched, current = timing["device_wait_seconds"], None, None
         updated = self._admit_compiled() if self._grammar_waiting else []
+        if self._older is not None:
+            older = self._older
+            self._lit = (older, self._take_tokens(older))  # waits for that step
+            self._older = None
+            if self._prev is not None and self._prev.needs_sampling:  # its masks wanted the tokens just read
+                self.runner.sample_split(self._prev)
+            if not DEFER_POSTPROCESS:
+                updated += self._finish_lit()
+        self._flush_transfers()
+        t0 = time.perf_counter()
+        t1 = t2 = t0
         if self.scheduler.has_work():
             sched = self.scheduler.schedule()
             t1 = time.perf_counter()
@@ -442,25 +480,28 @@ class LLMEngine:
                 current = self.runner.execute(sched, self._prev)
             t2 = time.perf_counter()
             timing["host_prepare_seconds"] += t2 - t1
-        if self._prev is not None:
-            updated += self._read(self._prev)
-        if current is not None and current.split is not None:  # its grammar masks wanted the tokens just read
-            self.runner.sample_split(current)
-        self._prev = current
+        updated += self._finish_lit()
+        if current is not None:
+            self._older, self._prev = self._prev, current
+        elif self._prev is not None:  # nothing new: the last step is read by the next call
+            self._older, self._prev = self._prev, None
+        timing["num_steps"] += 1
+        if self.step_log is not None and sched is not None:
+            prompt_rows = [r for r in sched.rows if r.start < len(r.seq.prompt_ids)]
+            self.step_log.append(StepRecord(t0, t1, t2, time.perf_counter(), len(sched.rows),
+                                            sum(r.num_tokens for r in sched.rows), len(prompt_rows),
+                                            sum(r.num_tokens for r in prompt_rows), len(sched.restores),
+                                            len(sched.snapshots), timing["device_wait_seconds"] - wait0, entered))
+        return updated
+
+    def _flush_transfers(self) -> None:
+        """Waits for the host copies that the last schedule started (before the next schedule commits them)."""
         if self.swapper is not None:
-            self.swapper.flush()  # the previous step is read, so swap-out data has (nearly) arrived
+            self.swapper.flush()  # the step before was read, so swap-out data has (nearly) arrived
         if self.prefix_mover is not None:
             self.prefix_mover.flush()  # likewise the prefix cache's demotions
         if self.offloader is not None:
             self.offloader.flush()  # before the next schedule() commits these offloads
-        timing["num_steps"] += 1
-        if self.step_log is not None and sched is not None:
-            prompt_rows = [r for r in sched.rows if r.start < len(r.seq.prompt_ids)]
-            self.step_log.append(StepRecord(start, t1, t2, time.perf_counter(), len(sched.rows),
-                                            sum(r.num_tokens for r in sched.rows), len(prompt_rows),
-                                            sum(r.num_tokens for r in prompt_rows), len(sched.restores),
-                                            len(sched.snapshots), timing["device_wait_seconds"] - wait0))
-        return updated
 
     def stats(self) -> dict[str, float]:
         """Memory use and preemption counts: the KV pool, state slots, host tier, swaps and recomputes."""
@@ -513,26 +554,107 @@ class LLMEngine:
         return out
 
     def _read_matchers(self, result: StepResult) -> None:
-        """Feeds the tokens of step `result` to its rows' grammar matchers ahead of its read (`_postprocess` then
+        """Feeds the tokens of step `result` to its rows' grammar matchers ahead of its read (`_take_tokens` then
         takes what each returned), for a next step whose masks are filled before its forward
         (`ModelRunner.execute`)."""
         t0 = time.perf_counter()
-        tokens = result.fetch()[0]
+        tokens = result.fetch_tokens()[0]
         self.timing["device_wait_seconds"] += time.perf_counter() - t0
         result.accepted = {i: row.seq.matcher.accept(int(tokens[i])) for i, row in enumerate(result.sched.rows)
                            if row.samples and not row.seq.is_finished and row.seq.matcher is not None}
 
     def _read(self, result: StepResult) -> list[Sequence]:
+        """Reads step `result` whole (its tokens, then their text): for callers outside `step()`."""
+        self._lit = (result, self._take_tokens(result))
+        return self._finish_lit()
+
+    def _take_tokens(self, result: StepResult) -> list:
+        """The first half of reading a step: waits for its tokens and appends them to their sequences, feeds the
+        grammar matchers and ends the sequences that stop by token (EOS, stop token ids), by length or by their
+        grammar; sequences with stop strings are read whole here. Returns, per row read, what `_finish_lit`
+        still has to do: (row index, sequence, token, finish reason or None, whether the row is done)."""
         t0 = time.perf_counter()
-        tokens, token_logp, top_lp, top_ids = result.fetch()  # waits for that step only
+        tokens, token_logp = result.fetch_tokens()  # waits for that step only
+        t1 = time.perf_counter()
+        self.timing["device_wait_seconds"] += t1 - t0
+        # Python lists once per step: indexing NumPy arrays per row and value is several times slower
+        tokens, token_logp = tokens.tolist(), token_logp.tolist()
+        accepted_early = getattr(result, "accepted", None)
+        top = None
+        todo = []
+        for i, row in enumerate(result.sched.rows):
+            if not row.samples:
+                continue
+            seq = row.seq
+            seq.num_pending -= 1
+            if seq.is_finished:
+                continue  # stopped or aborted after this step was dispatched
+            token = tokens[i]
+            seq.token_ids.append(token)
+            seq.token_logprobs.append(token_logp[i])
+            matcher = seq.matcher
+            accepted = accepted_early.get(i) if accepted_early is not None else None
+            if matcher is not None and not (matcher.accept(token) if accepted is None else accepted):
+                self.scheduler.finish(seq, "error", f"structured_outputs: the sampled token {token} is not allowed by "
+                                      "the grammar (allowed_token_ids, bad_words or min_tokens may exclude every "
+                                      "token the grammar allows here)")
+                todo.append((i, seq, token, "error", False))
+                continue
+            if seq.params.stop and seq.detok is not None:  # a stop string: the text decides, so read it now
+                if top is None:
+                    top = result.fetch()[2:]
+                self._add_logprobs(seq, i, *top)
+                text_before = seq.text
+                seq.text += seq.detok.add(token)
+                self._check_stop(seq, token, text_before)
+                self._grammar_stop(seq, text_before)
+                todo.append((i, seq, token, None, True))
+                continue
+            todo.append((i, seq, token, self._token_stop(seq, token), False))
+        self.timing["host_postprocess_seconds"] += time.perf_counter() - t1
+        return todo
+
+    def _finish_lit(self) -> list[Sequence]:
+        """The second half of reading the step whose tokens `_take_tokens` took: prompt logprobs, each token's
+        logprob entries and text, and the text's end where its sequence stopped. Returns the sequences read."""
+        if self._lit is None:
+            return []
+        result, todo = self._lit
+        self._lit = None
+        t0 = time.perf_counter()
         plp = result.fetch_prompt_logprobs()
+        _, _, top_lp, top_ids = result.fetch()
         t1 = time.perf_counter()
         self.timing["device_wait_seconds"] += t1 - t0
         if plp is not None:  # before the tokens: a request's first token comes with all its prompt's
             self._fill_prompt_logprobs(result.plp_rows, *plp)
-        updated = self._postprocess(result, tokens, token_logp, top_lp, top_ids)
+        if top_lp is not None:
+            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        updated = []
+        for i, seq, token, reason, done in todo:
+            updated.append(seq)
+            if done:
+                continue
+            self._add_logprobs(seq, i, top_lp, top_ids)
+            text_before = seq.text
+            if seq.detok is not None:
+                seq.text += seq.detok.add(token)
+            # (a grammar's end was checked with the token: its matcher may have taken the next step's since)
+            if reason in ("stop", "grammar"):
+                if not seq.params.include_stop_str_in_output:
+                    seq.text = text_before  # the stop token's text (EOS's is usually empty: a special token)
+                elif seq.detok is not None:
+                    seq.text += seq.detok.flush()
+            elif reason == "length" and seq.detok is not None:
+                seq.text += seq.detok.flush()
         self.timing["host_postprocess_seconds"] += time.perf_counter() - t1
         return updated
+
+    @staticmethod
+    def _add_logprobs(seq: Sequence, i: int, top_lp, top_ids) -> None:
+        if seq.params.logprobs is not None and top_lp is not None:
+            k = seq.params.logprobs
+            seq.logprobs.append(dict(zip(top_ids[i][:k], top_lp[i][:k])))
 
     @staticmethod
     def _fill_prompt_logprobs(plp_rows, lp, top_lp, top_ids) -> None:
@@ -546,44 +668,33 @@ class LLMEngine:
                         entry.setdefault(t, v)
                 seq.prompt_logprobs[first + j] = entry
 
-    def _postprocess(self, result: StepResult, tokens, token_logp, top_lp, top_ids) -> list[Sequence]:
-        updated = []
-        # Python lists once per step: indexing NumPy arrays per row and value is several times slower
-        tokens, token_logp = tokens.tolist(), token_logp.tolist()
-        if top_lp is not None:
-            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        for i, row in enumerate(result.sched.rows):
-            if not row.samples:
-                continue
-            seq = row.seq
-            seq.num_pending -= 1
-            if seq.is_finished:
-                continue  # stopped or aborted after this step was dispatched
-            token = tokens[i]
-            seq.token_ids.append(token)
-            seq.token_logprobs.append(token_logp[i])
-            if seq.params.logprobs is not None and top_lp is not None:
-                k = seq.params.logprobs
-                seq.logprobs.append(dict(zip(top_ids[i][:k], top_lp[i][:k])))
-            text_before = seq.text
-            if seq.detok is not None:
-                seq.text += seq.detok.add(token)
-            matcher = seq.matcher
-            accepted = result.accepted.get(i) if getattr(result, "accepted", None) is not None else None
-            if matcher is not None and not (matcher.accept(token) if accepted is None else accepted):
-                self.scheduler.finish(seq, "error", f"structured_outputs: the sampled token {token} is not allowed by "
-                                      "the grammar (allowed_token_ids, bad_words or min_tokens may exclude every "
-                                      "token the grammar allows here)")
-                updated.append(seq)
-                continue
-            self._check_stop(seq, token, text_before)
-            if matcher is not None and not seq.is_finished and matcher.terminated:
-                # the grammar took a stop token that does not stop this request by itself (ignore_eos): it is done
-                if not seq.params.include_stop_str_in_output:
-                    seq.text = text_before
-                self._finish(seq, "stop", flush=seq.params.include_stop_str_in_output)
-            updated.append(seq)
-        return updated
+    def _token_stop(self, seq: Sequence, token: int) -> str | None:
+        """`_check_stop` without the text, for a sequence with no stop strings: ends it on EOS or a stop token id
+        ("stop"), its length limit ("length") or its grammar's end ("grammar"; finished as "stop") and returns
+        that reason, else None. `_finish_lit` then writes the token's text as `_check_stop` would have."""
+        p = seq.params
+        num_output = len(seq.token_ids) - len(seq.prompt_ids)
+        if num_output >= p.min_tokens and ((not p.ignore_eos and token in self.eos_token_ids)
+                                           or token in p.stop_token_ids):
+            self.scheduler.finish(seq, "stop")
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+            return "length"
+        if seq.matcher is not None and seq.matcher.terminated:
+            # the grammar took a stop token that does not stop this request by itself (ignore_eos): it is done
+            self.scheduler.finish(seq, "stop")
+            return "grammar"
+        return None
+
+    def _grammar_stop(self, seq: Sequence, text_before: str) -> None:
+        """Ends `seq`, still running after `_check_stop`, whose grammar took a stop token that does not stop the
+        request by itself (ignore_eos)."""
+        matcher = seq.matcher
+        if matcher is not None and not seq.is_finished and matcher.terminated:
+            if not seq.params.include_stop_str_in_output:
+                seq.text = text_before
+            self._finish(seq, "stop", flush=seq.params.include_stop_str_in_output)
 
     def _check_stop(self, seq: Sequence, token: int, text_before: str) -> None:
         """Stops `seq` on EOS, a stop token id or a stop string (none of them before `min_tokens` tokens, as vLLM:
@@ -666,9 +777,11 @@ class LLMEngine:
 
     def _recover(self, error: Exception) -> tuple[list[Sequence], list[Sequence]]:
         sched = self.scheduler
-        touched = list(sched.running)
-        if self._prev is not None:  # the step being read
-            touched += [r.seq for r in self._prev.sched.rows if r.seq not in touched]
+        touched = self._finish_lit()  # a step whose tokens were taken: its text too
+        touched += [s for s in sched.running if s not in touched]
+        for step in (self._older, self._prev):  # the steps in flight
+            if step is not None:
+                touched += [r.seq for r in step.sched.rows if r.seq not in touched]
         suspects = [s for s in touched if not s.is_finished]
         if not suspects and sched.waiting:  # schedule() failed on the sequence it was admitting
             suspects = [sched.waiting[0]]
@@ -704,12 +817,13 @@ class LLMEngine:
         from jhybrid.engine.sequence import Status
 
         sched = self.scheduler
-        if self._prev is not None and self._prev.accepted:  # its tokens reached the matchers: take them back
-            rows = self._prev.sched.rows
-            for i, accepted in self._prev.accepted.items():
-                if rows[i].seq.matcher is not None:
-                    rows[i].seq.matcher.undo(accepted)
-        self._prev = None
+        for step in (self._older, self._prev):
+            if step is not None and step.accepted:  # its tokens reached the matchers: take them back
+                rows = step.sched.rows
+                for i, accepted in step.accepted.items():
+                    if rows[i].seq.matcher is not None:
+                        rows[i].seq.matcher.undo(accepted)
+        self._older = self._prev = self._lit = None
         seqs = [s for s in [*sched.running, *sched.waiting] if not s.is_finished]
         sched.running.clear()
         sched.waiting.clear()
@@ -772,13 +886,16 @@ class LLMEngine:
                 parked = True
         if not self._suspects:
             self._end_isolation()
-        if not parked or self._prev is None:
+        if not parked or (self._prev is None and self._older is None):
             return []
-        prev, self._prev = self._prev, None
-        updated = self._read(prev)  # a failure of the next step then cannot be blamed on the parked sequence
-        for part in (self.swapper, self.offloader, self.prefix_mover):
-            if part is not None:
-                part.flush()
+        updated = []
+        for step in (self._older, self._prev):  # a failure of the next step then cannot be blamed on the parked one
+            if step is not None:
+                if step.needs_sampling:
+                    self.runner.sample_split(step)
+                updated += self._read(step)
+        self._older = self._prev = None
+        self._flush_transfers()
         return updated
 
     def _end_isolation(self) -> None:

@@ -287,6 +287,7 @@ class StepResult:
         self._want_logprobs, self._pending = want_logprobs, pending
         self._outputs = outputs  # (out, top_logp, top_ids, [plp]) once the call has returned
         self._fetched = None
+        self._tokens = None
         self.accepted: dict[int, bool] | None = None
 
     def _get(self, i: int):
@@ -313,14 +314,26 @@ class StepResult:
             return _local(lp), None, None  # no row wants the top ones: they are zeros
         return _local(lp), _local(top_lp), _local(top_ids)
 
+    @property
+    def needs_sampling(self) -> bool:
+        """A split step whose sampling is not dispatched yet (`ModelRunner.sample_split`)."""
+        return self.split is not None and self._outputs is None and self._pending is None
+
+    def fetch_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, their logprobs) on the host; transferred once (waits for this step only)."""
+        if self._tokens is None:
+            out = _local(self.out)
+            self._tokens = out[0], out[1].view(np.float32)
+        return self._tokens
+
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """(tokens, their logprobs, top logprobs, top ids) on the host; transferred once (waits for this step
         only)."""
         if self._fetched is None:
-            out = _local(self.out)
+            tokens, logp = self.fetch_tokens()
             top_lp = _local(self.top_logp) if self.top_logp is not None else None
             top_ids = _local(self.top_ids) if self.top_ids is not None else None
-            self._fetched = out[0], out[1].view(np.float32), top_lp, top_ids
+            self._fetched = tokens, logp, top_lp, top_ids
         return self._fetched
 
 
