@@ -58,7 +58,8 @@ def _same(a: list[tuple], b: list[tuple]) -> None:
     for x, y in zip(a, b):
         assert (x[4] is None) == (y[4] is None)
         for u, v in zip(x[4] or (), y[4] or (), strict=True):
-            assert [(t, e.rank, e.decoded_token) for t, e in u.items()] == [(t, e.rank, e.decoded_token) for t, e in v.items()]
+            entries = lambda d: [(t, e.rank, e.decoded_token) for t, e in d.items()]  # noqa: E731
+            assert entries(u) == entries(v)
             assert [e.logprob for e in u.values()] == pytest.approx([e.logprob for e in v.values()], abs=1e-5)
 
 
