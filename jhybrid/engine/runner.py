@@ -94,8 +94,9 @@ _ROW_MATRICES = {"block_tables": lambda m: m, "recent": lambda m: MAX_BAN_TOKENS
 
 # the step programs' conditionals (the sampler's `lax.cond`s) as CUDA-graph conditional nodes, evaluated on the
 # device, instead of XLA's default: the runtime copies each predicate to the host and waits for the device to reach
-# it, so the next program's launch cannot be queued ahead. Off until measured (an A/B switch,
-# JHYBRID_GRAPH_CONDITIONALS=1): a prefill cond of the same kind cost 15% of served throughput (RESULTS, session 28)
+# it, so the next program's launch cannot be queued ahead. Off (JHYBRID_GRAPH_CONDITIONALS=1 turns it on): on the
+# H200 it moved neither the batch-64 step nor the sampling controls' cost (RESULTS, session 29); the prefill split's
+# cond, which cost 15% of served throughput (session 28), is off by default
 GRAPH_CONDITIONALS = os.environ.get("JHYBRID_GRAPH_CONDITIONALS", "0") == "1"
 # XLA's default command-buffer kinds (its DebugOptions defaults), to which GRAPH_CONDITIONALS adds CONDITIONAL
 # and WHILE: the option replaces the list, it cannot add to it
