@@ -114,3 +114,39 @@ def test_the_text_half_runs_after_the_next_dispatch(llm, monkeypatch):
         orders[defer] = set(pairs)
     assert orders[True] == {("dispatch", "text")}, orders
     assert orders[False] == {("text", "dispatch")}, orders
+
+
+def _serve(eng, prompts, sp, tag: str) -> list:
+    """Runs `prompts` as the server's engine thread does (`safe_step`: a step that raises fails its request)."""
+    seqs = [eng.add_request(f"{tag}-{i}", p, sp) for i, p in enumerate(prompts)]
+    while eng.has_unfinished():
+        eng.safe_step()
+    for seq in seqs:
+        eng.release(seq.request_id)
+    assert eng.blocks.num_used == 0 and eng.slots.num_used == 0
+    return [(s.finish_reason, s.text, s.output_ids) for s in seqs]
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "before-schedule"])
+def test_a_detokenizer_fault_in_the_text_half_fails_its_request_alone(llm, monkeypatch, defer):
+    """A detokenizer that raises on one request's tokens, in a step whose first row is that request: the request
+    fails, the others' text and tokens are what they are without the fault. Checked to fail: with the text half
+    stopping at the raising row (no per-row `try` in `_finish_lit`), the rows after it have their tokens taken
+    but not their text, and a token's text is missing from their output."""
+    monkeypatch.setattr(llm_engine, "DEFER_POSTPROCESS", defer)
+    eng, tok = llm.engine, llm.engine.tokenizer
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    others = [[30, 31, 32], [33, 34, 35], [36, 37, 38]]
+    ref = _serve(eng, others, sp, f"ref-{defer}")
+    real = tok.decode
+
+    def decode(ids, skip_special_tokens=True):
+        ids = list(ids)
+        if 406 in ids and len(ids) > 5:  # the first prompt's, once it has generated a few tokens
+            raise UnicodeError("injected decode fault")
+        return real(ids, skip_special_tokens=skip_special_tokens)
+
+    monkeypatch.setattr(tok, "decode", decode)
+    got = _serve(eng, [[42, 43, 406]] + others, sp, f"fault-{defer}")
+    assert got[0][0] == "error"
+    assert got[1:] == ref

@@ -480,11 +480,11 @@ class LLMEngine:
                 current = self.runner.execute(sched, self._prev)
             t2 = time.perf_counter()
             timing["host_prepare_seconds"] += t2 - t1
-        updated += self._finish_lit()
         if current is not None:
             self._older, self._prev = self._prev, current
         elif self._prev is not None:  # nothing new: the last step is read by the next call
             self._older, self._prev = self._prev, None
+        updated += self._finish_lit()  # after the steps in flight are recorded: it may raise (`_recover`)
         timing["num_steps"] += 1
         if self.step_log is not None and sched is not None:
             prompt_rows = [r for r in sched.rows if r.start < len(r.seq.prompt_ids)]
@@ -630,24 +630,29 @@ class LLMEngine:
             self._fill_prompt_logprobs(result.plp_rows, *plp)
         if top_lp is not None:
             top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-        updated = []
+        updated, error = [], None
         for i, seq, token, reason, done in todo:
             updated.append(seq)
             if done:
                 continue
-            self._add_logprobs(seq, i, top_lp, top_ids)
-            text_before = seq.text
-            if seq.detok is not None:
-                seq.text += seq.detok.add(token)
-            # (a grammar's end was checked with the token: its matcher may have taken the next step's since)
-            if reason in ("stop", "grammar"):
-                if not seq.params.include_stop_str_in_output:
-                    seq.text = text_before  # the stop token's text (EOS's is usually empty: a special token)
-                elif seq.detok is not None:
+            try:
+                self._add_logprobs(seq, i, top_lp, top_ids)
+                text_before = seq.text
+                if seq.detok is not None:
+                    seq.text += seq.detok.add(token)
+                # (a grammar's end was checked with the token: its matcher may have taken the next step's since)
+                if reason in ("stop", "grammar"):
+                    if not seq.params.include_stop_str_in_output:
+                        seq.text = text_before  # the stop token's text (EOS's is usually empty: a special token)
+                    elif seq.detok is not None:
+                        seq.text += seq.detok.flush()
+                elif reason == "length" and seq.detok is not None:
                     seq.text += seq.detok.flush()
-            elif reason == "length" and seq.detok is not None:
-                seq.text += seq.detok.flush()
+            except Exception as e:  # noqa: BLE001 - a detokenizer's fault: the other rows' text is still written
+                error = error or e
         self.timing["host_postprocess_seconds"] += time.perf_counter() - t1
+        if error is not None:  # their tokens were taken: a row left without its text would lose it for good
+            raise error
         return updated
 
     @staticmethod
