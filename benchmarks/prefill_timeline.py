@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     llm = jhybrid.LLM(model, dtype=None, max_num_seqs=1, max_model_len=a.length + 8, max_num_batched_tokens=a.length)
     engine = llm.engine
     events: list[tuple[str, float]] = []
-    execute, read = engine.runner.execute, engine._read
+    execute, read = engine.runner.execute, engine._take_tokens
 
     def timed_execute(sched, prev):
         events.append((f"call  {[r.num_tokens for r in sched.rows]} tokens", time.perf_counter()))
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
         events.append(("  read done", time.perf_counter()))
         return out
 
-    engine.runner.execute, engine._read = timed_execute, timed_read
+    engine.runner.execute, engine._take_tokens = timed_execute, timed_read
     sp = jhybrid.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     vocab = cfg.vocab_size
     for i in range(a.repeats + 1):

@@ -3,8 +3,8 @@
     PYTHONPATH=. python -m benchmarks.scheduler_cost [--rows 64] [--prompt 300] [--max-tokens 64] [--repeat 5]
 
 `--rows` sequences of distinct random `--prompt`-token prompts (no prefix shared, so the cache never hits) are
-scheduled and read back the way `LLMEngine.step` does (one step behind: the engine's own `_postprocess` appends a
-random token to every sampling row), until all have `--max-tokens` tokens. Printed per setting: microseconds per
+scheduled and read back the way `LLMEngine.step` does (one step behind: the engine's own read, `LLMEngine._read`,
+appends a random token to every sampling row), until all have `--max-tokens` tokens. Printed per setting: microseconds per
 step of `Scheduler.schedule()` and of reading the step back, over decode-only steps and over the steps with
 prompt tokens, the best of `--repeat` runs. This is the part of a served step's host time that the cache adds
 on a load without reuse (benchmarks/RESULTS.md, "Session 20": +0.5 ms a step at 64 rows on the H200's host).

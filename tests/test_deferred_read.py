@@ -150,3 +150,14 @@ def test_a_detokenizer_fault_in_the_text_half_fails_its_request_alone(llm, monke
     got = _serve(eng, [[42, 43, 406]] + others, sp, f"fault-{defer}")
     assert got[0][0] == "error"
     assert got[1:] == ref
+
+
+def test_logprob_entries_are_plain_numbers_whichever_half_reads_them(llm):
+    """A request with stop strings is read whole in the first half, the others in the second; both give logprob
+    entries keyed by Python ints with float values (a server writes them as JSON). Checked to fail: with the
+    first half taking the top logprobs as NumPy arrays, the stop-string request's keys are NumPy ints."""
+    params = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2, **kw)
+              for kw in (dict(stop=["\x00never"]), {})]
+    for r in llm.generate(PROMPTS[:2], params, use_tqdm=False):
+        entries = r.outputs[0].logprobs
+        assert entries and all(type(t) is int and type(e.logprob) is float for d in entries for t, e in d.items())

@@ -568,11 +568,12 @@ class LLMEngine:
         self._lit = (result, self._take_tokens(result))
         return self._finish_lit()
 
-    def _take_tokens(self, result: StepResult) -> list:
+    def _take_tokens(self, result: StepResult) -> tuple[list, tuple | None]:
         """The first half of reading a step: waits for its tokens and appends them to their sequences, feeds the
         grammar matchers and ends the sequences that stop by token (EOS, stop token ids), by length or by their
         grammar; sequences with stop strings are read whole here. Returns, per row read, what `_finish_lit`
-        still has to do: (row index, sequence, token, finish reason or None, whether the row is done)."""
+        still has to do: (row index, sequence, token, finish reason or None, whether the row is done); and the
+        step's top logprobs as lists if it read them (`_top_lists`), else None."""
         t0 = time.perf_counter()
         tokens, token_logp = result.fetch_tokens()  # waits for that step only
         t1 = time.perf_counter()
@@ -602,7 +603,7 @@ class LLMEngine:
                 continue
             if seq.params.stop and seq.detok is not None:  # a stop string: the text decides, so read it now
                 if top is None:
-                    top = result.fetch()[2:]
+                    top = _top_lists(result)
                 self._add_logprobs(seq, i, *top)
                 text_before = seq.text
                 seq.text += seq.detok.add(token)
@@ -612,24 +613,22 @@ class LLMEngine:
                 continue
             todo.append((i, seq, token, self._token_stop(seq, token), False))
         self.timing["host_postprocess_seconds"] += time.perf_counter() - t1
-        return todo
+        return todo, top
 
     def _finish_lit(self) -> list[Sequence]:
         """The second half of reading the step whose tokens `_take_tokens` took: prompt logprobs, each token's
         logprob entries and text, and the text's end where its sequence stopped. Returns the sequences read."""
         if self._lit is None:
             return []
-        result, todo = self._lit
+        result, (todo, top) = self._lit
         self._lit = None
         t0 = time.perf_counter()
         plp = result.fetch_prompt_logprobs()
-        _, _, top_lp, top_ids = result.fetch()
+        top_lp, top_ids = top if top is not None else _top_lists(result)
         t1 = time.perf_counter()
         self.timing["device_wait_seconds"] += t1 - t0
         if plp is not None:  # before the tokens: a request's first token comes with all its prompt's
             self._fill_prompt_logprobs(result.plp_rows, *plp)
-        if top_lp is not None:
-            top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
         updated, error = [], None
         for i, seq, token, reason, done in todo:
             updated.append(seq)
@@ -906,6 +905,13 @@ class LLMEngine:
     def _end_isolation(self) -> None:
         self.scheduler.max_num_seqs = self._saved_max_num_seqs
         self._suspects = self._saved_max_num_seqs = None
+
+
+def _top_lists(result: StepResult) -> tuple[list | None, list | None]:
+    """A step's top logprobs and their ids as Python lists (waits for them; None where no row asked): a row's
+    entries are then plain ints and floats."""
+    _, _, top_lp, top_ids = result.fetch()
+    return (None, None) if top_lp is None else (top_lp.tolist(), top_ids.tolist())
 
 
 def _bucket_name(key: tuple) -> str:
