@@ -781,7 +781,10 @@ class LLMEngine:
 
     def _recover(self, error: Exception) -> tuple[list[Sequence], list[Sequence]]:
         sched = self.scheduler
-        touched = self._finish_lit()  # a step whose tokens were taken: its text too
+        try:
+            touched = self._finish_lit()  # a step whose tokens were taken: its text too
+        except Exception:  # noqa: BLE001 - a detokenizer's fault as well: the other rows' text is written
+            touched = []
         touched += [s for s in sched.running if s not in touched]
         for step in (self._older, self._prev):  # the steps in flight
             if step is not None:
