@@ -26,7 +26,8 @@ OTHER = dict(dtype="float32", quantization="fp8", max_num_seqs=3, max_model_len=
              preemption_mode="swap", swap_transfer="pinned", swap_bandwidth_gbps=12.5, prefill_tokens_per_s=1000.0,
              kv_offload="copy", offload_policy="always", offload_overlap=False, offload_threads=2,
              offload_admission=True, tensor_parallel_size=1, warmup=True, enable_prefix_caching=True,
-             prefix_snapshot_slots=5, prefix_snapshot_interval=4, prefix_snapshot_prompt_end=True)
+             prefix_snapshot_slots=5, prefix_snapshot_interval=4, prefix_snapshot_prompt_end=True,
+             num_scheduler_steps=4)
 OTHERS = [OTHER]
 SUBCOMMANDS = {"generate": ([], GENERATE_DEFAULTS), "serve": (["--model", "m"], SERVE_DEFAULTS)}
 

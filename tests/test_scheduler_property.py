@@ -41,9 +41,11 @@ class HostEngine(LLMEngine):
         self.timing = collections.defaultdict(float)
 
     def read(self, step: SchedulerOutput) -> None:
-        tokens = np.array([self.rng.randrange(self.vocab) for _ in step.rows])
-        logp = np.zeros(len(step.rows), np.float32)
-        self._read(SimpleNamespace(sched=step, plp_rows=(), fetch_tokens=lambda: (tokens, logp),
+        """Reads `step`; a multi-step one (`burst` > 1) with `[burst, rows]` tokens, as the runner returns them."""
+        shape = (step.burst, len(step.rows)) if step.burst > 1 else (len(step.rows),)
+        tokens = np.array([self.rng.randrange(self.vocab) for _ in range(int(np.prod(shape)))]).reshape(shape)
+        logp = np.zeros(shape, np.float32)
+        self._read(SimpleNamespace(sched=step, plp_rows=(), fetch_tokens=lambda: (tokens, logp), burst=step.burst,
                                    fetch=lambda: (tokens, logp, None, None), fetch_prompt_logprobs=lambda: None))
 
 
@@ -72,8 +74,9 @@ def check_invariants(sched: Scheduler, blocks: BlockAllocator, slots: SlotAlloca
             held_slots.append(seq.slot)
         else:
             assert seq.block_table == [] and seq.slot == 0, f"{seq} holds memory while {seq.status}"
-        assert 0 <= seq.num_pending <= 2
-        assert seq.num_computed <= seq.num_tokens
+        assert 0 <= seq.num_pending <= 2 * sched.num_scheduler_steps
+        # (a sequence that stopped inside a multi-step decode step has computed positions past its end)
+        assert seq.num_computed <= seq.num_tokens or seq.is_finished
     assert len(held_blocks) == len(set(held_blocks)) == blocks.num_used, "a block is held twice or leaked"
     assert len(held_slots) == len(set(held_slots)) == slots.num_used, "a slot is held twice or leaked"
     assert blocks.num_used + blocks.num_free == blocks.capacity - 1
@@ -93,8 +96,13 @@ def check_invariants(sched: Scheduler, blocks: BlockAllocator, slots: SlotAlloca
     mode=st.sampled_from(["recompute", "swap", "swap", "auto"]),
     host_blocks=st.integers(2, 24),
     host_slots=st.integers(2, 5),
+    burst=st.sampled_from([1, 1, 3]),
 )
-def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, events, seed, mode, host_blocks, host_slots):
+def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, events, seed, mode, host_blocks, host_slots,
+                              burst):
+    """`burst` > 1: multi-step decode (`num_scheduler_steps`): its steps' rows may run several decode steps, each
+    grown the blocks it runs and stopped by its length limit; the read then ends each sequence at its first stop
+    among them (checked at the end)."""
     rng = random.Random(seed)
     max_model_len = 4 * block_size + rng.randrange(1, 40)
     num_blocks = -(-max_model_len // block_size) + 1 + extra_blocks  # always fits one full sequence
@@ -102,21 +110,27 @@ def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, event
     host = None if mode == "recompute" else HostAllocator(host_blocks, host_slots, block_size, block_bytes=100, slot_bytes=300)
     cost = SwapCostModel(h2d_bytes_per_s=1e3, d2h_bytes_per_s=1e3, prefill_tokens_per_s=rng.choice([1.0, 10.0, 1e3]))
     sched = Scheduler(blocks, slots, max_num_seqs=rng.randrange(1, num_slots), max_num_batched_tokens=budget,
-                      max_model_len=max_model_len, host=host, preemption_mode=mode, cost_model=cost)
+                      max_model_len=max_model_len, host=host, preemption_mode=mode, cost_model=cost,
+                      num_scheduler_steps=burst)
     engine = HostEngine(sched, max_model_len, rng)
     seqs: list[Sequence] = []
     prev = None
+    bursts = 0
 
     def step():
-        nonlocal prev
+        nonlocal prev, bursts
         out = sched.schedule() if sched.has_work() else None
         if out is not None:
             assert out.num_tokens <= budget and len(out.rows) <= sched.max_num_seqs
-            sampled_last = {id(r.seq) for r in prev.rows if r.samples} if prev is not None else set()
+            sampled_last = {id(r.seq): r.steps for r in prev.rows if r.samples} if prev is not None else {}
             for row in out.rows:
                 assert row.num_tokens >= 1 and row.seq.status is Status.RUNNING
-                known = len(row.seq.token_ids) + (1 if id(row.seq) in sampled_last else 0)
+                known = len(row.seq.token_ids) + sampled_last.get(id(row.seq), 0)
                 assert row.start + row.num_tokens <= known, f"{row.seq}: row needs tokens nobody sampled"
+                assert 1 <= row.steps <= out.burst and (row.steps == 1 or row.num_tokens == 1)
+                limit = min(row.seq.params.max_tokens + len(row.seq.prompt_ids), max_model_len)
+                assert row.seq.num_tokens <= limit, f"{row.seq}: steps past its length limit"
+            bursts += out.burst > 1
             assert len({id(r.seq) for r in out.rows}) == len(out.rows), "a sequence got two rows"
             resumed = {id(op.seq): op for op in out.swap_in}
             for row in out.rows:
@@ -157,6 +171,7 @@ def test_scheduler_invariants(block_size, extra_blocks, num_slots, budget, event
             assert not stops and (len(out) == s.params.max_tokens or len(s.token_ids) == max_model_len), (s, out)
     assert blocks.num_used == 0 and slots.num_used == 0
     assert all(s.num_pending == 0 for s in seqs)
+    assert burst > 1 or not bursts
     if host is not None:
         assert host.blocks.num_used == 0 and host.slots.num_used == 0 and not host.entries and not sched.swapped
 

@@ -69,6 +69,12 @@ class EngineConfig:
         "token bucket, a power of two, that this lands the step in: its program runs over the whole bucket): "
         "smaller lowers running streams' inter-token latency while prompts arrive, at a cost in throughput "
         "(measured on the H200 in benchmarks/RESULTS.md, sessions 16-17)", metavar="N", none="the step's whole budget")
+    num_scheduler_steps: int = _option(
+        1, "multi-step decode: while every running sequence decodes and none waits, run this many decode steps in "
+        "one program, each step's sampled tokens fed to the next on the device, and read them together (vLLM's "
+        "option of this name); at batches of up to 8 rows the host's work between steps is then paid once per N "
+        "tokens. Outputs are those of single steps. A sequence that stops early wastes the rest of its steps, and "
+        "streamed tokens arrive N at a time; 1: off", metavar="N")
     seed: int = _option(0, "seed of requests that give none", metavar="N")
     host_kv_memory_gb: float = _option(
         0.0, "host memory (GiB) for the KV blocks and state slots of preempted sequences (and, with prefix caching, "
@@ -131,7 +137,7 @@ class EngineConfig:
         "it, a step waits for the compile of each shape the first time it meets it", group="compilation")
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "num_scheduler_steps"):
             _check_count(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prefill_tokens_with_decodes",
                      "offload_threads", "prefix_snapshot_slots"):

@@ -184,7 +184,10 @@ class LLMEngine:
                                    max_prefill_tokens_with_decodes=config.max_prefill_tokens_with_decodes,
                                    prefix_cache=self.prefix_cache,
                                    token_bucket=lambda n: self.runner.buckets(False, 1, n)[1],
-                                   snapshot_budget=self._snapshot_budget if self.runner.step_snapshot_share else None)
+                                   snapshot_budget=self._snapshot_budget if self.runner.step_snapshot_share else None,
+                                   num_scheduler_steps=config.num_scheduler_steps if self.mesh is None else 1,
+                                   can_burst=self.runner.can_burst)
+        self.runner.burst_steps = self.scheduler.num_scheduler_steps
         self.requests: dict[Any, Sequence] = {}
         self.grammars = None  # GrammarCache, made with the first structured-output request (or by warmup())
         self._grammar_waiting: list[tuple[Sequence, Any]] = []  # (sequence, future of its compiled grammar)
@@ -229,6 +232,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         grid = self.runner.program_grid(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)
         grid += self.runner.prompt_logprob_grid(self.scheduler.max_num_batched_tokens)
+        grid += self.runner.burst_grid(self.scheduler.max_num_seqs)
         runner, phases = self.runner, {}
         lower0, times0 = runner.lower_seconds, dict(runner.compile_times)
         with CompileWatch() as watch, tqdm(total=len(grid), desc="compiling step programs", unit="program",
@@ -580,6 +584,9 @@ class LLMEngine:
         self.timing["device_wait_seconds"] += t1 - t0
         # Python lists once per step: indexing NumPy arrays per row and value is several times slower
         tokens, token_logp = tokens.tolist(), token_logp.tolist()
+        if getattr(result, "burst", 1) == 1:
+            tokens, token_logp = [tokens], [token_logp]
+        num_rows = len(tokens[0])
         accepted_early = getattr(result, "accepted", None)
         top = None
         todo = []
@@ -587,33 +594,39 @@ class LLMEngine:
             if not row.samples:
                 continue
             seq = row.seq
-            seq.num_pending -= 1
-            if seq.is_finished:
-                continue  # stopped or aborted after this step was dispatched
-            token = tokens[i]
-            seq.token_ids.append(token)
-            seq.token_logprobs.append(token_logp[i])
-            matcher = seq.matcher
-            accepted = accepted_early.get(i) if accepted_early is not None else None
-            if matcher is not None and not (matcher.accept(token) if accepted is None else accepted):
-                self.scheduler.finish(seq, "error", f"structured_outputs: the sampled token {token} is not allowed by "
-                                      "the grammar (allowed_token_ids, bad_words or min_tokens may exclude every "
-                                      "token the grammar allows here)")
-                todo.append((i, seq, token, "error", False))
-                continue
-            if seq.params.stop and seq.detok is not None:  # a stop string: the text decides, so read it now
-                if top is None:
-                    top = _top_lists(result)
-                self._add_logprobs(seq, i, *top)
-                text_before = seq.text
-                seq.text += seq.detok.add(token)
-                self._check_stop(seq, token, text_before)
-                self._grammar_stop(seq, text_before)
-                todo.append((i, seq, token, None, True))
-                continue
-            todo.append((i, seq, token, self._token_stop(seq, token), False))
+            for j in range(row.steps):  # a multi-step decode step's row: its inner steps' tokens in order
+                seq.num_pending -= 1
+                if not seq.is_finished:  # else stopped or aborted after this step was dispatched, or by a token
+                    top = self._take_token(result, seq, j * num_rows + i, tokens[j][i], token_logp[j][i],
+                                           accepted_early.get(i) if accepted_early is not None else None, todo, top)
         self.timing["host_postprocess_seconds"] += time.perf_counter() - t1
         return todo, top
+
+    def _take_token(self, result: StepResult, seq: Sequence, i: int, token: int, logp: float, accepted: bool | None,
+                    todo: list, top: tuple | None) -> tuple | None:
+        """`_take_tokens` for one token of `seq`, `i` its index in the step's top logprobs; returns them as lists
+        once read (else `top`)."""
+        seq.token_ids.append(token)
+        seq.token_logprobs.append(logp)
+        matcher = seq.matcher
+        if matcher is not None and not (matcher.accept(token) if accepted is None else accepted):
+            self.scheduler.finish(seq, "error", f"structured_outputs: the sampled token {token} is not allowed by "
+                                  "the grammar (allowed_token_ids, bad_words or min_tokens may exclude every "
+                                  "token the grammar allows here)")
+            todo.append((i, seq, token, "error", False))
+            return top
+        if seq.params.stop and seq.detok is not None:  # a stop string: the text decides, so read it now
+            if top is None:
+                top = _top_lists(result)
+            self._add_logprobs(seq, i, *top)
+            text_before = seq.text
+            seq.text += seq.detok.add(token)
+            self._check_stop(seq, token, text_before)
+            self._grammar_stop(seq, text_before)
+            todo.append((i, seq, token, None, True))
+            return top
+        todo.append((i, seq, token, self._token_stop(seq, token), False))
+        return top
 
     def _finish_lit(self) -> list[Sequence]:
         """The second half of reading the step whose tokens `_take_tokens` took: prompt logprobs, each token's
@@ -652,7 +665,7 @@ class LLMEngine:
         self.timing["host_postprocess_seconds"] += time.perf_counter() - t1
         if error is not None:  # their tokens were taken: a row left without its text would lose it for good
             raise error
-        return updated
+        return list(dict.fromkeys(updated)) if getattr(result.sched, "burst", 1) > 1 else updated
 
     @staticmethod
     def _add_logprobs(seq: Sequence, i: int, top_lp, top_ids) -> None:

@@ -39,6 +39,7 @@ logits; the outputs are replicated, so every process of a multi-process run read
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -55,8 +56,9 @@ import numpy as np
 from jhybrid.cache.state import CacheConfig, HybridState, copy_rows, copy_slots, init_state, zero_slots
 from jhybrid.config import ModelConfig
 from jhybrid.engine.heap import freeze_startup_heap
-from jhybrid.engine.sampling import (FLAG_PENALTIES, MAX_BAN_TOKENS, SamplingArrays, SamplingParams, SlotTables,
-                                     TokenHistory, prompt_logprobs, record_fed_tokens, sample)
+from jhybrid.engine.sampling import (FLAG_PENALTIES, MAX_BAN_TOKENS, MAX_LOGPROBS, SamplerPlan, SamplingArrays,
+                                     SamplingParams, SlotTables, TokenHistory, plan_for, prompt_logprobs,
+                                     record_fed_tokens, sample)
 from jhybrid.engine.slot_tables import SlotTableKeeper, recent_window
 from jhybrid.engine.structured_output import bitmask_width, fill_bitmask, new_bitmask
 from jhybrid.engine.scheduler import SchedulerOutput
@@ -67,6 +69,11 @@ from jhybrid import parallel
 log = logging.getLogger("jhybrid.engine")
 MIN_ROWS = 4  # smallest row bucket
 MIN_MIXED_TOKENS = 64  # smallest token bucket of a mixed (prefill) step
+# multi-step decode (`num_scheduler_steps` > 1): the most rows a step may have to run several decode steps in one
+# program (beyond them the device's step is long enough to hide the host's), and the sampler plans `warmup` builds
+# such programs for: greedy rows, and rows that sample (temperature, top-k / top-p); JHYBRID_MULTI_STEP_MAX_ROWS
+MULTI_STEP_MAX_ROWS = int(os.environ.get("JHYBRID_MULTI_STEP_MAX_ROWS", "8"))
+WARM_BURST_PLANS = (SamplerPlan(), SamplerPlan(draw=True), SamplerPlan(draw=True, filtered=True))
 SPLIT_COMPILE_THREAD = "jhybrid-split-compile"  # the thread that compiles split-step programs in the background
 # With prefix caching, a step program copies up to ceil(rows x this) of its rows' state into snapshot slots after
 # its forward (the pairs ride in its packed metadata), so the snapshots a step takes need no program call of their
@@ -87,6 +94,7 @@ _FIELDS = (
     ("want_logprobs", lambda t, b, m: b), ("flags", lambda t, b, m: b), ("prompt_len", lambda t, b, m: b),
     ("min_p", lambda t, b, m: b), ("presence_penalty", lambda t, b, m: b), ("frequency_penalty", lambda t, b, m: b),
     ("repetition_penalty", lambda t, b, m: b), ("recent", lambda t, b, m: b * (MAX_BAN_TOKENS - 1)),
+    ("steps", lambda t, b, m: b),  # a multi-step program's inner steps of each row (`_decode_burst`)
 )
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _ROW_MATRICES = {"block_tables": lambda m: m, "recent": lambda m: MAX_BAN_TOKENS - 1}  # [B, ...] fields
@@ -175,10 +183,10 @@ def _step_inputs(meta: jax.Array, prev_out: jax.Array, history: TokenHistory, la
 
 
 def _sample_packed(logits, sampling: SamplingArrays, tables: SlotTables, history: TokenHistory,
-                   token_mask: jax.Array | None, max_rows: int, mesh):
+                   token_mask: jax.Array | None, max_rows: int, mesh, plan: SamplerPlan | None = None):
     """Samples each row and packs the tokens with their bit-cast logprobs into `[2, max_rows]` int32; returns
     (packed, top logprobs, top ids), replicated over `mesh`."""
-    tokens, token_logp, top_lp, top_ids = sample(logits, sampling, tables, history, token_mask)
+    tokens, token_logp, top_lp, top_ids = sample(logits, sampling, tables, history, token_mask, plan)
     packed = jnp.zeros((2, max_rows), jnp.int32)
     packed = packed.at[0, : tokens.shape[0]].set(tokens)
     packed = packed.at[1, : tokens.shape[0]].set(jax.lax.bitcast_convert_type(token_logp, jnp.int32))
@@ -187,16 +195,67 @@ def _sample_packed(logits, sampling: SamplingArrays, tables: SlotTables, history
     return packed, top_lp, top_ids
 
 
+def _decode_burst(cfg: ModelConfig, params, state: HybridState, f: dict, batch: Batch, sampling: SamplingArrays,
+                  tables: SlotTables, history: TokenHistory, *, steps: int, plan: SamplerPlan, max_rows: int,
+                  block_size: int):
+    """`steps` decode steps of one program (multi-step scheduling): each inner step's sampled tokens are the
+    next one's fed tokens, on the device. Row i runs `f["steps"][i]` of them (padding rows none); once a row has
+    run its own, its later inner steps write the null slot and the null page and keep its position, so they
+    change nothing of its KV or state, and their tokens are not read. Each inner step is the plain decode step's
+    work for the same inputs: the fed tokens join the penalties' history, the sampling counter (the draws'
+    key) and the output count advance by one. The sampler runs as `plan` says (no `lax.cond`). Returns (`[2, R]`
+    each row's last token and logprob, `[K, 2, R]` every inner step's, `[K, B, L]` top logprobs and ids, state,
+    history)."""
+    num_rows = batch.slot_ids.shape[0]  # a decode step: token i is row i's (padding tokens: padding rows')
+    limit = f["steps"]
+    penalised = (sampling.flags & FLAG_PENALTIES) != 0
+    rows = jnp.arange(num_rows)
+    null_page = rows % block_size  # where padding tokens write: the null page
+    last_block = batch.block_tables.shape[1] - 1
+
+    def body(j, carry):
+        state, history, batch, sampling, last, outs, top_lps, top_ids = carry
+        live = j < limit  # [B]
+        run = dataclasses.replace(batch, slot_ids=jnp.where(live, batch.slot_ids, 0),
+                                  slot_mapping=jnp.where(live, batch.slot_mapping, null_page))
+        logits, state = forward(cfg, params, state, run, decode=True)
+        packed, top_lp, top_id = _sample_packed(logits, sampling, tables, history, None, max_rows, None, plan)
+        live_r = jnp.zeros(max_rows, bool).at[:num_rows].set(live)
+        last = jnp.where(live_r[None, :], packed, last)
+        outs, top_lps, top_ids = outs.at[j].set(packed), top_lps.at[j].set(top_lp), top_ids.at[j].set(top_id)
+        # the next inner step feeds each row's token (rows past their last keep their inputs)
+        more = live & (j + 1 < limit)
+        tokens = packed[0, :num_rows]
+        positions = batch.positions + more
+        page = batch.block_tables[rows, jnp.minimum(positions // block_size, last_block)]
+        history = record_fed_tokens(history, batch.slot_ids, tokens, more, more & penalised)
+        batch = dataclasses.replace(
+            batch, token_ids=jnp.where(more, tokens, batch.token_ids), positions=positions,
+            slot_mapping=jnp.where(more, page * block_size + positions % block_size, batch.slot_mapping))
+        sampling = dataclasses.replace(sampling, counters=sampling.counters + more,
+                                       num_output=sampling.num_output + more)
+        return state, history, batch, sampling, last, outs, top_lps, top_ids
+
+    width = MAX_LOGPROBS
+    carry = (state, history, batch, sampling, jnp.zeros((2, max_rows), jnp.int32),
+             jnp.zeros((steps, 2, max_rows), jnp.int32), jnp.zeros((steps, num_rows, width), jnp.float32),
+             jnp.zeros((steps, num_rows, width), jnp.int32))
+    state, history, _, _, last, outs, top_lps, top_ids = jax.lax.fori_loop(0, steps, body, carry)
+    return last, outs, top_lps, top_ids, state, history
+
+
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "layout", "decode", "max_rows", "mesh", "host_layout", "host_attn", "snaps"),
+    static_argnames=("cfg", "layout", "decode", "max_rows", "mesh", "host_layout", "host_attn", "snaps", "burst",
+                     "plan", "block_size"),
     donate_argnames=("state", "history"),
 )
 def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, prev_out: jax.Array,
                 tables: SlotTables, history: TokenHistory, host_meta: jax.Array | None = None, stage=None,
                 plp_meta: jax.Array | None = None, token_mask: jax.Array | None = None, *,
                 layout: tuple[int, int, int], decode: bool, max_rows: int, mesh=None,
-                host_layout: tuple[int, int] | None = None, host_attn=None, snaps: int = 0):
+                host_layout: tuple[int, int] | None = None, host_attn=None, snaps: int = 0, burst: int = 1,
+                plan: SamplerPlan | None = None, block_size: int = 16):
     """One step. `meta` is the packed int32 metadata of `layout = (T, B, M)`; `prev_out [2, R]` the previous
     step's output (row 0: its sampled tokens); `tables` the per-slot sampling tables and `history` (donated) the
     per-slot token history, to which the step adds the tokens it feeds (rows with penalties). Returns (`[2, R]`
@@ -212,9 +271,22 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
     `(MH,)` for "copy" (`host_meta [B * MH]`: staging block tables; `stage`: the staging arrays).
 
     `snaps`: prefix-cache snapshots taken after the forward, `copy_rows(state, src, dst)` with `src` and `dst` the
-    `snaps` ints each that follow the fields in `meta` (pairs with `dst` past the last state row are padding)."""
+    `snaps` ints each that follow the fields in `meta` (pairs with `dst` past the last state row are padding).
+
+    `burst` > 1 (a decode step on one device, without host-KV rows, prompt logprobs or grammar masks): that many
+    decode steps in this one program (`_decode_burst`, sampling by `plan`; `block_size` the KV pages'); the
+    outputs' top logprobs and ids are then `[burst, B, L]`, and a sixth item, `[burst, 2, R]`, holds every inner
+    step's tokens and logprobs (the first item: each row's last)."""
     f, batch, sampling, history = _step_inputs(meta, prev_out, history, layout)
     num_tokens = layout[0]
+    if burst > 1:
+        last, outs, top_lp, top_ids, state, history = _decode_burst(
+            cfg, params, state, f, batch, sampling, tables, history, steps=burst, plan=plan, max_rows=max_rows,
+            block_size=block_size)
+        if snaps:
+            pairs = meta[meta_size(layout) : meta_size(layout, snaps)]
+            state = copy_rows(state, pairs[:snaps], pairs[snaps:])
+        return last, top_lp, top_ids, state, history, outs
     host = None
     if host_layout is not None:
         from jhybrid.engine.offload import HostPart
@@ -280,11 +352,14 @@ class StepResult:
     that wants prompt log-probabilities, (sequence, first prompt position, packed index of its first token,
     positions). `split`: a step whose forward alone is dispatched (`ModelRunner.execute`); its sampling follows
     with `ModelRunner.sample_split`. `accepted`: row -> whether its grammar took the row's token, for the rows
-    whose matchers took this step's tokens before the host read it (`ModelRunner.read_matchers`)."""
+    whose matchers took this step's tokens before the host read it (`ModelRunner.read_matchers`). `burst`: the
+    inner steps of a multi-step decode step (`sched.burst`); its `out` holds each row's last token, and its
+    tokens, logprobs and top ones come back per inner step (`fetch_tokens`, `fetch`)."""
 
     def __init__(self, sched: SchedulerOutput, outputs: tuple | None, plp_rows: tuple = (),
                  want_logprobs: bool = True, pending: Future | None = None, split: "SplitStep | None" = None):
         self.sched, self.plp_rows, self.split = sched, plp_rows, split
+        self.burst = sched.burst
         self._want_logprobs, self._pending = want_logprobs, pending
         self._outputs = outputs  # (out, top_logp, top_ids, [plp]) once the call has returned
         self._fetched = None
@@ -296,14 +371,17 @@ class StepResult:
             if self._pending is None:
                 raise AssertionError("a split step was read before its sampling was dispatched (sample_split)")
             self._outputs, self._pending = self._pending.result(), None
-        out, top_lp, top_ids, plp_out = self._outputs
+        out, top_lp, top_ids, rest = self._outputs
+        plp_out = rest[0] if rest and self.burst == 1 else None
+        steps_out = rest[0] if self.burst > 1 else None
         return (out, top_lp if self._want_logprobs else None, top_ids if self._want_logprobs else None,
-                plp_out[0] if plp_out else None)[i]
+                plp_out, steps_out)[i]
 
     out = property(lambda self: self._get(0))
     top_logp = property(lambda self: self._get(1))
     top_ids = property(lambda self: self._get(2))
     plp = property(lambda self: self._get(3))
+    steps_out = property(lambda self: self._get(4))  # a burst's `[K, 2, R]`
 
     def fetch_prompt_logprobs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """(`[T]` logprob of each packed position's next prompt token, `[T, L]` top logprobs, `[T, L]` their
@@ -321,19 +399,26 @@ class StepResult:
         return self.split is not None and self._outputs is None and self._pending is None
 
     def fetch_tokens(self) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, their logprobs) on the host; transferred once (waits for this step only)."""
+        """(tokens, their logprobs) on the host, `[R]` each (a burst's: `[K, R]`, by inner step); transferred
+        once (waits for this step only)."""
         if self._tokens is None:
-            out = _local(self.out)
-            self._tokens = out[0], out[1].view(np.float32)
+            if self.burst > 1:
+                out = _local(self.steps_out)
+                self._tokens = out[:, 0], out[:, 1].view(np.float32)
+            else:
+                out = _local(self.out)
+                self._tokens = out[0], out[1].view(np.float32)
         return self._tokens
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None]:
         """(tokens, their logprobs, top logprobs, top ids) on the host; transferred once (waits for this step
-        only)."""
+        only). A burst's top logprobs and ids are `[K * B, L]`: inner step j's row i at `j * B + i`."""
         if self._fetched is None:
             tokens, logp = self.fetch_tokens()
             top_lp = _local(self.top_logp) if self.top_logp is not None else None
             top_ids = _local(self.top_ids) if self.top_ids is not None else None
+            if self.burst > 1 and top_lp is not None:
+                top_lp, top_ids = top_lp.reshape(-1, top_lp.shape[-1]), top_ids.reshape(-1, top_ids.shape[-1])
             self._fetched = tokens, logp, top_lp, top_ids
         return self._fetched
 
@@ -431,6 +516,8 @@ class ModelRunner:
         self._split_compiling: dict[tuple[int, int], Future] = {}
         self.num_split_compiled = 0
         self.num_split_steps = 0
+        self.burst_steps = 1  # decode steps a multi-step program runs (the engine's `num_scheduler_steps`)
+        self.num_bursts = 0  # multi-step programs dispatched
 
     def _replicate(self, make):
         """`make()`'s arrays, replicated over the mesh (one device: where JAX puts them)."""
@@ -521,8 +608,9 @@ class ModelRunner:
         """Once sealed: the smallest compiled bucket that holds the step (the same bucket when compiled)."""
         if not self.sealed or _key(decode, num_tokens, num_rows, plp) in self._programs:
             return num_rows, num_tokens
+        tail = (True,) if plp else ()
         fits = [(t, r) for d, t, r, *p in self._programs
-                if d == decode and bool(p) == plp and t >= num_tokens and r >= num_rows]
+                if d == decode and tuple(p) == tail and t >= num_tokens and r >= num_rows]
         if not fits:
             return num_rows, num_tokens
         num_tokens, num_rows = min(fits)
@@ -531,6 +619,31 @@ class ModelRunner:
     def step_snapshots(self, num_rows: int) -> int:
         """How many snapshot pairs the step program of `num_rows` rows takes in."""
         return step_snapshot_rows(num_rows, self.step_snapshot_share)
+
+    @staticmethod
+    def burst_plan(rows) -> SamplerPlan:
+        """The sampler plan of a multi-step decode step of `rows` (`SamplerPlan`: the parts some row needs)."""
+        return plan_for([r.seq.params for r in rows], [r.seq.flags for r in rows])
+
+    def can_burst(self, rows) -> bool:
+        """Whether decode rows `rows` may run as one multi-step program (`Scheduler`'s check, before it commits):
+        one device, at most `MULTI_STEP_MAX_ROWS` rows, and, once sealed, the program of their row bucket and
+        sampler plan compiled (a burst never compiles on the request path; the rows run plain steps instead)."""
+        if self.mesh is not None or len(rows) > MULTI_STEP_MAX_ROWS:
+            return False
+        if not self.sealed:
+            return True
+        num_rows = self.buckets(True, len(rows), len(rows))[0]
+        return _key(True, num_rows, num_rows, False, self.burst_steps, self.burst_plan(rows)) in self._programs
+
+    def burst_grid(self, max_num_seqs: int) -> list[tuple]:
+        """The multi-step decode programs `warmup` builds: each decode row bucket of at most `MULTI_STEP_MAX_ROWS`
+        rows, for greedy steps and for steps with sampling rows (`WARM_BURST_PLANS`); none when `burst_steps` is 1.
+        Other plans compile on first use until the runner is sealed; then their steps run one token at a time."""
+        if self.burst_steps <= 1 or self.mesh is not None:
+            return []
+        buckets = sorted({self.buckets(True, n, n)[0] for n in range(1, min(max_num_seqs, MULTI_STEP_MAX_ROWS) + 1)})
+        return [_key(True, r, r, False, self.burst_steps, plan) for r in buckets for plan in WARM_BURST_PLANS]
 
     def execute(self, sched: SchedulerOutput, prev: StepResult | None) -> StepResult:
         """Dispatches the step, then the prefix-cache snapshots after it (`sched.snapshots`): the step program takes
@@ -562,7 +675,12 @@ class ModelRunner:
         else:
             num_rows, num_tokens = self._fit(decode, num_rows, num_tokens, plp)
         bs, m = self.cache.block_size, self.max_blocks
-        prev_row = {r.seq.seq_id: i for i, r in enumerate(prev.sched.rows)} if prev is not None else {}
+        # each row of the previous step: its index there and the tokens it sampled (a burst's row: several)
+        prev_row = {r.seq.seq_id: (i, r.steps) for i, r in enumerate(prev.sched.rows)} if prev is not None else {}
+        burst = sched.burst
+        if burst > 1 and (not decode or host_step or self.mesh is not None):
+            raise AssertionError("a multi-step decode step must be a decode step on one device, without host KV")
+        steps = np.zeros(num_rows, np.int32)
 
         lengths = np.zeros(num_rows, np.int64)
         starts = np.zeros(num_rows, np.int64)
@@ -583,14 +701,15 @@ class ModelRunner:
             seq, p = r.seq, r.seq.params
             self._sync_table(seq)
             end, known = r.start + r.num_tokens, len(seq.token_ids)
-            if end > known:  # the last token is pending on the device: the previous step sampled it
-                if end != known + 1 or seq.seq_id not in prev_row:
+            if end > known:  # the last token is pending on the device: the previous step sampled it (its last)
+                src, sampled = prev_row.get(seq.seq_id, (-1, 0))
+                if end - known != sampled:
                     raise AssertionError(f"{seq}: row [{r.start}, {end}) needs tokens the last step did not sample")
-                token_src[i] = prev_row[seq.seq_id]
+                token_src[i] = src
                 pieces.append(seq.token_ids[r.start : known] + [0])  # placeholder, replaced on the device
             else:
                 pieces.append(seq.token_ids[r.start : end])
-            lengths[i], starts[i], slots[i] = r.num_tokens, r.start, seq.slot
+            lengths[i], starts[i], slots[i], steps[i] = r.num_tokens, r.start, seq.slot, r.steps
             temperature[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
             if seq.flags or p.min_p:
                 extra[i] = (seq.flags, len(seq.prompt_ids), p.min_p, p.presence_penalty, p.frequency_penalty,
@@ -630,7 +749,7 @@ class ModelRunner:
         fields.update(flags=extra[:, 0].astype(np.int32), prompt_len=extra[:, 1].astype(np.int32),
                       min_p=extra[:, 2].view(np.int32), presence_penalty=extra[:, 3].view(np.int32),
                       frequency_penalty=extra[:, 4].view(np.int32), repetition_penalty=extra[:, 5].view(np.int32),
-                      recent=recent)
+                      recent=recent, steps=steps)
         meta = np.concatenate([np.asarray(fields[name], np.int32).ravel() for name, _ in _FIELDS])
         masked = [i for i, r in enumerate(rows) if r.samples and r.seq.matcher is not None]
         waits = any(token_src[i] >= 0 for i in masked)  # a mask needs a token the host has not read yet
@@ -670,7 +789,9 @@ class ModelRunner:
             self.compiled_shapes.add((layout, decode, None))
             if split:
                 return self._dispatch_forward(sched, masked, layout, meta, prev_out, want_logprobs.any())
-            program = self._program(decode, num_tokens, num_rows, plp)
+            plan = self.burst_plan(rows) if burst > 1 else None
+            self.num_bursts += burst > 1
+            program = self._program(decode, num_tokens, num_rows, plp, burst, plan)
             snaps = self.step_snapshots(num_rows)
             if snaps:  # the first `snaps` snapshot pairs ride in the metadata; padding: a destination past the rows
                 pairs = np.full((2, snaps), self.cache.num_state_rows, np.int32)
@@ -683,6 +804,8 @@ class ModelRunner:
             args = (self.params, self._state, meta, prev_out, keeper.tables, keeper.history)
             kwargs = dict(plp_args, token_mask=token_mask)
             name = f"{'decode' if decode else 'mixed'}:{num_tokens}:{num_rows}{':plp' if plp else ''}"
+            if burst > 1:
+                name += f":x{burst}:{plan.name}"
             trace = (name, time.perf_counter(), drain_wait) if self.call_log is not None else None
             if self.dispatch_thread:
                 self._pending = self._dispatcher().submit(self._call, program, args, kwargs, trace)
@@ -857,19 +980,23 @@ class ModelRunner:
             result._outputs = call()
 
     # ----------------------------------------------------------------- programs
-    def _step_args(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
-        """engine_step's arguments for bucket (decode, num_tokens, num_rows, plp): (args, kwargs)."""
+    def _step_args(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False, burst: int = 1,
+                   plan: SamplerPlan | None = None):
+        """engine_step's arguments for the program of key `_key(decode, num_tokens, num_rows, plp, burst, plan)`:
+        (args, kwargs)."""
         layout = (num_tokens, num_rows, self.max_blocks)
         snaps = self.step_snapshots(num_rows)
         meta = jax.ShapeDtypeStruct((meta_size(layout, snaps),), jnp.int32)
         extra = dict(plp_meta=jax.ShapeDtypeStruct((num_tokens + 1,), jnp.int32)) if plp else {}
         extra["token_mask"] = jax.ShapeDtypeStruct((num_rows, bitmask_width(self.cfg.vocab_size)), jnp.int32)
+        if burst > 1:
+            extra.update(burst=burst, plan=plan, block_size=self.cache.block_size)
         return ((self.cfg, self.params, self.state, meta, self._no_prev, self.slot_tables.tables,
                  self.slot_tables.history),
                 dict(**extra, layout=layout, decode=decode, max_rows=self.max_rows, mesh=self.mesh, snaps=snaps))
 
-    def _lower(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
-        args, kwargs = self._step_args(decode, num_tokens, num_rows, plp)
+    def _lower(self, *key):
+        args, kwargs = self._step_args(*key)
         return engine_step.lower(*args, **kwargs)
 
     def _cache_key(self, key: tuple) -> str | None:
@@ -892,14 +1019,15 @@ class ModelRunner:
             self.program_cache.store(cache_key, program)
         return program
 
-    def _program(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False):
-        key = _key(decode, num_tokens, num_rows, plp)
+    def _program(self, decode: bool, num_tokens: int, num_rows: int, plp: bool = False, burst: int = 1,
+                 plan: SamplerPlan | None = None):
+        key = _key(decode, num_tokens, num_rows, plp, burst, plan)
         program = self._programs.get(key)
         if program is None:
             if self.sealed:
                 self.num_compiled_after_seal += 1
                 log.warning("compiling a step program on the request path: decode=%s tokens=%d rows=%d prompt "
-                            "logprobs=%s", decode, num_tokens, num_rows, plp)
+                            "logprobs=%s steps=%d", decode, num_tokens, num_rows, plp, burst)
             t0 = time.perf_counter()
             program, cache_key = self._cached(key)
             if program is None:
@@ -1011,7 +1139,9 @@ class ModelRunner:
         from jhybrid.engine.scheduler import ScheduledRow
         from jhybrid.engine.sequence import Sequence
 
-        decode, num_tokens, num_rows, *plp = key
+        decode, num_tokens, num_rows, *rest = key
+        plp = bool(rest) and rest[0]
+        burst, plan = rest[1:] if len(rest) > 1 else (1, None)
         bs = self.cache.block_size
         if decode:
             sizes = [1] * num_rows
@@ -1025,10 +1155,16 @@ class ModelRunner:
         for i, k in enumerate(sizes):
             length = k + 1 if decode else k  # decode: one known token before the fed one
             params = SamplingParams(temperature=0.0, prompt_logprobs=1 if plp else None)
+            if burst > 1 and i == 0:  # the first row asks for what the plan runs
+                params = SamplingParams(temperature=1.0 if plan.draw else 0.0, top_k=2 if plan.filtered else 0,
+                                        logprobs=1 if plan.top else None, seed=0)
             seq = Sequence(f"warmup-{i}", [0] * length, params)
-            seq.block_table = [0] * -(-length // bs)  # the null page; slot 0 is the null slot
-            rows.append(ScheduledRow(seq, length - k, k, True))
-        self.execute(SchedulerOutput(rows, [], []), None).fetch()
+            seq.block_table = [0] * -(-(length + burst) // bs)  # the null page; slot 0 is the null slot
+            rows.append(ScheduledRow(seq, length - k, k, True, burst))
+        if burst > 1 and self.burst_plan(rows) != plan:
+            raise ValueError(f"cannot warm a multi-step program of plan {plan}: only its sampling parts without "
+                             "per-slot tables (draw, filtered, top)")
+        self.execute(SchedulerOutput(rows, [], [], burst=burst), None).fetch()
         self._tables[0], self._table_len[0], self._table_owner[0] = 0, 0, None  # the null slot's row stays zeros
 
     def warm_slot_programs(self) -> None:
@@ -1063,8 +1199,12 @@ class CallRecord(NamedTuple):
     drain_wait: float
 
 
-def _key(decode: bool, num_tokens: int, num_rows: int, plp: bool = False) -> tuple:
-    """A program's key: `(decode, num_tokens, num_rows)`, with a fourth item True for a prompt-logprob program."""
+def _key(decode: bool, num_tokens: int, num_rows: int, plp: bool = False, burst: int = 1,
+         plan: SamplerPlan | None = None) -> tuple:
+    """A program's key: `(decode, num_tokens, num_rows)`, with a fourth item True for a prompt-logprob program,
+    and `(decode, num_tokens, num_rows, False, burst, plan)` for a multi-step decode program."""
+    if burst > 1:
+        return (decode, num_tokens, num_rows, False, burst, plan)
     return (decode, num_tokens, num_rows, True) if plp else (decode, num_tokens, num_rows)
 
 

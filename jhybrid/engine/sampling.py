@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -265,9 +265,38 @@ def record_fed_tokens(history: TokenHistory, slots: Int[Array, "T"], token_ids: 
                         prompt_mask=history.prompt_mask.at[prompt_slot, token_ids].set(True, mode="drop"))
 
 
+class SamplerPlan(NamedTuple):
+    """Which of the sampler's optional parts a step runs, decided on the host (`plan_for`) instead of by
+    `lax.cond` on the device: each is what its cond's predicate would be (some row of the step needs it), so
+    the outputs are those of the conds. The multi-step decode program (`jhybrid.engine.runner`) samples inside a
+    loop of decode steps, where XLA would read every cond's predicate back to the host in every inner step."""
+
+    allowed: bool = False
+    bans: bool = False
+    penalties: bool = False
+    draw: bool = False  # some row samples (temperature > 0)
+    filtered: bool = False  # some sampling row has top-k or top-p
+    top: bool = False  # some row wants log-probabilities
+
+    @property
+    def name(self) -> str:
+        """The parts it runs, joined by "+" ("greedy" for none)."""
+        return "+".join(f for f, on in zip(self._fields, self) if on) or "greedy"
+
+
+def plan_for(params: Sequence[SamplingParams], flags: Sequence[int]) -> SamplerPlan:
+    """The `SamplerPlan` of a step whose rows sample with `params`, their sequences' table `flags`."""
+    any_flag = 0
+    for f in flags:
+        any_flag |= f
+    return SamplerPlan(allowed=bool(any_flag & FLAG_ALLOWED), bans=bool(any_flag & FLAG_BANS),
+                       penalties=bool(any_flag & FLAG_PENALTIES), draw=any(not p.greedy for p in params),
+                       filtered=any(p.filtered for p in params), top=any(p.logprobs is not None for p in params))
+
+
 def sample(
     logits: Float[Array, "B V"], s: SamplingArrays, tables: SlotTables, history: TokenHistory,
-    token_mask: Int[Array, "B W"] | None = None,
+    token_mask: Int[Array, "B W"] | None = None, plan: SamplerPlan | None = None,
 ) -> tuple[Int[Array, "B"], Float[Array, "B"], Float[Array, "B L"], Int[Array, "B L"]]:
     """Samples one token per row, every setting a runtime array.
 
@@ -300,11 +329,17 @@ def sample(
     def constrain(y):
         return apply_token_bitmask(y, token_mask, uses(FLAG_MASKED))
 
+    def when(planned, needed, f, y):
+        """`f(y)` where some row needs it: decided by `plan` when there is one, else by `lax.cond`."""
+        if plan is not None:
+            return f(y) if planned else y
+        return jax.lax.cond(needed(), f, lambda y: y, y)
+
     if token_mask is not None:
-        x = jax.lax.cond(jnp.any(uses(FLAG_MASKED)), constrain, lambda y: y, x)
-    x = jax.lax.cond(jnp.any(uses(FLAG_ALLOWED)), restrict, lambda y: y, x)
-    x = jax.lax.cond(jnp.any(uses(FLAG_BANS)), ban, lambda y: y, x)
-    x = jax.lax.cond(jnp.any(uses(FLAG_PENALTIES)), penalise, lambda y: y, x)
+        x = when(True, lambda: jnp.any(uses(FLAG_MASKED)), constrain, x)
+    x = when(plan and plan.allowed, lambda: jnp.any(uses(FLAG_ALLOWED)), restrict, x)
+    x = when(plan and plan.bans, lambda: jnp.any(uses(FLAG_BANS)), ban, x)
+    x = when(plan and plan.penalties, lambda: jnp.any(uses(FLAG_PENALTIES)), penalise, x)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     sampled = s.temperature > 0
 
@@ -317,15 +352,18 @@ def sample(
         filtered = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
         # rows that draw nothing ask for no filter (their settings would only keep the candidates from deciding)
         top_k, top_p = jnp.where(filtered, s.top_k, 0), jnp.where(filtered, s.top_p, 1.0)
-        scaled = jax.lax.cond(jnp.any(filtered), lambda y: _filter_top_k_top_p(y, top_k, top_p),
-                              lambda y: y, scaled)
+        scaled = when(plan and plan.filtered, lambda: jnp.any(filtered), lambda y: _filter_top_k_top_p(y, top_k, top_p),
+                      scaled)
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(
             s.seeds.astype(jnp.uint32), s.counters
         )
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(sampled, drawn, greedy_tokens)
 
-    tokens = jax.lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, x)
+    if plan is None:
+        tokens = jax.lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, x)
+    else:
+        tokens = draw(x) if plan.draw else greedy_tokens
     token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
     def top(x):
@@ -335,7 +373,10 @@ def sample(
     def no_top(x):
         return jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32)
 
-    top_lp, top_ids = jax.lax.cond(jnp.any(s.want_logprobs > 0), top, no_top, logp)
+    if plan is None:
+        top_lp, top_ids = jax.lax.cond(jnp.any(s.want_logprobs > 0), top, no_top, logp)
+    else:
+        top_lp, top_ids = (top if plan.top else no_top)(logp)
     return tokens, token_logp, top_lp, top_ids
 
 

@@ -65,6 +65,7 @@ class ScheduledRow:
     start: int  # first position fed this step
     num_tokens: int
     samples: bool  # the row reaches the end of the known tokens: its sampled token is kept
+    steps: int = 1  # in a multi-step decode step (`SchedulerOutput.burst`): the decode steps this row runs
 
 
 @dataclasses.dataclass
@@ -101,6 +102,9 @@ class SchedulerOutput:
     # the prefix cache's moves to and from the host tier (`TierOps`: demotions gathered before the step, then
     # promoted blocks and host snapshots written before it); None: nothing to move
     tier: TierOps | None = None
+    # > 1: a multi-step decode step, this many decode steps in one program, each row's sampled token fed to the
+    # next on the device; row i runs `rows[i].steps` of them (its length limit or its blocks may stop it early)
+    burst: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -135,6 +139,8 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         token_bucket: Callable[[int], int] | None = None,
         snapshot_budget: Callable[[bool, int, int], int] | None = None,
+        num_scheduler_steps: int = 1,
+        can_burst: Callable[[list[ScheduledRow]], bool] | None = None,
     ):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"need {max_num_seqs=} >= 1 and {max_num_batched_tokens=} >= 1")
@@ -154,6 +160,8 @@ class Scheduler:
             raise ValueError(f"unknown {offload_policy=}; choose one of {OFFLOAD_POLICIES}")
         if kv_offload != "off" and offload_policy == "cost" and cost_model is None:
             raise ValueError("offload_policy='cost' needs a cost model (measured bandwidth and prefill rate)")
+        if isinstance(num_scheduler_steps, bool) or not isinstance(num_scheduler_steps, int) or num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps must be an integer >= 1, got {num_scheduler_steps!r}")
         if prefix_cache is not None and prefix_cache.blocks is not blocks:
             raise ValueError("prefix caching needs the prefix cache's block allocator")
         self.prefix = prefix_cache
@@ -180,6 +188,11 @@ class Scheduler:
         # program call of its own (None: never skipped)
         self.snapshot_budget = snapshot_budget
         self.num_rolling_snapshots_skipped = 0
+        # multi-step decode: decode steps per program when every row decodes and nothing waits (1: off), and the
+        # runner's check that a step's rows may run so (`ModelRunner.can_burst`; None: any may)
+        self.num_scheduler_steps = num_scheduler_steps if kv_offload == "off" else 1
+        self.can_burst = can_burst
+        self.num_bursts = 0
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -383,16 +396,43 @@ class Scheduler:
             rows.append(ScheduledRow(seq, start, n, start + n == seq.num_tokens))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
-        # the host advances its view now: fed tokens are computed, sampled ones pending
+        burst = self._burst(rows) if self.num_scheduler_steps > 1 and rows and not self.waiting and not preempted else 1
+        # the host advances its view now: fed tokens are computed, sampled ones pending (a burst's row: its steps)
         for row in rows:
-            row.seq.num_computed += row.num_tokens
+            row.seq.num_computed += row.num_tokens + row.steps - 1
             if row.samples:
-                row.seq.num_pending += 1
+                row.seq.num_pending += row.steps
         offload = self._plan_offload(rows) if self.kv_offload != "off" else []
         snapshots = self._register(rows) if self.prefix is not None else []
         tier = self.prefix.take_ops() if self.prefix is not None and self.prefix.host is not None else None
         return SchedulerOutput(rows, preempted, new_slots, swap_out, swap_in, offload, restores, snapshots,
-                               tier or None)
+                               tier or None, burst)
+
+    def _burst(self, rows: list[ScheduledRow]) -> int:
+        """Makes the step a multi-step decode step when it may be one, and returns its decode steps (1: a plain
+        step). It may when every row decodes an output token of a sequence that needs nothing of the host between
+        its tokens (no grammar, no multi-token banned word, no host KV) and the runner can run them so. Each row
+        runs as many steps as its length limit leaves and the blocks it holds or can get hold (never preempting
+        for them); a step where no row would run two stays plain."""
+        if self.can_burst is not None and not self.can_burst(rows):
+            return 1
+        for row in rows:
+            seq = row.seq
+            if (row.num_tokens != 1 or not row.samples or row.start < len(seq.prompt_ids) or seq.matcher is not None
+                    or seq.ban_window or seq.host_blocks):
+                return 1
+        k, bs = self.num_scheduler_steps, self.blocks.block_size
+        steps = []
+        for row in rows:
+            want = min(k, self._tokens_left(row.seq))
+            self._grow(row.seq, row.start + want)  # as many as it can get
+            steps.append(max(1, min(want, _num_blocks(row.seq) * bs - row.start)))
+        if max(steps) < 2:
+            return 1
+        for row, n in zip(rows, steps):
+            row.steps = n
+        self.num_bursts += 1
+        return k
 
     # ----------------------------------------------------------------- prefix caching
     def _lookup(self, seq: Sequence):
@@ -457,12 +497,15 @@ class Scheduler:
         out, rolling = [], []
         bs = self.blocks.block_size
         for row in rows:
-            seq, end = row.seq, row.start + row.num_tokens
+            seq, end = row.seq, row.start + row.num_tokens + row.steps - 1
+            start = end - row.num_tokens  # a burst's row: its last inner step's
+            if row.steps > 1 and self.prefix.has_state:  # block ends inside a burst have no state to snapshot
+                self.num_rolling_snapshots_skipped += (end - 1) // bs - row.start // bs
             upto = min(end, len(seq.token_ids))
             if end % bs and upto // bs <= seq.prefix.num_blocks:
                 continue  # no block to register, no snapshot point: 15 of 16 decode rows (host time per step)
             self.prefix.register(seq.prefix, seq.token_ids, _cache_table(seq), upto)
-            want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), row.start, end)
+            want = self.prefix.wants_snapshot(len(seq.token_ids), len(seq.prompt_ids), start, end)
             if want == "rolling":
                 rolling.append((seq.prefix.rolling_depth, end, seq))
             elif want:
