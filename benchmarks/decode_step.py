@@ -75,7 +75,8 @@ def count_kernels(hlo_text: str) -> dict[str, int]:
 def decode_step_times(eng, prompts, sp, tag: str) -> list[float]:
     """Runs `prompts` through the engine to the end; returns the wall time of each step in which every row
     decoded (the engine dispatches a step before reading the last, so in steady state: the device step plus
-    any host time not hidden behind it)."""
+    any host time not hidden behind it), per token of a row: a multi-step engine's (`num_scheduler_steps`) call
+    reads several tokens of each row, and its time is divided by them."""
     return run_round(eng, prompts, sp, tag)[0]
 
 
@@ -83,15 +84,17 @@ def run_round(eng, prompts, sp, tag: str) -> tuple[list[float], float, list[list
     """`decode_step_times`, with the wall time of the whole round (prefill included) and each request's output
     tokens."""
     t_start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        eng.add_request(f"{tag}-{i}", prompt, sp)
+    seqs = [eng.add_request(f"{tag}-{i}", prompt, sp) for i, prompt in enumerate(prompts)]
     times, last = [], None
     while eng.has_unfinished():
         decode_only = all(s.num_uncomputed <= 1 for s in eng.scheduler.running) and not eng.scheduler.waiting
+        running = [s for s in seqs if not s.is_finished]
+        before = sum(len(s.token_ids) for s in running)
         eng.step()
         now = time.perf_counter()
-        if decode_only and last is not None:
-            times.append(now - last)
+        per_row = (sum(len(s.token_ids) for s in running) - before) / max(len(running), 1)
+        if decode_only and last is not None and per_row > 0:
+            times.append((now - last) / max(per_row, 1.0))
         last = now
     wall = time.perf_counter() - t_start
     tokens = [list(eng.requests[f"{tag}-{i}"].output_ids) for i in range(len(prompts))]

@@ -586,7 +586,7 @@ class LLMEngine:
         tokens, token_logp = tokens.tolist(), token_logp.tolist()
         if getattr(result, "burst", 1) == 1:
             tokens, token_logp = [tokens], [token_logp]
-        num_rows = len(tokens[0])
+        num_rows = getattr(result, "num_rows", 0)  # a burst's top logprobs: inner step j's row i at j * num_rows + i
         accepted_early = getattr(result, "accepted", None)
         top = None
         todo = []

@@ -1,0 +1,161 @@
+"""Multi-step decode (`num_scheduler_steps`): while every running sequence decodes and none waits, several decode
+steps run in one program, each step's sampled tokens fed to the next on the device (`ModelRunner`'s burst
+programs, `Scheduler._burst`). It must change no output: the tokens, texts, finish and stop reasons and logprobs
+of single steps, whatever stops a sequence inside a burst; what a row runs after its own last step must leave its
+KV and state as they were; and a warmed-up engine must build the programs before it is ready and never compile one
+afterwards."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from jhybrid import LLM, SamplingParams
+from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
+from jhybrid.engine.compilation import CompileWatch
+from jhybrid.engine.scheduler import Scheduler
+from jhybrid.engine.sequence import Sequence
+from tests.conftest import ENGINE
+from tests.example_ckpt import write_example_checkpoint
+from tests.test_deferred_read import PROMPTS, _params, _same
+from tests.test_programs import mixed_workload, run
+
+K = 4  # decode steps per multi-step program in these tests
+
+
+def _steps(llm: LLM, k: int) -> None:
+    """Sets the engine's decode steps per program (the scheduler decides, the runner builds programs of `k`)."""
+    llm.engine.scheduler.num_scheduler_steps = llm.engine.runner.burst_steps = k
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = write_example_checkpoint(tmp_path_factory.mktemp("multistep") / "ckpt", seed=7)
+    return LLM(path, dtype="float32", max_num_seqs=5, max_model_len=128, max_num_batched_tokens=16,
+               num_scheduler_steps=K)
+
+
+def _workload() -> list[SamplingParams]:
+    """`test_deferred_read`'s requests (stop strings with and without their text, EOS, stop token ids, the length
+    limit, a grammar; logprobs, min_tokens, sampling), and sampled or greedy ones with penalties, logit bias,
+    allowed tokens and a banned word (bad_words of one token), each at a length that is no multiple of `K`."""
+    extra = [dict(temperature=0.0, logit_bias={5: 4.0, 77: 2.0}, logprobs=2),
+             dict(allowed_token_ids=list(range(30, 90)), min_p=0.05, seed=2),
+             dict(bad_words=["e"], top_k=9, top_p=0.9, seed=3, logprobs=1),
+             dict(temperature=0.0, ignore_eos=True),
+             # the bias makes token 42 the choice until the penalties for its first occurrence outweigh it
+             dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=2.0, repetition_penalty=1.3, ignore_eos=True,
+                  logit_bias={42: 3.0})]
+    # the last ones run after the queue is empty: in bursts
+    return _params() + [SamplingParams(**{"max_tokens": 9 + 5 * i, "temperature": 0.8, **kw})
+                        for i, kw in enumerate(extra)]
+
+
+def _outputs(llm: LLM, k: int) -> list[tuple]:
+    _steps(llm, k)
+    params = _workload()
+    got = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params, use_tqdm=False)
+    return [(o.text, o.token_ids, o.finish_reason, o.stop_reason, o.logprobs) for r in got for o in r.outputs]
+
+
+def test_multi_step_decode_changes_no_output(llm):
+    """The same texts, tokens, finish and stop reasons and logprob entries with `K` decode steps per program as
+    with one, on a workload that ends requests inside bursts by stop strings, stop token ids, EOS and length,
+    with seeded sampling, top-k / top-p, min_p, penalties, logit bias, allowed tokens, banned words and logprobs
+    (each a part of the sampler's plan). Checked to fail: with the sampling counter not advanced between inner
+    steps (sampled tokens differ), with the penalties' history not recording the inner steps' fed tokens, and
+    with a burst's top logprobs read at the row's index of the first inner step."""
+    before = _outputs(llm, 1)
+    bursts = llm.engine.runner.num_bursts
+    assert bursts == 0
+    after = _outputs(llm, K)
+    assert llm.engine.runner.num_bursts > bursts, "the workload was meant to run multi-step programs"
+    assert {"stop", "length"} <= {r[2] for r in before}
+    _same(after, before)
+
+
+def test_steps_after_a_rows_own_leave_its_kv_and_state_alone(tmp_path):
+    """A row whose length limit ends it inside a burst runs the burst's remaining inner steps on the null slot
+    and page: the KV block it filled last and the state snapshot taken at its end stay those of its real tokens.
+    With prefix caching, a request that continues such a sequence (its prompt, output and more) reuses that
+    block and snapshot; its output (tokens, and logprobs to 1e-4: fp32) must equal the same request's on an engine
+    without the cache. Several output lengths put the end at different inner steps, each at a block boundary (where
+    the snapshot is). Checked to fail with the inner steps of rows past their own writing their slot (no null slot),
+    and, separately, writing their last position's KV again (no null page)."""
+    path = write_example_checkpoint(tmp_path / "ckpt", seed=3)
+    shape = dict(dtype="float32", max_num_seqs=4, max_model_len=160, max_num_batched_tokens=64, block_size=16)
+    cached = LLM(path, **shape, enable_prefix_caching=True, num_scheduler_steps=K)
+    plain = LLM(path, **shape)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    long_one = SamplingParams(max_tokens=60, **greedy)  # keeps the bursts going after the short one ends
+    hits = 0
+    # prompt + output - 1 = 32 computed tokens (two full blocks); the decode feeds (new - 1) end 2, 1 and 3 steps
+    # into the last burst
+    for length, new in ((26, 7), (27, 6), (29, 4)):
+        prompt = list(range(3, 3 + length))
+        first = cached.generate([prompt, list(range(90, 111))], [SamplingParams(max_tokens=new, **greedy), long_one],
+                                use_tqdm=False)[0].outputs[0].token_ids
+        follow = prompt + list(first) + [7, 8, 9]
+        follow_up = SamplingParams(max_tokens=6, logprobs=5, **greedy)
+        want = plain.generate([follow], follow_up, use_tqdm=False)[0].outputs[0]
+        got = cached.generate([follow], follow_up, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want.token_ids, (length, new)
+        worst = max(abs(e.logprob - want.logprobs[i][t].logprob) for i, lp in enumerate(got.outputs[0].logprobs)
+                    for t, e in lp.items())
+        print(f"prompt {length}, {new} new: worst logprob difference {worst:.2e}")
+        assert worst < 1e-4, (length, new, worst)
+        hits += got.num_cached_tokens == 32
+    assert hits == 3, "each follow-up was meant to resume at the short sequence's end"
+    assert cached.engine.runner.num_bursts > 0
+
+
+def test_a_burst_waits_for_the_queue_and_stops_at_the_length_limit():
+    """The scheduler runs a multi-step step only when every row decodes and nothing waits; each row runs as many
+    steps as its length limit leaves (never past max_tokens), and gets the blocks for them."""
+    blocks, slots = BlockAllocator(64, 4), SlotAllocator(4)
+    sched = Scheduler(blocks, slots, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64, num_scheduler_steps=K)
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=3))
+    b = Sequence("b", [4, 5, 6, 7, 8], SamplingParams(max_tokens=20))
+    sched.add(a)
+    first = sched.schedule()  # a's prompt
+    assert first.burst == 1
+    a.num_pending, a.token_ids = 0, a.token_ids + [9]  # its first token read
+    sched.add(b)
+    second = sched.schedule()  # a decodes beside b's prompt: plain
+    assert second.burst == 1 and [r.num_tokens for r in second.rows] == [1, 5]
+    for seq, token in ((a, 10), (b, 11)):
+        seq.num_pending, seq.token_ids = 0, seq.token_ids + [token]
+    third = sched.schedule()
+    assert third.burst == K
+    assert [(r.seq.request_id, r.start, r.steps) for r in third.rows] == [("a", 4, 1), ("b", 5, K)]
+    assert a.num_tokens == 6 and b.num_tokens == 6 + K  # a: its max_tokens (3 outputs); b: K more
+    assert len(b.block_table) * 4 >= b.num_computed == 5 + K
+    sched.add(Sequence("c", [1], SamplingParams(max_tokens=2)))
+    for r in third.rows:  # read: the burst's tokens reach the host
+        r.seq.token_ids += [0] * r.steps
+        r.seq.num_pending = 0
+    sched.finish(a, "length")
+    assert sched.schedule().burst == 1  # c waited: admitted in a plain step
+
+
+def test_warmup_builds_the_multi_step_programs_and_a_sealed_engine_compiles_none(tiny):
+    """With `warmup=True` the engine builds the multi-step programs of its row buckets (greedy and sampling
+    plans) before it is ready; a random workload (preemptions, aborts, every sampling control) then compiles
+    nothing: steps whose plan has no program (penalties, allowed tokens, bias, logprobs) run one token at a time.
+    Its tokens equal those of an engine without multi-step decode. Checked to fail: without `burst_grid` in the
+    warm-up grid the watch counts the multi-step programs' compiles."""
+    model = tiny[1]
+    jax.clear_caches()
+    warm = LLM(model, **ENGINE, warmup=True, num_scheduler_steps=K)
+    grid = warm.engine.runner.burst_grid(ENGINE["max_num_seqs"])
+    assert len(grid) == 3 and all(key[4] == K for key in grid)  # one decode bucket x three plans
+    work = mixed_workload(seed=3, n=16, lengths=(20, 200))
+    aborts = {2: 3, 9: 12}
+    with CompileWatch() as watch:
+        got = run(warm, work, aborts)
+    assert watch.count == 0, f"{watch.count} programs compiled after warm-up: {watch.names}"
+    assert warm.engine.stats()["programs_compiled_after_ready"] == 0
+    assert warm.engine.runner.num_bursts > 0
+    single = LLM(model, **ENGINE)
+    assert got == run(single, work, aborts)
+    warm.engine.close()
