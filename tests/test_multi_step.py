@@ -7,6 +7,8 @@ afterwards."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import pytest
 
@@ -159,3 +161,54 @@ def test_warmup_builds_the_multi_step_programs_and_a_sealed_engine_compiles_none
     single = LLM(model, **ENGINE)
     assert got == run(single, work, aborts)
     warm.engine.close()
+
+
+def test_served_streams_with_multi_step_decode(tmp_path):
+    """`jhybrid serve --num-scheduler-steps 4` (warmed up): concurrent streamed completions bring the text and
+    token count of the same requests unstreamed and of an engine without multi-step decode; the inter-token
+    latency histogram counts every token after the first (a burst's tokens arrive together)."""
+    import asyncio
+
+    import httpx
+
+    from jhybrid.server import BackgroundServer, ServerConfig, build_engine, create_app
+    from tests.test_server import scrape
+
+    path = write_example_checkpoint(tmp_path / "ckpt", seed=5)
+    shape = dict(dtype="float32", served_model_name="tiny", max_num_seqs=4, max_model_len=96,
+                 max_num_batched_tokens=16, warmup=True)
+    bodies = [{"model": "tiny", "prompt": f"Hi {i}", "max_tokens": 9 + 2 * i, "ignore_eos": True,
+               "temperature": 0.0} for i in range(3)] + [
+              {"model": "tiny", "prompt": "Ok", "max_tokens": 12, "temperature": 0.7, "seed": 4}]
+
+    async def stream(client, url, body):
+        async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+            events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+    async def run(url):
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(stream(client, url, b) for b in bodies))
+
+    texts = {}
+    for steps in (4, 1):
+        engine = build_engine(path, **shape, num_scheduler_steps=steps)
+        server = BackgroundServer(create_app(engine, ServerConfig(model_names=("tiny",)))).start()
+        try:
+            before = scrape(server.url)
+            streamed = asyncio.run(run(server.url))
+            whole = [httpx.post(server.url + "/v1/completions", json=b, timeout=120).json() for b in bodies]
+            assert streamed == [w["choices"][0]["text"] for w in whole]
+            assert [w["usage"]["completion_tokens"] for w in whole] == [b["max_tokens"] for b in bodies]
+            after = scrape(server.url)
+            itl = after["jhybrid:inter_token_latency_seconds_count"] - before.get("jhybrid:inter_token_latency_seconds_count", 0)
+            assert itl == 2 * sum(b["max_tokens"] - 1 for b in bodies)
+            texts[steps] = streamed
+            if steps > 1:
+                assert engine.engine.runner.num_bursts > 0
+                assert engine.engine.stats()["programs_compiled_after_ready"] == 0
+        finally:
+            server.stop()
+            engine.shutdown()
+    assert texts[4] == texts[1]

@@ -524,7 +524,7 @@ class LLMEngine:
             startup_compile_seconds=self.startup_compile_seconds,
             programs_compiled_after_ready=self._after_ready.count if self._after_ready is not None else 0,
             **self.timing,
-            host_dispatch_seconds=self.runner.dispatch_seconds,
+            host_dispatch_seconds=self.runner.dispatch_seconds, num_multi_step_calls=self.runner.num_bursts,
             host_step_seconds=sum(self.timing[k] for k in ("host_schedule_seconds", "host_prepare_seconds",
                                                            "host_postprocess_seconds")),
         )
