@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, paged_attention
+from pallas_kernels.gated_delta_rule import gated_delta_decode
 from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
 
-KERNELS = ("paged_decode", "paged_prefill", "gdn_decode", "gdn_chunk", "sgla_decode", "sgla_chunk")
+KERNELS = ("paged_decode", "paged_prefill", "gdn_decode", "gdn_fused_decode", "gdn_chunk", "sgla_decode", "sgla_chunk")
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 2e-3}  # relative RMS error (TF32 dots in fp32 kernels)
 
 
@@ -71,6 +72,14 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     beta = jnp.asarray(rng.uniform(0.0, 1.0, (8, hv)), jnp.float32)
     out["gdn_decode"] = (fused_recurrent_gated_delta_rule, (q, k, v, g, beta, state, decode_slots))
     out["sgla_decode"] = (fused_recurrent_simple_gla, (q, k, v, g, state, decode_slots))
+    # the whole decode step after the conv in one kernel (`gated_delta_decode`, fused): raw q / k, gate inputs
+    a, b = (jnp.asarray(rng.normal(size=(8, hv)), dtype) for _ in range(2))
+    z = jnp.asarray(rng.normal(size=(8, hv, d)), dtype)
+    gate_params = (jnp.asarray(rng.uniform(-1.0, 1.0, hv), jnp.float32), jnp.asarray(rng.normal(size=hv), jnp.float32),
+                   jnp.asarray(rng.uniform(0.5, 1.5, d), dtype))
+    out["gdn_fused_decode"] = (lambda *x, impl, interpret: gated_delta_decode(
+        *x, eps=1e-6, impl=impl, interpret=interpret, fused=True), (q * 2, k, v, a, b, z, *gate_params, state,
+                                                                     decode_slots))
     cu = jnp.asarray([0, 100, 101, 130], jnp.int32)  # a long prompt, a one-token row, a short prompt
     chunk_slots = jnp.asarray([1, 2, 3], jnp.int32)
     q, k = (jnp.asarray(_unit(rng, (130, h, d)), dtype) for _ in range(2))

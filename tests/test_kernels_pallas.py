@@ -141,6 +141,60 @@ def test_fused_recurrent_lowers_for_h200():
     lower_for_h200(fn, f32(q), f32(k), v, g, beta, jnp.asarray(state), jnp.arange(8, dtype=jnp.int32), kernels=kernels)
 
 
+@pytest.mark.parametrize("batch,h,hv,dk,dv,dtype", [(5, 2, 4, 32, 64, jnp.float32), (4, 1, 2, 16, 256, jnp.bfloat16),
+                                                   (1, 2, 2, 64, 16, jnp.float32)])
+def test_fused_decode_pallas_matches_reference(batch, h, hv, dk, dv, dtype):
+    """The Gated DeltaNet decode step in one kernel (q/k L2 norms, gates, recurrence, gated output norm:
+    `gated_delta_decode`, fused) against its jnp form, whose recurrence is the reference's; padded rows on the
+    null slot (NaN there: it must read as zeros) keep no state, free slots are neither read nor written. Checked to
+    fail with the kernel's output norm dropped, and with its q left unnormalised."""
+    from pallas_kernels.gated_delta_rule import gated_delta_decode, gated_delta_decode_reference
+
+    rng = np.random.default_rng(batch + dv)
+    num_slots = batch + 3
+    q, k, v, *_ = _gdn_decode_inputs(rng, batch, h, hv, dk, dv, num_slots, dtype)
+    q, k = q * 3.0, k * 0.5  # not unit vectors: the kernel normalises them
+    a = jnp.asarray(rng.normal(size=(batch, hv)), dtype)
+    b = jnp.asarray(rng.normal(size=(batch, hv)), dtype)
+    z = jnp.asarray(rng.normal(size=(batch, hv, dv)), dtype)
+    a_log = jnp.asarray(rng.uniform(-1.0, 2.0, hv), jnp.float32)
+    dt_bias = jnp.asarray(rng.normal(size=hv), jnp.float32)
+    norm_w = jnp.asarray(rng.uniform(0.5, 1.5, dv), dtype)
+    state = rng.normal(size=(num_slots, hv, dk, dv)).astype(np.float32)
+    slots = rng.permutation(np.arange(1, num_slots))[:batch].astype(np.int32)
+    if batch > 2:
+        slots[1] = 0
+    state[0] = np.nan
+    free = np.setdiff1d(np.arange(1, num_slots), slots)
+    state[free] = np.nan
+    args = (q, k, v, a, b, z, a_log, dt_bias, norm_w, jnp.asarray(state), jnp.asarray(slots))
+    want_o, want_state = jax.jit(functools.partial(gated_delta_decode_reference, eps=1e-6))(*args)
+    got_o, got_state = gated_delta_decode(*args, eps=1e-6, impl="pallas", interpret=True, fused=True)
+    live = slots != 0
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert_close("fused decode output", np.asarray(got_o, np.float32)[live], np.asarray(want_o, np.float32)[live], rtol)
+    assert_close("fused decode state", np.asarray(got_state)[slots[live]], np.asarray(want_state)[slots[live]], 1e-5)
+    np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
+    # unfused (the parts one by one, the Pallas recurrence): the same result
+    parts_o, parts_state = gated_delta_decode(*args, eps=1e-6, impl="pallas", interpret=True, fused=False, block_v=16)
+    assert_close("unfused decode output", np.asarray(parts_o, np.float32)[live], np.asarray(want_o, np.float32)[live],
+                 rtol)
+
+
+def test_fused_decode_lowers_for_h200():
+    """Lowers at the head dims of the supported families (Qwen3-Next / Qwen3.5: K = V = 128) and at V = 256, bf16
+    activations and fp32 ones."""
+    from pallas_kernels.gated_delta_rule import gated_delta_decode
+
+    fn = functools.partial(gated_delta_decode, eps=1e-6, impl="pallas", fused=True)
+    for h, hv, dk, dv, dtype in ((16, 32, 128, 128, jnp.bfloat16), (2, 4, 64, 256, jnp.float32)):
+        args = [jnp.zeros((8, h, dk), dtype), jnp.zeros((8, h, dk), dtype), jnp.zeros((8, hv, dv), dtype),
+                jnp.zeros((8, hv), dtype), jnp.zeros((8, hv), dtype), jnp.zeros((8, hv, dv), dtype),
+                jnp.zeros((hv,), jnp.float32), jnp.zeros((hv,), jnp.float32), jnp.zeros((dv,), dtype),
+                jnp.zeros((9, hv, dk, dv), jnp.float32), jnp.arange(8, dtype=jnp.int32)]
+        lower_for_h200(fn, *args, kernels=["gdn_fused_decode_w4"])
+
+
 # ---------------------------------------------------------------- paged attention
 
 

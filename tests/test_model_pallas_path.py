@@ -50,6 +50,22 @@ def test_pallas_path_equals_reference_path(ckpt, dtype, tol):
 
 
 @pytest.mark.slow
+def test_fused_gdn_decode_equals_reference_path(ckpt, monkeypatch):
+    """With the Gated DeltaNet decode step as one kernel (`gated_delta_rule.FUSED_DECODE`: q/k norms, gates,
+    recurrence and output norm), interpreted, the model's logits over a chunked prefill and decode steps equal the
+    reference path's (fp32). Checked to fail with the kernel's gated output norm dropped."""
+    from pallas_kernels import gated_delta_rule
+
+    monkeypatch.setattr(gated_delta_rule, "FUSED_DECODE", True)
+    cfg, params = load_model(ckpt, dtype="float32")
+    ids = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 29))
+    want = run(cfg, params, ids, (16, 13), 4, kernel_impl="reference")
+    got = run(cfg, params, ids, (16, 13), 4, kernel_impl="pallas", interpret=True)
+    err = np.linalg.norm(got[-4:] - want[-4:]) / np.linalg.norm(want[-4:])
+    assert err <= 1e-5, f"decode logits differ from the reference path's, relative error {err:.2e}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["minimax", "nemotron_h"])
 def test_scalar_decay_families_pallas_path_equals_reference_path(family):
     """Lightning attention (MiniMax) and Mamba2 (NemotronH) layers through the simple-GLA Pallas kernels (chunked

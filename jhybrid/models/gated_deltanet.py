@@ -11,7 +11,8 @@ from jhybrid.models.batch import Batch
 from jhybrid.models.layers import causal_conv1d, gated_rms_norm, l2_normalize
 from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
-from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from pallas_kernels import chunk_gated_delta_rule
+from pallas_kernels.gated_delta_rule import gated_delta_decode
 
 
 def gated_deltanet_layer(
@@ -41,17 +42,16 @@ def gated_deltanet_layer(
     qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
     q, k, v = split_packed(qkv, (hk * dk, hk * dk, hv * dv), shards)
     q, k, v = q.reshape(num_tokens, hk, dk), k.reshape(num_tokens, hk, dk), v.reshape(num_tokens, hv, dv)
+    if decode:  # the norms, gates, recurrence and output norm: one kernel where `FUSED_DECODE` (gated_delta_rule)
+        o, ssm_state = gated_delta_decode(q, k, v, a, b, z, p["A_log"], p["dt_bias"], p["norm"], ssm_state,
+                                          batch.slot_ids, eps=cfg.rms_norm_eps, **(kernels or {}))
+        return linear(o.reshape(num_tokens, hv * dv), p["out_proj"]), conv_state, ssm_state
     q, k = l2_normalize(q).astype(x.dtype), l2_normalize(k).astype(x.dtype)  # normalised in fp32, fed as x.dtype
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
     )
-    if decode:
-        o, ssm_state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state, batch.slot_ids, **(kernels or {}))
-    else:
-        o, ssm_state = chunk_gated_delta_rule(
-            q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids, **(kernels or {})
-        )
+    o, ssm_state = chunk_gated_delta_rule(q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids, **(kernels or {}))
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)  # [T, HV, V]
     out = linear(o.reshape(num_tokens, hv * dv), p["out_proj"])
     return out, conv_state, ssm_state

@@ -10,14 +10,27 @@
     references need no wrapping (XLA SPMD partitions them);
   * "auto": the Pallas kernel on GPU where its shapes are supported (power-of-two K and V), else the
     reference.
+
+`gated_delta_decode` is a Gated DeltaNet mixer's whole decode step after its convolution (the L2 norms of q and
+k, the gates, the recurrence, the gated output norm): with `fused` (`FUSED_DECODE`) and the Pallas recurrence
+chosen, one kernel (`fused_decode.py`), else those parts one by one, the recurrence dispatched as above.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta_rule.fused_decode import (
+    _gated_norm,
+    _gates,
+    _l2_normalize,
+    gated_delta_decode_pallas,
+    gated_delta_decode_reference,
+)
 from pallas_kernels.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_pallas
 from pallas_kernels.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
@@ -107,10 +120,38 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, slot_ids, *, impl:
     return kernel(q, k, v, g, beta, state, slot_ids)
 
 
+# the decode step's norms, gates and recurrence as one kernel (`gated_delta_decode`): off until measured on the H200
+# against the parts one by one (benchmarks/device_loop.py --set ...FUSED_DECODE=1); JHYBRID_GDN_FUSED_DECODE=1
+FUSED_DECODE = os.environ.get("JHYBRID_GDN_FUSED_DECODE", "0") == "1"
+FUSED_DECODE_MAX_V = 256  # the fused kernel holds a head's whole [K, V] state tile and output in one program
+
+
+def gated_delta_decode(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, *, eps: float, impl: str = "auto",
+                       interpret: bool = False, scale: float | None = None, mesh=None, fused: bool | None = None,
+                       **tuning):
+    """Same signature and result as `gated_delta_decode_reference` (one decode token per row, q and k not yet
+    normalised). `fused` (default `FUSED_DECODE`): one Pallas kernel where the recurrence's impl is "pallas" (so
+    "auto" on a GPU), V <= `FUSED_DECODE_MAX_V` and no mesh splits the heads; else the norms and gates in jnp and
+    `fused_recurrent_gated_delta_rule` (its `impl`, `mesh` and `tuning`)."""
+    fused = FUSED_DECODE if fused is None else fused
+    if (fused and _pick(impl, "fused_recurrent", q, v) == "pallas" and v.shape[-1] <= FUSED_DECODE_MAX_V
+            and (mesh is None or mesh.size == 1)):
+        return gated_delta_decode_pallas(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, eps=eps,
+                                         scale=scale, interpret=interpret, **tuning)
+    g, beta = _gates(a, b, a_log, dt_bias)
+    o, state = fused_recurrent_gated_delta_rule(_l2_normalize(q, q.dtype), _l2_normalize(k, k.dtype), v, g, beta,
+                                                state, slot_ids, impl=impl, interpret=interpret, scale=scale,
+                                                mesh=mesh, **tuning)
+    return _gated_norm(o.astype(v.dtype), z, norm_w, eps), state
+
+
 __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_pallas",
     "chunk_gated_delta_rule_reference",
+    "gated_delta_decode",
+    "gated_delta_decode_pallas",
+    "gated_delta_decode_reference",
     "fused_recurrent_gated_delta_rule",
     "fused_recurrent_gated_delta_rule_pallas",
     "fused_recurrent_gated_delta_rule_reference",
