@@ -195,6 +195,58 @@ def test_fused_decode_lowers_for_h200():
         lower_for_h200(fn, *args, kernels=["gdn_fused_decode_w4"])
 
 
+# ---------------------------------------------------------------- short convolution: decode
+
+
+@pytest.mark.parametrize("batch,channels,width,dtype", [(5, 96, 4, jnp.float32), (3, 64, 2, jnp.bfloat16),
+                                                        (1, 8192, 4, jnp.bfloat16)])
+def test_conv_update_pallas_matches_reference(batch, channels, width, dtype):
+    """The decode step of the causal convolution as one kernel (`pallas_kernels.conv_update`) against its jnp
+    form: each row's output and its slot's new window; padded rows on the null slot (NaN there) write nothing,
+    free slots are neither read nor written. The jnp form is itself checked against the prefill convolution
+    (`causal_conv1d`) on the same rows. Checked to fail with the kernel's new window shifted by one (the newest
+    input stored twice)."""
+    from jhybrid.models.layers import causal_conv1d
+    from pallas_kernels.conv_update import conv_update, conv_update_reference
+
+    rng = np.random.default_rng(batch * channels)
+    num_slots = batch + 3
+    x = jnp.asarray(rng.normal(size=(batch, channels)), dtype)
+    weight = jnp.asarray(rng.normal(size=(channels, width)), dtype)
+    state = rng.normal(size=(num_slots, channels, width - 1)).astype(np.float32)
+    slots = rng.permutation(np.arange(1, num_slots))[:batch].astype(np.int32)
+    if batch > 2:
+        slots[1] = 0
+    live = slots != 0
+    clean = state.copy()
+    state[0] = np.nan
+    free = np.setdiff1d(np.arange(1, num_slots), slots)
+    state[free] = np.nan
+    want_o, want_state = jax.jit(conv_update_reference)(x, jnp.asarray(state), weight, jnp.asarray(slots))
+    got_o, got_state = conv_update(x, jnp.asarray(state), weight, jnp.asarray(slots), impl="pallas", interpret=True)
+    rtol = 1e-6 if dtype == jnp.float32 else 1e-2
+    assert_close("conv output", np.asarray(got_o, np.float32)[live], np.asarray(want_o, np.float32)[live], rtol)
+    np.testing.assert_array_equal(np.asarray(got_state)[slots[live]], np.asarray(want_state)[slots[live]])
+    np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
+    # the reference is the prefill convolution's decode case (one token a row)
+    cu = jnp.arange(batch + 1, dtype=jnp.int32)
+    conv_o, conv_state = causal_conv1d(x, jnp.asarray(clean), weight, cu, jnp.asarray(slots), jnp.arange(batch))
+    assert_close("reference vs causal_conv1d", np.asarray(want_o, np.float32)[live],
+                 np.asarray(conv_o, np.float32)[live], 1e-6)
+    np.testing.assert_allclose(np.asarray(want_state)[slots[live]], np.asarray(conv_state)[slots[live]], rtol=1e-6)
+
+
+def test_conv_update_lowers_for_h200():
+    """At Qwen3-Next's GDN conv (C = 8192, W = 4) and a NemotronH-shaped Mamba2 conv, bf16 inputs, fp32 state."""
+    from pallas_kernels.conv_update import conv_update
+
+    fn = functools.partial(conv_update, impl="pallas")
+    for channels, width in ((8192, 4), (3328, 4)):
+        args = (jnp.zeros((8, channels), jnp.bfloat16), jnp.zeros((9, channels, width - 1), jnp.float32),
+                jnp.zeros((channels, width), jnp.bfloat16), jnp.arange(8, dtype=jnp.int32))
+        lower_for_h200(fn, *args, kernels=[r"conv_update_bc\d+_w4"])
+
+
 # ---------------------------------------------------------------- paged attention
 
 

@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
-from jhybrid.models.layers import causal_conv1d, gated_rms_norm, l2_normalize
+from jhybrid.models.layers import gated_rms_norm, l2_normalize, short_conv
 from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import chunk_gated_delta_rule
@@ -36,9 +36,7 @@ def gated_deltanet_layer(
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
     qkv, z, b, a = split_packed(proj, (c, hv * dv, hv, hv), shards)  # [T, C] (shard-major), [T, HV*V], [T, HV] x2
     z = z.reshape(num_tokens, hv, dv)
-    qkv, conv_state = causal_conv1d(
-        qkv, conv_state, p["conv_weight"], batch.cu_seqlens, batch.slot_ids, batch.token_seq
-    )
+    qkv, conv_state = short_conv(qkv, conv_state, p["conv_weight"], batch, decode, kernels)
     qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
     q, k, v = split_packed(qkv, (hk * dk, hk * dk, hv * dv), shards)
     q, k, v = q.reshape(num_tokens, hk, dk), k.reshape(num_tokens, hk, dk), v.reshape(num_tokens, hv, dv)

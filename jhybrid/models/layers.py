@@ -227,6 +227,20 @@ def grouped_gated_rms_norm(x: Float[Array, "T I"], gate: Float[Array, "T I"], w:
     return w * h.reshape(num_tokens, dim).astype(x.dtype)
 
 
+def short_conv(x: Float[Array, "T C"], conv_state: Array, weight: Array, batch, decode: bool,
+               kernels: dict | None = None) -> tuple[Float[Array, "T C"], Array]:
+    """The linear layers' causal convolution: `causal_conv1d`, or in a decode step whose kernels say so (impl
+    "pallas", or "auto" on a GPU with `pallas_kernels.conv_update.PALLAS_DECODE`) and whose shapes the kernel takes,
+    the one-kernel decode form (`pallas_kernels.conv_update`; a decode step's token b is row b's)."""
+    from pallas_kernels import conv_update
+
+    kernels = kernels or {}
+    if (decode and conv_update.pallas_supported(x, weight)
+            and conv_update.resolve(kernels.get("impl", "auto"), x, weight, kernels.get("mesh")) == "pallas"):
+        return conv_update.conv_update(x, conv_state, weight, batch.slot_ids, **kernels)
+    return causal_conv1d(x, conv_state, weight, batch.cu_seqlens, batch.slot_ids, batch.token_seq)
+
+
 def causal_conv1d(
     x: Float[Array, "T C"],
     conv_state: Float[Array, "S C W1"],

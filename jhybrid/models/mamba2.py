@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
-from jhybrid.models.layers import causal_conv1d, grouped_gated_rms_norm
+from jhybrid.models.layers import grouped_gated_rms_norm, short_conv
 from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
@@ -41,7 +41,7 @@ def mamba2_layer(
         proj = proj + p["in_proj_bias"]
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
     z, xbc, dt = split_packed(proj, (inner, conv_dim, h), shards)
-    xbc, conv_state = causal_conv1d(xbc, conv_state, p["conv_weight"], batch.cu_seqlens, batch.slot_ids, batch.token_seq)
+    xbc, conv_state = short_conv(xbc, conv_state, p["conv_weight"], batch, decode, kernels)
     if "conv_bias" in p:
         xbc = xbc + p["conv_bias"]
     xbc = jax.nn.silu(xbc.astype(jnp.float32))  # [T, Cm]

@@ -1,0 +1,53 @@
+"""The decode step of a depthwise causal convolution over state slots (the Gated DeltaNet and Mamba2 layers'
+short convolution): a reference, a Pallas kernel and dispatch.
+
+`conv_update(x, conv_state, weight, slot_ids, impl=...)`: "reference" (jnp), "pallas" (`kernel.py`; W a power of
+two, C a multiple of 16) or "auto": the kernel on a GPU where it applies and `PALLAS_DECODE` is on, else the
+reference. The kernel is off by default until it is measured on the H200 against XLA's fusions of the reference
+(JHYBRID_CONV_UPDATE=1 turns it on).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from pallas_kernels.conv_update.kernel import block_channels, conv_update_pallas
+from pallas_kernels.conv_update.reference import conv_update_reference
+
+PALLAS_DECODE = os.environ.get("JHYBRID_CONV_UPDATE", "0") == "1"
+_IMPLS = ("auto", "reference", "pallas")
+
+
+def pallas_supported(x, weight) -> bool:
+    """Static check: a power-of-two kernel width and a power-of-two channel block >= 16 dividing C."""
+    width = weight.shape[1]
+    return width > 1 and width & (width - 1) == 0 and block_channels(x.shape[1]) > 0
+
+
+def resolve(impl: str, x, weight, mesh=None) -> str:
+    """The implementation `conv_update` runs for `impl`: "pallas" or "reference"."""
+    if impl not in _IMPLS:
+        raise ValueError(f"unknown conv update {impl=}; choose one of {_IMPLS}")
+    if mesh is not None and mesh.size > 1:
+        return "reference"  # XLA partitions it
+    if impl == "auto":
+        gpu = jax.default_backend() == "gpu"
+        return "pallas" if gpu and PALLAS_DECODE and pallas_supported(x, weight) else "reference"
+    if impl == "pallas" and not pallas_supported(x, weight):
+        raise ValueError(f"the Pallas conv update needs a power-of-two width and C a multiple of 16, got "
+                         f"{weight.shape=}; use impl='reference'")
+    return impl
+
+
+def conv_update(x, conv_state, weight, slot_ids, *, impl: str = "auto", interpret: bool = False, mesh=None,
+                **tuning):
+    """Same signature and result as `conv_update_reference` (`resolve` picks). `tuning` (block_c, num_warps) goes
+    to the kernel."""
+    if resolve(impl, x, weight, mesh) == "pallas":
+        return conv_update_pallas(x, conv_state, weight, slot_ids, interpret=interpret, **tuning)
+    return conv_update_reference(x, conv_state, weight, slot_ids)
+
+
+__all__ = ["conv_update", "conv_update_pallas", "conv_update_reference", "pallas_supported", "resolve"]

@@ -1,0 +1,75 @@
+"""Pallas (Triton lowering) kernel for the decode step of a depthwise causal convolution over state slots.
+
+Grid `(B, C // BC)`: program (b, c) owns channels `[c * BC, (c + 1) * BC)` of row b. It reads the row's `W - 1`
+inputs of those channels from `state[slot_ids[b]]` (one strided load per tap; zeros on the null slot 0), adds the
+row's new input, writes the output and stores the last `W - 1` inputs back into the slot (aliased in place; the
+null slot is never written, so padding rows race on nothing). One kernel where XLA runs the gather of the slots'
+windows, the sum and the scatter of the new windows as kernels of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Float, Int
+
+_WHOLE = pl.no_block_spec
+
+
+def _kernel(slot_ids_ref, x_ref, w_ref, state_in_ref, o_ref, state_ref, *, hist: int, block_c: int):
+    row, c = pl.program_id(0), pl.program_id(1)
+    slot = slot_ids_ref[row]
+    channels = pl.ds(c * block_c, block_c)
+    taps = [jnp.where(slot == 0, 0.0, state_in_ref[slot, channels, i].astype(jnp.float32)) for i in range(hist)]
+    taps.append(x_ref[...].astype(jnp.float32))
+    out = jnp.zeros((block_c,), jnp.float32)
+    for i, tap in enumerate(taps):  # (each weight column a strided load: Triton slices no loaded value)
+        out = out + tap * w_ref[:, i].astype(jnp.float32)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+    @pl.when(slot != 0)
+    def _():
+        for i in range(hist):
+            state_ref[slot, channels, i] = taps[i + 1].astype(state_ref.dtype)
+
+
+def block_channels(num_channels: int, most: int = 1024) -> int:
+    """The largest power of two up to `most` that divides `num_channels` (0: none from 16 up)."""
+    block = most
+    while block >= 16 and num_channels % block:
+        block //= 2
+    return block if block >= 16 else 0
+
+
+@functools.partial(jax.jit, static_argnames=("block_c", "num_warps", "interpret"))
+def conv_update_pallas(x: Float[Array, "B C"], conv_state: Float[Array, "S C W1"], weight: Float[Array, "C W"],
+                       slot_ids: Int[Array, "B"], *, block_c: int | None = None, num_warps: int = 4,
+                       interpret: bool = False) -> tuple[Float[Array, "B C"], Float[Array, "S C W1"]]:
+    """Same arguments and results as `conv_update_reference`. W must be a power of two (the weight's tile);
+    `block_c` (default `block_channels(C)`) a power of two dividing C."""
+    batch, num_channels = x.shape
+    width = weight.shape[1]
+    block_c = block_c or block_channels(num_channels)
+    if not block_c or num_channels % block_c:
+        raise ValueError(f"no power-of-two channel block >= 16 divides C={num_channels}")
+    kernel = functools.partial(_kernel, hist=width - 1, block_c=block_c)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, num_channels // block_c),
+        in_specs=[
+            _WHOLE,  # slot_ids
+            pl.BlockSpec((None, block_c), lambda b, c: (b, c)),  # x
+            pl.BlockSpec((block_c, width), lambda b, c: (c, 0)),  # weight
+            _WHOLE,  # state (read by slot inside the kernel)
+        ],
+        out_specs=[pl.BlockSpec((None, block_c), lambda b, c: (b, c)), _WHOLE],
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
+        input_output_aliases={3: 1},
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
+        name=f"conv_update_bc{block_c}_w{num_warps}",
+    )(slot_ids.astype(jnp.int32), x, weight, conv_state)
