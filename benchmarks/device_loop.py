@@ -1,7 +1,7 @@
 """Batch-1 decode with the host out of the loop: how much of a token's time is the device's (issue 20).
 
     PYTHONPATH=. python3 -m benchmarks.device_loop [--models qwen3_next,nemotron_h,minimax] [--steps 64]
-        [--trace DIR] [--json out.json] [--tiny]
+        [--trace DIR] [--json out.json] [--tiny] [--variant NAME:MODULE.SWITCH=VALUE[,...]]...
 
 For each model of `benchmarks.floors` (random bf16 weights made on the device), after a 512-token prefill of
 one sequence, a decode token is timed three ways:
@@ -16,6 +16,11 @@ Beside them the bytes floor of `floors` (weights a token reads + the fp32 state 
 the same run's read bandwidth). With `--trace`, the loop is traced once more and its kernels are summed by name
 per token (kernel time, launches per token, the top kernels). `loop` against `call` is the host's share of a
 step that a device-side multi-step decode would remove; `loop` against the floor is the device's own excess.
+
+`--variant` (repeatable) times `call` and `loop` again in the same process with module switches set (the programs
+retraced: e.g. `fused:pallas_kernels.gated_delta_rule.FUSED_DECODE=True`,
+`conv:pallas_kernels.conv_update.PALLAS_DECODE=True`), after checking one step's logits against the base's from the
+same state (relative error), then restores the switches; with `--trace`, each variant's loop kernels too.
 """
 
 from __future__ import annotations
@@ -207,9 +212,110 @@ def one_model(name: str, args) -> dict:
         row["loop_kernels"] = kernel_sums(folder, args.steps, args.top)
         if args.hlo:  # each top kernel's operand + result bytes and the bandwidth they imply
             row["loop_kernels"]["top"] = [(k, ms, c, operand_bytes.get(k)) for k, ms, c in row["loop_kernels"]["top"]]
+    if args.variant:
+        row["variants"] = variants(cfg, runner, batch, kw, name, args)
     del runner  # its state and KV pool
     row["engine_ms"] = engine_step(cfg, params, args) if args.engine else None
     return row
+
+
+def _parse_variant(text: str) -> tuple[str, list[tuple[object, str, object]]]:
+    """`NAME:MODULE.SWITCH=VALUE[,...]` -> (name, [(module, switch, value)])."""
+    import ast
+    import importlib
+
+    name, _, sets = text.partition(":")
+    out = []
+    for item in filter(None, sets.split(",")):
+        target, _, value = item.partition("=")
+        module, _, switch = target.rpartition(".")
+        mod = importlib.import_module(module)
+        if not hasattr(mod, switch):
+            raise SystemExit(f"--variant {text}: {module} has no {switch}")
+        out.append((mod, switch, ast.literal_eval(value)))
+    return name, out
+
+
+def variants(cfg, runner, batch, kw, name: str, args) -> list[dict]:
+    """Each `--variant`: one step's logits against the base's from a copy of the same state, then `call` and
+    `loop` per token (and the loop's kernels with `--trace`), the programs retraced with its switches set."""
+    import jax
+    import jax.numpy as jnp
+
+    from tests.runner_helpers import _step
+
+    saved = jax.tree.map(jnp.copy, runner.state)
+
+    def one_step():
+        logits, _ = _step(cfg, runner.params, jax.tree.map(jnp.copy, saved), batch, **kw)
+        return np.asarray(logits, np.float64)
+
+    base = one_step()
+    rows = []
+    for text in args.variant:
+        label, sets = _parse_variant(text)
+        before = [(mod, switch, getattr(mod, switch)) for mod, switch, _ in sets]
+        for mod, switch, value in sets:
+            setattr(mod, switch, value)
+        jax.clear_caches()  # the layers' jitted traces read the switches
+        try:
+            got = one_step()
+            r = dict(variant=label, logits_rel_err=float(np.linalg.norm(got - base) / np.linalg.norm(base)))
+            runner.state = jax.tree.map(jnp.copy, saved)
+            r["call_ms"] = _time_calls(cfg, runner, batch, kw, args.steps)
+            loop = make_loop(cfg, runner.block_size, args.steps)
+            r["loop_ms"] = _time_loop(loop, runner, batch, args.steps)
+            if args.trace:
+                folder = os.path.join(args.trace, f"{name}-{label}")
+                with jax.profiler.trace(folder, create_perfetto_trace=True):
+                    tokens, runner.state = loop(runner.params, runner.state, batch)
+                    jax.block_until_ready(tokens)
+                r["loop_kernels"] = kernel_sums(folder, args.steps, args.top)
+        finally:
+            for mod, switch, value in before:
+                setattr(mod, switch, value)
+            jax.clear_caches()
+        log(f"[{name}] variant {label}: logits rel err {r['logits_rel_err']:.2e} against the base; call "
+            f"{r['call_ms']:.3f} ms, loop {r['loop_ms']:.3f} ms per token"
+            + (f"; loop kernels {r['loop_kernels']['kernel_ms']:.3f} ms in {r['loop_kernels']['launches']:.0f} "
+               "launches" if "loop_kernels" in r else ""))
+        rows.append(r)
+    runner.state = saved
+    return rows
+
+
+def _time_calls(cfg, runner, batch, kw, steps: int) -> float:
+    """Median ms per token of `steps` back-to-back calls of the decode forward (after three warm ones)."""
+    import jax
+
+    from tests.runner_helpers import _step
+
+    for _ in range(3):
+        logits, runner.state = _step(cfg, runner.params, runner.state, batch, **kw)
+    jax.block_until_ready(logits)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits, runner.state = _step(cfg, runner.params, runner.state, batch, **kw)
+        jax.block_until_ready(logits)
+        times.append((time.perf_counter() - t0) / steps * 1e3)
+    return float(np.median(times))
+
+
+def _time_loop(loop, runner, batch, steps: int) -> float:
+    """Median ms per token of the `steps`-step loop program (after one compiling run)."""
+    import jax
+
+    tokens, runner.state = loop(runner.params, runner.state, batch)
+    jax.block_until_ready(tokens)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        tokens, runner.state = loop(runner.params, runner.state, batch)
+        jax.block_until_ready(tokens)
+        times.append((time.perf_counter() - t0) / steps * 1e3)
+    return float(np.median(times))
 
 
 def engine_step(cfg, params, args) -> float:
@@ -235,6 +341,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hlo", default=None, help="write the loop program's optimized HLO to DIR/<model>.hlo.txt; with "
                     "--trace, each top kernel's bytes (result + operands) and bandwidth")
     ap.add_argument("--tiny", action="store_true", help="the floors' tiny configs (a CPU check of the script)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:MODULE.SWITCH=VALUE[,...]",
+                    help="time call and loop again with these switches (repeatable; see above)")
     add_set_argument(ap, "jhybrid.models.quant.MIN_GEMM_MACS=0")
     args = ap.parse_args(argv)
     apply_sets(ap, args.set)

@@ -931,9 +931,12 @@ def _top_lists(result: StepResult) -> tuple[list | None, list | None]:
 
 
 def _bucket_name(key: tuple) -> str:
-    """A step program's key as the logs name it: `decode:ROWS`, `mixed:TOKENS` (`+plp`: prompt logprobs)."""
-    decode, num_tokens, num_rows, *plp = key
-    return (f"decode:{num_rows}" if decode else f"mixed:{num_tokens}x{num_rows}") + ("+plp" if plp else "")
+    """A step program's key as the logs name it: `decode:ROWS`, `mixed:TOKENS` (`+plp`: prompt logprobs),
+    `decode:ROWSxSTEPSsteps:PLAN` (multi-step)."""
+    decode, num_tokens, num_rows, *rest = key
+    if len(rest) > 1:  # a multi-step decode program: (False, steps, sampler plan)
+        return f"decode:{num_rows}x{rest[1]}steps:{rest[2].name}"
+    return (f"decode:{num_rows}" if decode else f"mixed:{num_tokens}x{num_rows}") + ("+plp" if rest else "")
 
 
 class EngineFailure(RuntimeError):
