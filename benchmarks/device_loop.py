@@ -174,17 +174,7 @@ def one_model(name: str, args) -> dict:
     # call: one program call per token, inputs on the device (the token is not fed back: same work per step)
     batch = _decode_inputs(runner, table, slot, position, token)
     kw = dict(decode=True, all_logits=False, kernel_impl="auto", interpret=False)
-    for _ in range(3):
-        logits, runner.state = _step(cfg, runner.params, runner.state, batch, **kw)
-    jax.block_until_ready(logits)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            logits, runner.state = _step(cfg, runner.params, runner.state, batch, **kw)
-        jax.block_until_ready(logits)
-        times.append((time.perf_counter() - t0) / args.steps * 1e3)
-    row["call_ms"] = float(np.median(times))
+    row["call_ms"] = _time_calls(cfg, runner, batch, kw, args.steps)
 
     # loop: the steps in one program
     loop = make_loop(cfg, runner.block_size, args.steps)
@@ -192,13 +182,7 @@ def one_model(name: str, args) -> dict:
     tokens, runner.state = loop(runner.params, runner.state, batch)
     jax.block_until_ready(tokens)
     row["loop_compile_s"] = time.perf_counter() - t0
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        tokens, runner.state = loop(runner.params, runner.state, batch)
-        jax.block_until_ready(tokens)
-        times.append((time.perf_counter() - t0) / args.steps * 1e3)
-    row["loop_ms"] = float(np.median(times))
+    row["loop_ms"] = _time_loop(loop, runner, batch, args.steps, compiled=True)
     if args.hlo:
         text = loop.lower(runner.params, runner.state, batch).compile().as_text()
         with open(os.path.join(args.hlo, f"{name}.hlo.txt"), "w") as f:
@@ -303,12 +287,13 @@ def _time_calls(cfg, runner, batch, kw, steps: int) -> float:
     return float(np.median(times))
 
 
-def _time_loop(loop, runner, batch, steps: int) -> float:
-    """Median ms per token of the `steps`-step loop program (after one compiling run)."""
+def _time_loop(loop, runner, batch, steps: int, compiled: bool = False) -> float:
+    """Median ms per token of the `steps`-step loop program (after one compiling run, unless `compiled`)."""
     import jax
 
-    tokens, runner.state = loop(runner.params, runner.state, batch)
-    jax.block_until_ready(tokens)
+    if not compiled:
+        tokens, runner.state = loop(runner.params, runner.state, batch)
+        jax.block_until_ready(tokens)
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
