@@ -202,7 +202,8 @@ def test_served_streams_with_multi_step_decode(tmp_path):
             assert streamed == [w["choices"][0]["text"] for w in whole]
             assert [w["usage"]["completion_tokens"] for w in whole] == [b["max_tokens"] for b in bodies]
             after = scrape(server.url)
-            itl = after["jhybrid:inter_token_latency_seconds_count"] - before.get("jhybrid:inter_token_latency_seconds_count", 0)
+            key = "jhybrid:inter_token_latency_seconds_count"
+            itl = after[key] - before.get(key, 0)
             assert itl == 2 * sum(b["max_tokens"] - 1 for b in bodies)
             texts[steps] = streamed
             if steps > 1:

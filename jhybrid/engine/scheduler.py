@@ -33,6 +33,12 @@ it finishes or is preempted (always by recompute: its KV is split between tiers)
 with it.
 Preemption stays the fallback when nothing can be offloaded or the host tier is full.
 
+Multi-step decode (`num_scheduler_steps` > 1): a step whose rows all decode output tokens, with nothing waiting and
+nothing preempted, may become a burst (`SchedulerOutput.burst`): one program runs several decode steps, each row
+`ScheduledRow.steps` of them (capped by its length limit and the blocks it holds or can get), and the host's view
+advances by them at once (that many positions computed, tokens pending). `can_burst` is the runner's say (row
+count, programs compiled); rows under a grammar, with multi-token banned words or host KV never burst.
+
 Prefix caching (`prefix_cache`, `jhybrid.cache.prefix_cache`): a waiting sequence with nothing computed is
 looked up when admitted; on a hit it starts with the shared KV blocks, its slot is loaded from the snapshot
 (`restores`, copied before the step; it is then not zeroed) and its prefill starts at the hit. Prefill chunks

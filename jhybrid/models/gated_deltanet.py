@@ -49,7 +49,8 @@ def gated_deltanet_layer(
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
     )
-    o, ssm_state = chunk_gated_delta_rule(q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids, **(kernels or {}))
+    o, ssm_state = chunk_gated_delta_rule(q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids,
+                                          **(kernels or {}))
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)  # [T, HV, V]
     out = linear(o.reshape(num_tokens, hv * dv), p["out_proj"])
     return out, conv_state, ssm_state
