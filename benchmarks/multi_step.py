@@ -65,19 +65,20 @@ def one_model(name: str, args) -> dict:
             log(f"[{name}] batch {b}, {k} steps per program: tokens {'equal' if agree else 'DIFFER'} to single steps'")
             if not agree:
                 row["results"].append(dict(batch=b, steps=k, error="tokens differ from single steps'"))
-        times = {k: [] for k in settings}
+        times, calls = {k: [] for k in settings}, {k: 0 for k in settings}
         for rep in range(args.reps):
             for k in settings:
                 eng.scheduler.num_scheduler_steps = eng.runner.burst_steps = k
                 bursts = eng.runner.num_bursts
                 t = decode_step_times(eng, prompts, sp, f"{b}-{k}-{rep}")
                 times[k].append(float(np.median(t[4:] if len(t) > 8 else t)) * 1e3)
+                calls[k] += eng.runner.num_bursts - bursts
                 if k > 1 and eng.runner.num_bursts == bursts:
                     log(f"[{name}] batch {b}: no multi-step program ran with {k} steps")
         for k in settings:
             ms = float(np.median(times[k]))
             row["results"].append(dict(batch=b, steps=k, ms_per_token=ms, rounds=times[k], floor_ms=floor_ms,
-                                       ratio=ms / floor_ms))
+                                       ratio=ms / floor_ms, multi_step_calls=calls[k]))
             log(f"[{name}] batch {b}, {k} steps per program: {ms:.3f} ms per token (rounds "
                 f"{', '.join(f'{x:.3f}' for x in times[k])}); floor {floor_ms:.3f} ms: {ms / floor_ms:.2f}x")
     del llm, eng, model
