@@ -46,6 +46,7 @@ class HostEngine(LLMEngine):
         tokens = np.array([self.rng.randrange(self.vocab) for _ in range(int(np.prod(shape)))]).reshape(shape)
         logp = np.zeros(shape, np.float32)
         self._read(SimpleNamespace(sched=step, plp_rows=(), fetch_tokens=lambda: (tokens, logp), burst=step.burst,
+                                   num_rows=len(step.rows),
                                    fetch=lambda: (tokens, logp, None, None), fetch_prompt_logprobs=lambda: None))
 
 

@@ -584,9 +584,9 @@ class LLMEngine:
         self.timing["device_wait_seconds"] += t1 - t0
         # Python lists once per step: indexing NumPy arrays per row and value is several times slower
         tokens, token_logp = tokens.tolist(), token_logp.tolist()
-        if getattr(result, "burst", 1) == 1:
+        if result.burst == 1:
             tokens, token_logp = [tokens], [token_logp]
-        num_rows = getattr(result, "num_rows", 0)  # a burst's top logprobs: inner step j's row i at j * num_rows + i
+        num_rows = result.num_rows  # a burst's top logprobs: inner step j's row i at j * num_rows + i
         accepted_early = getattr(result, "accepted", None)
         top = None
         todo = []
@@ -665,7 +665,7 @@ class LLMEngine:
         self.timing["host_postprocess_seconds"] += time.perf_counter() - t1
         if error is not None:  # their tokens were taken: a row left without its text would lose it for good
             raise error
-        return list(dict.fromkeys(updated)) if getattr(result.sched, "burst", 1) > 1 else updated
+        return list(dict.fromkeys(updated)) if result.sched.burst > 1 else updated
 
     @staticmethod
     def _add_logprobs(seq: Sequence, i: int, top_lp, top_ids) -> None:

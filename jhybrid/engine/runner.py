@@ -357,10 +357,11 @@ class StepResult:
     tokens, logprobs and top ones come back per inner step (`fetch_tokens`, `fetch`)."""
 
     def __init__(self, sched: SchedulerOutput, outputs: tuple | None, plp_rows: tuple = (),
-                 want_logprobs: bool = True, pending: Future | None = None, split: "SplitStep | None" = None):
+                 want_logprobs: bool = True, pending: Future | None = None, split: "SplitStep | None" = None,
+                 num_rows: int = 0):
         self.sched, self.plp_rows, self.split = sched, plp_rows, split
         self.burst = sched.burst
-        self.num_rows = 0  # the program's row bucket (a burst's top logprobs: inner step j's row i at j * it + i)
+        self.num_rows = num_rows  # the row bucket (a burst's top logprobs: inner step j's row i at j * it + i)
         self._want_logprobs, self._pending = want_logprobs, pending
         self._outputs = outputs  # (out, top_logp, top_ids, [plp]) once the call has returned
         self._fetched = None
@@ -810,13 +811,10 @@ class ModelRunner:
             trace = (name, time.perf_counter(), drain_wait) if self.call_log is not None else None
             if self.dispatch_thread:
                 self._pending = self._dispatcher().submit(self._call, program, args, kwargs, trace)
-                result = StepResult(sched, None, plp_rows, bool(want_logprobs.any()), self._pending)
-                result.num_rows = num_rows
-                return result
+                return StepResult(sched, None, plp_rows, bool(want_logprobs.any()), self._pending, num_rows=num_rows)
             out, top_lp, top_ids, plp_out = self._call(program, args, kwargs, trace)
-        result = StepResult(sched, (out, top_lp, top_ids, plp_out), plp_rows, bool(want_logprobs.any()))
-        result.num_rows = num_rows
-        return result
+        return StepResult(sched, (out, top_lp, top_ids, plp_out), plp_rows, bool(want_logprobs.any()),
+                          num_rows=num_rows)
 
     def _call(self, program, args: tuple, kwargs: dict, trace: tuple | None = None):
         """Calls a step program and takes its state and token history as the runner's (on the dispatch thread

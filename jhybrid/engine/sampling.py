@@ -329,17 +329,18 @@ def sample(
     def constrain(y):
         return apply_token_bitmask(y, token_mask, uses(FLAG_MASKED))
 
-    def when(planned, needed, f, y):
-        """`f(y)` where some row needs it: decided by `plan` when there is one, else by `lax.cond`."""
+    def when(part, needed, f, y):
+        """`f(y)` where some row needs it: decided by `plan`'s `part` when there is a plan (no part: always),
+        else by `lax.cond` on `needed()`."""
         if plan is not None:
-            return f(y) if planned else y
+            return f(y) if part is None or getattr(plan, part) else y
         return jax.lax.cond(needed(), f, lambda y: y, y)
 
     if token_mask is not None:
-        x = when(True, lambda: jnp.any(uses(FLAG_MASKED)), constrain, x)
-    x = when(plan and plan.allowed, lambda: jnp.any(uses(FLAG_ALLOWED)), restrict, x)
-    x = when(plan and plan.bans, lambda: jnp.any(uses(FLAG_BANS)), ban, x)
-    x = when(plan and plan.penalties, lambda: jnp.any(uses(FLAG_PENALTIES)), penalise, x)
+        x = when(None, lambda: jnp.any(uses(FLAG_MASKED)), constrain, x)
+    x = when("allowed", lambda: jnp.any(uses(FLAG_ALLOWED)), restrict, x)
+    x = when("bans", lambda: jnp.any(uses(FLAG_BANS)), ban, x)
+    x = when("penalties", lambda: jnp.any(uses(FLAG_PENALTIES)), penalise, x)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     sampled = s.temperature > 0
 
@@ -352,8 +353,7 @@ def sample(
         filtered = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
         # rows that draw nothing ask for no filter (their settings would only keep the candidates from deciding)
         top_k, top_p = jnp.where(filtered, s.top_k, 0), jnp.where(filtered, s.top_p, 1.0)
-        scaled = when(plan and plan.filtered, lambda: jnp.any(filtered), lambda y: _filter_top_k_top_p(y, top_k, top_p),
-                      scaled)
+        scaled = when("filtered", lambda: jnp.any(filtered), lambda y: _filter_top_k_top_p(y, top_k, top_p), scaled)
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(
             s.seeds.astype(jnp.uint32), s.counters
         )

@@ -18,6 +18,7 @@ chosen, one kernel (`fused_decode.py`), else those parts one by one, the recurre
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -25,9 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta_rule.fused_decode import (
-    _gated_norm,
-    _gates,
-    _l2_normalize,
+    decode_in_parts,
     gated_delta_decode_pallas,
     gated_delta_decode_reference,
 )
@@ -138,11 +137,9 @@ def gated_delta_decode(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids
             and (mesh is None or mesh.size == 1)):
         return gated_delta_decode_pallas(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, eps=eps,
                                          scale=scale, interpret=interpret, **tuning)
-    g, beta = _gates(a, b, a_log, dt_bias)
-    o, state = fused_recurrent_gated_delta_rule(_l2_normalize(q, q.dtype), _l2_normalize(k, k.dtype), v, g, beta,
-                                                state, slot_ids, impl=impl, interpret=interpret, scale=scale,
-                                                mesh=mesh, **tuning)
-    return _gated_norm(o.astype(v.dtype), z, norm_w, eps), state
+    recurrence = functools.partial(fused_recurrent_gated_delta_rule, impl=impl, interpret=interpret, scale=scale,
+                                   mesh=mesh, **tuning)
+    return decode_in_parts(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, eps=eps, recurrence=recurrence)
 
 
 __all__ = [

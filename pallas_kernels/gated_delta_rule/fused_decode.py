@@ -59,9 +59,15 @@ def gated_delta_decode_reference(
     """One decode token per row: q and k (convolved, not yet normalised), v, the gate projections a and b, the
     output gate z, the layer's A_log, dt_bias and output-norm weight. Returns (the normed, gated output in v's
     dtype, the state with the rows' slots updated)."""
+    return decode_in_parts(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, eps=eps,
+                           recurrence=functools.partial(fused_recurrent_gated_delta_rule_reference, scale=scale))
+
+
+def decode_in_parts(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, *, eps: float, recurrence):
+    """`gated_delta_decode_reference`'s parts one by one, the recurrence by `recurrence(q, k, v, g, beta, state,
+    slot_ids)`: the reference's, or the dispatched kernel (`gated_delta_decode` unfused)."""
     g, beta = _gates(a, b, a_log, dt_bias)
-    o, state = fused_recurrent_gated_delta_rule_reference(
-        _l2_normalize(q, q.dtype), _l2_normalize(k, k.dtype), v, g, beta, state, slot_ids, scale=scale)
+    o, state = recurrence(_l2_normalize(q, q.dtype), _l2_normalize(k, k.dtype), v, g, beta, state, slot_ids)
     return _gated_norm(o.astype(v.dtype), z, norm_w, eps), state
 
 
