@@ -181,6 +181,39 @@ def test_fused_decode_pallas_matches_reference(batch, h, hv, dk, dv, dtype):
                  rtol)
 
 
+@pytest.mark.parametrize("batch,h,hv,dk,dv,dtype", [(3, 2, 4, 32, 16, jnp.float32), (2, 1, 2, 16, 64, jnp.bfloat16)])
+def test_fused_decode_reads_the_packed_arrays(batch, h, hv, dk, dv, dtype):
+    """`gated_delta_decode_packed`: the layer's packed arrays (the conv's q | k | v output, NaN columns after it,
+    and the in_proj output q | k | v | z | b | a) in the fused kernel, read in place, against the reference on the
+    parts packed; the unfused dispatch of the same packed arrays too. Checked to fail with the kernel's a and b
+    columns swapped, and with its k read at q's offset."""
+    from pallas_kernels.gated_delta_rule import gated_delta_decode_packed, gated_delta_decode_reference
+
+    rng = np.random.default_rng(dk + dv)
+    num_slots = batch + 2
+    q, k, v = (jnp.asarray(rng.normal(size=(batch, n, d)), dtype) for n, d in ((h, dk), (h, dk), (hv, dv)))
+    a, b = (jnp.asarray(rng.normal(size=(batch, hv)), dtype) for _ in range(2))
+    z = jnp.asarray(rng.normal(size=(batch, hv, dv)), dtype)
+    a_log = jnp.asarray(rng.uniform(-1.0, 2.0, hv), jnp.float32)
+    dt_bias = jnp.asarray(rng.normal(size=hv), jnp.float32)
+    norm_w = jnp.asarray(rng.uniform(0.5, 1.5, dv), dtype)
+    state = jnp.asarray(rng.normal(size=(num_slots, hv, dk, dv)), jnp.float32)
+    slots = jnp.asarray(rng.permutation(np.arange(1, num_slots))[:batch], jnp.int32)
+    flat = lambda x: x.reshape(batch, -1)  # noqa: E731
+    qkv = jnp.concatenate([flat(q), flat(k), flat(v), jnp.full((batch, 16), jnp.nan, dtype)], axis=1)
+    proj = jnp.concatenate([flat(q), flat(k), flat(v), flat(z), b, a], axis=1)
+    want_o, want_state = gated_delta_decode_reference(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slots, eps=1e-6)
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-2
+    for fused in (True, False):
+        got_o, got_state = gated_delta_decode_packed(qkv, proj, a_log, dt_bias, norm_w, state, slots,
+                                                     dims=(h, dk, hv, dv), eps=1e-6, impl="pallas", interpret=True,
+                                                     fused=fused)
+        assert_close(f"packed decode output ({fused=})", np.asarray(got_o, np.float32), np.asarray(want_o, np.float32),
+                     rtol)
+        assert_close(f"packed decode state ({fused=})", np.asarray(got_state)[np.asarray(slots)],
+                     np.asarray(want_state)[np.asarray(slots)], 1e-5)
+
+
 def test_fused_decode_lowers_for_h200():
     """Lowers at the head dims of the supported families (Qwen3-Next / Qwen3.5: K = V = 128) and at V = 256, bf16
     activations and fp32 ones."""
@@ -193,6 +226,14 @@ def test_fused_decode_lowers_for_h200():
                 jnp.zeros((hv,), jnp.float32), jnp.zeros((hv,), jnp.float32), jnp.zeros((dv,), dtype),
                 jnp.zeros((9, hv, dk, dv), jnp.float32), jnp.arange(8, dtype=jnp.int32)]
         lower_for_h200(fn, *args, kernels=["gdn_fused_decode_w4"])
+    # the packed form at Qwen3-Next's layer: the conv's output [8, 8192] and the in_proj output [8, 12352]
+    from pallas_kernels.gated_delta_rule import gated_delta_decode_packed
+
+    packed = functools.partial(gated_delta_decode_packed, dims=(16, 128, 32, 128), eps=1e-6, impl="pallas", fused=True)
+    args = [jnp.zeros((8, 8192), jnp.bfloat16), jnp.zeros((8, 12352), jnp.bfloat16), jnp.zeros((32,), jnp.float32),
+            jnp.zeros((32,), jnp.float32), jnp.zeros((128,), jnp.bfloat16), jnp.zeros((9, 32, 128, 128), jnp.float32),
+            jnp.arange(8, dtype=jnp.int32)]
+    lower_for_h200(packed, *args, kernels=["gdn_fused_decode_packed_w4"])
 
 
 # ---------------------------------------------------------------- short convolution: decode
@@ -236,6 +277,32 @@ def test_conv_update_pallas_matches_reference(batch, channels, width, dtype):
     np.testing.assert_allclose(np.asarray(want_state)[slots[live]], np.asarray(conv_state)[slots[live]], rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_conv_update_reads_a_packed_input_and_applies_silu(dtype):
+    """The layers' form: the conv's channels are the first C columns of a wider packed projection (the columns
+    after them NaN: never read), and the output goes through SiLU in registers. Against the plain reference on
+    the first C columns, then `jax.nn.silu` of its rounded output. Checked to fail with the kernel reading its
+    channels at an offset of one block, and with the activation dropped."""
+    from pallas_kernels.conv_update import conv_update, conv_update_reference
+
+    rng = np.random.default_rng(7)
+    batch, channels, width, extra = 4, 64, 4, 48
+    x = rng.normal(size=(batch, channels)).astype(np.float32)
+    packed = jnp.asarray(np.concatenate([x, np.full((batch, extra), np.nan, np.float32)], axis=1), dtype)
+    weight = jnp.asarray(rng.normal(size=(channels, width)), dtype)
+    state = jnp.asarray(rng.normal(size=(batch + 1, channels, width - 1)), jnp.float32)
+    slots = jnp.asarray([1, 3, 2, 4], jnp.int32)
+    plain_o, want_state = conv_update_reference(jnp.asarray(x, dtype), state, weight, slots)
+    want_o = jax.nn.silu(plain_o.astype(jnp.float32)).astype(dtype)
+    for impl in ("reference", "pallas"):
+        got_o, got_state = conv_update(packed, state, weight, slots, activation="silu", impl=impl, interpret=True,
+                                       block_c=16)
+        assert got_o.shape == (batch, channels)
+        rtol = 1e-6 if dtype == jnp.float32 else 1e-2
+        assert_close(f"{impl} conv output", np.asarray(got_o, np.float32), np.asarray(want_o, np.float32), rtol)
+        np.testing.assert_array_equal(np.asarray(got_state), np.asarray(want_state))
+
+
 def test_conv_update_lowers_for_h200():
     """At Qwen3-Next's GDN conv (C = 8192, W = 4) and a NemotronH-shaped Mamba2 conv, bf16 inputs, fp32 state."""
     from pallas_kernels.conv_update import conv_update
@@ -245,6 +312,10 @@ def test_conv_update_lowers_for_h200():
         args = (jnp.zeros((8, channels), jnp.bfloat16), jnp.zeros((9, channels, width - 1), jnp.float32),
                 jnp.zeros((channels, width), jnp.bfloat16), jnp.arange(8, dtype=jnp.int32))
         lower_for_h200(fn, *args, kernels=[r"conv_update_bc\d+_w4"])
+    # Qwen3-Next's packed in_proj output (conv channels first), SiLU applied
+    packed = (jnp.zeros((8, 12352), jnp.bfloat16), jnp.zeros((9, 8192, 3), jnp.float32),
+              jnp.zeros((8192, 4), jnp.bfloat16), jnp.arange(8, dtype=jnp.int32))
+    lower_for_h200(functools.partial(fn, activation="silu"), *packed, kernels=[r"conv_update_bc\d+_w4_silu"])
 
 
 # ---------------------------------------------------------------- paged attention

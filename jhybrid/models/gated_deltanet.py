@@ -11,8 +11,8 @@ from jhybrid.models.batch import Batch
 from jhybrid.models.layers import gated_rms_norm, l2_normalize, short_conv
 from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
-from pallas_kernels import chunk_gated_delta_rule
-from pallas_kernels.gated_delta_rule import gated_delta_decode
+from pallas_kernels import chunk_gated_delta_rule, conv_update
+from pallas_kernels.gated_delta_rule import gated_delta_decode, gated_delta_decode_packed
 
 
 def gated_deltanet_layer(
@@ -34,6 +34,9 @@ def gated_deltanet_layer(
     c = cfg.conv_dim  # 2*HK*K + HV*V
     proj = linear(x, p["in_proj"])  # [T, C + HV*V + 2*HV]: the packed qkv, z, b, a projections
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
+    if decode and shards == 1:
+        o, conv_state, ssm_state = _decode_mixer(cfg, p, proj, conv_state, ssm_state, batch, kernels or {})
+        return linear(o.reshape(num_tokens, hv * dv), p["out_proj"]), conv_state, ssm_state
     qkv, z, b, a = split_packed(proj, (c, hv * dv, hv, hv), shards)  # [T, C] (shard-major), [T, HV*V], [T, HV] x2
     z = z.reshape(num_tokens, hv, dv)
     qkv, conv_state = short_conv(qkv, conv_state, p["conv_weight"], batch, decode, kernels)
@@ -54,3 +57,23 @@ def gated_deltanet_layer(
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)  # [T, HV, V]
     out = linear(o.reshape(num_tokens, hv * dv), p["out_proj"])
     return out, conv_state, ssm_state
+
+
+def _decode_mixer(cfg: ModelConfig, p: dict, proj: Array, conv_state: Array, ssm_state: Array, batch: Batch,
+                  kernels: dict) -> tuple[Array, Array, Array]:
+    """One device's decode step from the in_proj output to the gated-norm output `[B, HV, V]`: the conv with its
+    SiLU, then `gated_delta_decode_packed`. The kernels read their parts of `proj` in place where they run (the
+    conv kernel its first C columns; the fused decode kernel q, k, v from the conv's output and z, b, a from
+    `proj`), so no slice of the packed arrays becomes a kernel of its own; else the same computation in parts."""
+    dims = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    c, weight = cfg.conv_dim, p["conv_weight"]
+    impl = kernels.get("impl", "auto")
+    if conv_update.pallas_supported(proj, weight) and conv_update.resolve(impl, proj, weight) == "pallas":
+        qkv, conv_state = conv_update.conv_update(proj, conv_state, weight, batch.slot_ids, activation="silu",
+                                                  impl="pallas", interpret=kernels.get("interpret", False))
+    else:
+        qkv, conv_state = short_conv(proj[:, :c], conv_state, weight, batch, True, kernels)
+        qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(proj.dtype)
+    o, ssm_state = gated_delta_decode_packed(qkv, proj, p["A_log"], p["dt_bias"], p["norm"], ssm_state, batch.slot_ids,
+                                             dims=dims, eps=cfg.rms_norm_eps, **kernels)
+    return o, conv_state, ssm_state

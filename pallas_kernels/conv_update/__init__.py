@@ -21,9 +21,10 @@ _IMPLS = ("auto", "reference", "pallas")
 
 
 def pallas_supported(x, weight) -> bool:
-    """Static check: a power-of-two kernel width and a power-of-two channel block >= 16 dividing C."""
-    width = weight.shape[1]
-    return width > 1 and width & (width - 1) == 0 and block_channels(x.shape[1]) > 0
+    """Static check: a power-of-two kernel width and a power-of-two channel block >= 16 dividing C (the weight's
+    channels: x may be wider)."""
+    num_channels, width = weight.shape
+    return width > 1 and width & (width - 1) == 0 and block_channels(num_channels) > 0
 
 
 def resolve(impl: str, x, weight, mesh=None) -> str:
@@ -41,13 +42,14 @@ def resolve(impl: str, x, weight, mesh=None) -> str:
     return impl
 
 
-def conv_update(x, conv_state, weight, slot_ids, *, impl: str = "auto", interpret: bool = False, mesh=None,
-                **tuning):
+def conv_update(x, conv_state, weight, slot_ids, *, activation: str | None = None, impl: str = "auto",
+                interpret: bool = False, mesh=None, **tuning):
     """Same signature and result as `conv_update_reference` (`resolve` picks). `tuning` (block_c, num_warps) goes
     to the kernel."""
     if resolve(impl, x, weight, mesh) == "pallas":
-        return conv_update_pallas(x, conv_state, weight, slot_ids, interpret=interpret, **tuning)
-    return conv_update_reference(x, conv_state, weight, slot_ids)
+        return conv_update_pallas(x, conv_state, weight, slot_ids, activation=activation, interpret=interpret,
+                                  **tuning)
+    return conv_update_reference(x, conv_state, weight, slot_ids, activation=activation)
 
 
 __all__ = ["conv_update", "conv_update_pallas", "conv_update_reference", "pallas_supported", "resolve"]

@@ -14,6 +14,8 @@
 `gated_delta_decode` is a Gated DeltaNet mixer's whole decode step after its convolution (the L2 norms of q and
 k, the gates, the recurrence, the gated output norm): with `fused` (`FUSED_DECODE`) and the Pallas recurrence
 chosen, one kernel (`fused_decode.py`), else those parts one by one, the recurrence dispatched as above.
+`gated_delta_decode_packed` is the same from the layer's packed arrays (the conv's output and the in_proj output),
+which the fused kernel reads in place.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta_rule.fused_decode import (
     decode_in_parts,
+    gated_delta_decode_packed_pallas,
     gated_delta_decode_pallas,
     gated_delta_decode_reference,
+    packed_supported,
+    split_packed_decode,
 )
 from pallas_kernels.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_pallas
 from pallas_kernels.gated_delta_rule.reference import (
@@ -142,15 +147,36 @@ def gated_delta_decode(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids
     return decode_in_parts(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, eps=eps, recurrence=recurrence)
 
 
+def gated_delta_decode_packed(qkv, proj, a_log, dt_bias, norm_w, state, slot_ids, *, dims: tuple[int, int, int, int],
+                              eps: float, impl: str = "auto", interpret: bool = False, scale: float | None = None,
+                              mesh=None, fused: bool | None = None, **tuning):
+    """`gated_delta_decode` of `split_packed_decode(qkv, proj, dims)` (one device's unsharded packing). Where the
+    fused kernel runs, its packed form reads q, k, v, z, a and b in place; else the arrays are split and
+    `gated_delta_decode` dispatches."""
+    fused = FUSED_DECODE if fused is None else fused
+    hk, dk, hv, dv = dims
+    if (fused and packed_supported(dims) and dv <= FUSED_DECODE_MAX_V and (mesh is None or mesh.size == 1)
+            and _pick(impl, "fused_recurrent", jax.ShapeDtypeStruct((1, hk, dk), qkv.dtype),
+                      jax.ShapeDtypeStruct((1, hv, dv), qkv.dtype)) == "pallas"):
+        return gated_delta_decode_packed_pallas(qkv, proj, a_log, dt_bias, norm_w, state, slot_ids, dims=dims, eps=eps,
+                                                scale=scale, interpret=interpret, **tuning)
+    q, k, v, a, b, z = split_packed_decode(qkv, proj, dims)
+    return gated_delta_decode(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, eps=eps, impl=impl,
+                              interpret=interpret, scale=scale, mesh=mesh, fused=False, **tuning)
+
+
 __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_pallas",
     "chunk_gated_delta_rule_reference",
     "gated_delta_decode",
+    "gated_delta_decode_packed",
+    "gated_delta_decode_packed_pallas",
     "gated_delta_decode_pallas",
     "gated_delta_decode_reference",
     "fused_recurrent_gated_delta_rule",
     "fused_recurrent_gated_delta_rule_pallas",
     "fused_recurrent_gated_delta_rule_reference",
     "recurrent_gated_delta_rule_reference",
+    "split_packed_decode",
 ]

@@ -71,19 +71,94 @@ def decode_in_parts(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, *
     return _gated_norm(o.astype(v.dtype), z, norm_w, eps), state
 
 
-def _kernel(slot_ids_ref, q_ref, k_ref, v_ref, a_ref, b_ref, z_ref, a_log_ref, dt_bias_ref, w_ref, state_in_ref,
-            o_ref, state_ref, *, scale: float, eps: float):
+def _step(slot_ids_ref, q, k, v, a, b, z, a_log_ref, dt_bias_ref, w_ref, state_in_ref, o_ref, state_ref, *,
+          scale: float, eps: float):
+    """Program (row, head)'s decode step from its loaded inputs (q, k: the head's key head; a, b: scalars)."""
     row, head = pl.program_id(0), pl.program_id(1)
     slot = slot_ids_ref[row]
-    q = _l2_normalize(q_ref[...], q_ref.dtype)
-    k = _l2_normalize(k_ref[...], k_ref.dtype)
-    g, beta = _gates(a_ref[row, head], b_ref[row, head], a_log_ref[head], dt_bias_ref[head])
-    o, h = recurrent_step(state_in_ref[slot, head], slot, q, k, v_ref[...], g, beta, scale)
-    o_ref[...] = _gated_norm(o.astype(o_ref.dtype)[None, :], z_ref[...][None, :], w_ref[...][None, :], eps)[0]
+    q = _l2_normalize(q, q.dtype)
+    k = _l2_normalize(k, k.dtype)
+    g, beta = _gates(a, b, a_log_ref[head], dt_bias_ref[head])
+    o, h = recurrent_step(state_in_ref[slot, head], slot, q, k, v, g, beta, scale)
+    o_ref[...] = _gated_norm(o.astype(o_ref.dtype)[None, :], z[None, :], w_ref[...][None, :], eps)[0]
 
     @pl.when(slot != 0)  # padding rows (the null slot) keep no state
     def _():
         state_ref[slot, head] = h.astype(state_ref.dtype)
+
+
+def _kernel(slot_ids_ref, q_ref, k_ref, v_ref, a_ref, b_ref, z_ref, a_log_ref, dt_bias_ref, w_ref, state_in_ref,
+            o_ref, state_ref, *, scale: float, eps: float):
+    row, head = pl.program_id(0), pl.program_id(1)
+    _step(slot_ids_ref, q_ref[...], k_ref[...], v_ref[...], a_ref[row, head], b_ref[row, head], z_ref[...],
+          a_log_ref, dt_bias_ref, w_ref, state_in_ref, o_ref, state_ref, scale=scale, eps=eps)
+
+
+def _packed_kernel(slot_ids_ref, qkv_ref, proj_ref, a_log_ref, dt_bias_ref, w_ref, state_in_ref, o_ref, state_ref, *,
+                   dims: tuple[int, int, int, int], scale: float, eps: float):
+    """`_kernel` reading its inputs in place from the packed arrays (`split_packed_decode`'s layout)."""
+    hk, dk, hv, dv = dims
+    row, head = pl.program_id(0), pl.program_id(1)
+    kh = head // (hv // hk)
+    conv = 2 * hk * dk + hv * dv  # the conv's channels: q, k, v
+    at = lambda start, size: pl.ds(pl.multiple_of(start, 16), size)  # noqa: E731  (16-aligned: vector loads)
+    _step(slot_ids_ref, qkv_ref[row, at(kh * dk, dk)], qkv_ref[row, at(hk * dk + kh * dk, dk)],
+          qkv_ref[row, at(2 * hk * dk + head * dv, dv)], proj_ref[row, conv + hv * dv + hv + head],
+          proj_ref[row, conv + hv * dv + head], proj_ref[row, at(conv + head * dv, dv)], a_log_ref, dt_bias_ref,
+          w_ref, state_in_ref, o_ref, state_ref, scale=scale, eps=eps)
+
+
+def split_packed_decode(qkv: Float[Array, "B X"], proj: Float[Array, "B P"], dims: tuple[int, int, int, int]):
+    """(q, k, v, a, b, z) of one decode token per row from a Gated DeltaNet layer's packed arrays: `qkv`, the
+    convolved (activated) q, k, v channels `[HK*K | HK*K | HV*V]` (its first C columns), and `proj`, the in_proj
+    output `[C | HV*V (z) | HV (b) | HV (a)]` (`dims = (HK, K, HV, V)`)."""
+    hk, dk, hv, dv = dims
+    batch, conv = qkv.shape[0], 2 * hk * dk + hv * dv
+    q = qkv[:, : hk * dk].reshape(batch, hk, dk)
+    k = qkv[:, hk * dk : 2 * hk * dk].reshape(batch, hk, dk)
+    v = qkv[:, 2 * hk * dk : conv].reshape(batch, hv, dv)
+    z = proj[:, conv : conv + hv * dv].reshape(batch, hv, dv)
+    b = proj[:, conv + hv * dv : conv + hv * dv + hv]
+    a = proj[:, conv + hv * dv + hv : conv + hv * dv + 2 * hv]
+    return q, k, v, a, b, z
+
+
+def packed_supported(dims: tuple[int, int, int, int]) -> bool:
+    """Whether `gated_delta_decode_packed_pallas` reads these heads in place: K and V powers of two from 16 (every
+    offset then 16-aligned)."""
+    _, dk, _, dv = dims
+    return all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))
+
+
+@functools.partial(jax.jit, static_argnames=("dims", "eps", "scale", "num_warps", "num_stages", "interpret"))
+def gated_delta_decode_packed_pallas(
+    qkv: Float[Array, "B X"], proj: Float[Array, "B P"], a_log: Float[Array, "HV"], dt_bias: Float[Array, "HV"],
+    norm_w: Float[Array, "V"], state: Float[Array, "S HV K V"], slot_ids: Int[Array, "B"], *,
+    dims: tuple[int, int, int, int], eps: float, scale: float | None = None, num_warps: int = 4, num_stages: int = 1,
+    interpret: bool = False,
+) -> tuple[Float[Array, "B HV V"], Float[Array, "S HV K V"]]:
+    """`gated_delta_decode_pallas` on `split_packed_decode(qkv, proj, dims)`, reading the packed arrays in place:
+    no slice of them is written to memory first (XLA runs each slice feeding a custom call as a kernel of its
+    own: five a layer)."""
+    hk, dk, hv, dv = dims
+    if not packed_supported(dims):
+        raise ValueError(f"the packed decode kernel needs K and V powers of two from 16, got {dims=}")
+    if qkv.shape[1] < 2 * hk * dk + hv * dv or proj.shape[1] < 2 * hk * dk + 2 * hv * dv + 2 * hv:
+        raise ValueError(f"packed shapes {qkv.shape}, {proj.shape} do not hold {dims=}")
+    batch = qkv.shape[0]
+    scale = dk**-0.5 if scale is None else scale
+    kernel = functools.partial(_packed_kernel, dims=dims, scale=scale, eps=eps)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, hv),
+        in_specs=[_WHOLE, _WHOLE, _WHOLE, _WHOLE, _WHOLE, pl.BlockSpec((dv,), lambda r, j: (0,)), _WHOLE],
+        out_specs=[pl.BlockSpec((None, None, dv), lambda r, j: (r, j, 0)), _WHOLE],
+        out_shape=[jax.ShapeDtypeStruct((batch, hv, dv), qkv.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
+        input_output_aliases={6: 1},
+        interpret=interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"gdn_fused_decode_packed_w{num_warps}",
+    )(slot_ids.astype(jnp.int32), qkv, proj, a_log, dt_bias, norm_w, state)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "scale", "num_warps", "num_stages", "interpret"))
