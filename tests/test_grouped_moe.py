@@ -134,6 +134,36 @@ def test_grouped_layer_equals_dense_layer(act, fp8, num_tokens):
     assert_close(f"{act} fp8={fp8} T={num_tokens}", got, want, 1e-5)
 
 
+def test_padding_tokens_route_to_no_expert(monkeypatch):
+    """A decode bucket of 4 rows with one real token (`num_real=1`): the grouped path's tiles hold only the real
+    token's experts, so the padding rows' experts' weights are never read; the real token's output equals the layer
+    without padding. Checked to fail with the padding rows routed as real ones."""
+    rng = np.random.default_rng(5)
+    e, k, d, ie, t = 8, 2, 64, 64, 4
+    w_in, w_down = _experts(rng, e, d, ie, "silu", False)
+    p = dict(gate_up_proj=w_in, down_proj=w_down, router=jnp.asarray(rng.standard_normal((d, e)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    seen = []
+    real_gm = layers.grouped_matmul
+
+    def spy(x_rows, w, tile_expert, **kw):
+        seen.append(np.asarray(tile_expert))
+        return real_gm(x_rows, w, tile_expert, **kw)
+
+    monkeypatch.setattr(layers, "grouped_matmul", spy)
+    monkeypatch.setattr(layers, "MOE_IMPL", "grouped")
+    kernels = dict(impl="reference")
+    out = layers.moe(p, x, k, True, kernels=dict(impl="pallas", interpret=True), num_real=jnp.int32(1))
+    probs = jax.nn.softmax(x @ p["router"], axis=-1)
+    real_experts = set(np.asarray(jax.lax.top_k(probs[0], k)[1]).tolist())
+    all_experts = set(np.asarray(jax.lax.top_k(probs, k)[1]).ravel().tolist())
+    assert all_experts != real_experts  # the padding rows would have read other experts
+    for tiles in seen:
+        assert set(tiles[tiles >= 0].tolist()) == real_experts, tiles
+    alone = layers.moe(p, x[:1], k, True, kernels=dict(kernels))
+    assert_close("the real token's output", out[:1], alone, 1e-5)
+
+
 def test_grouped_layer_drops_other_devices_experts():
     """With its expert ids offset (as a device holding experts E/2.. sees them under expert splitting) the grouped
     path computes only the pairs of its own experts: the two halves' sums give the whole layer. Checked to fail with

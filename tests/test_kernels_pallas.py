@@ -277,27 +277,34 @@ def test_conv_update_pallas_matches_reference(batch, channels, width, dtype):
     np.testing.assert_allclose(np.asarray(want_state)[slots[live]], np.asarray(conv_state)[slots[live]], rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_conv_update_reads_a_packed_input_and_applies_silu(dtype):
-    """The layers' form: the conv's channels are the first C columns of a wider packed projection (the columns
-    after them NaN: never read), and the output goes through SiLU in registers. Against the plain reference on
-    the first C columns, then `jax.nn.silu` of its rounded output. Checked to fail with the kernel reading its
-    channels at an offset of one block, and with the activation dropped."""
+@pytest.mark.parametrize("dtype,offset,with_bias", [(jnp.float32, 0, False), (jnp.bfloat16, 0, False),
+                                                     (jnp.bfloat16, 32, True)])
+def test_conv_update_reads_a_packed_input_and_applies_silu(dtype, offset, with_bias):
+    """The layers' forms: the conv's channels are columns `[offset, offset + C)` of a wider packed projection (the
+    columns around them NaN: never read), the output goes through SiLU in registers, with a bias first and an fp32
+    result (Mamba2's) or without. Against the plain reference on those columns, then the bias and `jax.nn.silu` of
+    its rounded output. Checked to fail with the kernel reading its channels at an offset of one block, with the
+    activation dropped, and with the bias dropped."""
     from pallas_kernels.conv_update import conv_update, conv_update_reference
 
     rng = np.random.default_rng(7)
     batch, channels, width, extra = 4, 64, 4, 48
     x = rng.normal(size=(batch, channels)).astype(np.float32)
-    packed = jnp.asarray(np.concatenate([x, np.full((batch, extra), np.nan, np.float32)], axis=1), dtype)
+    nan = lambda n: np.full((batch, n), np.nan, np.float32)  # noqa: E731
+    packed = jnp.asarray(np.concatenate([nan(offset), x, nan(extra)], axis=1), dtype)
     weight = jnp.asarray(rng.normal(size=(channels, width)), dtype)
+    bias = jnp.asarray(rng.normal(size=channels), dtype) if with_bias else None
+    out_dtype = jnp.float32 if with_bias else None
     state = jnp.asarray(rng.normal(size=(batch + 1, channels, width - 1)), jnp.float32)
     slots = jnp.asarray([1, 3, 2, 4], jnp.int32)
     plain_o, want_state = conv_update_reference(jnp.asarray(x, dtype), state, weight, slots)
-    want_o = jax.nn.silu(plain_o.astype(jnp.float32)).astype(dtype)
+    if with_bias:
+        plain_o = plain_o + bias
+    want_o = jax.nn.silu(plain_o.astype(jnp.float32)).astype(out_dtype or dtype)
     for impl in ("reference", "pallas"):
-        got_o, got_state = conv_update(packed, state, weight, slots, activation="silu", impl=impl, interpret=True,
-                                       block_c=16)
-        assert got_o.shape == (batch, channels)
+        got_o, got_state = conv_update(packed, state, weight, slots, offset=offset, bias=bias, activation="silu",
+                                       out_dtype=out_dtype, impl=impl, interpret=True, block_c=16)
+        assert got_o.shape == (batch, channels) and got_o.dtype == want_o.dtype
         rtol = 1e-6 if dtype == jnp.float32 else 1e-2
         assert_close(f"{impl} conv output", np.asarray(got_o, np.float32), np.asarray(want_o, np.float32), rtol)
         np.testing.assert_array_equal(np.asarray(got_state), np.asarray(want_state))

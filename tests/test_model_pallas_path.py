@@ -89,3 +89,32 @@ def test_scalar_decay_families_pallas_path_equals_reference_path(family):
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert np.isfinite(got).all()
     assert err <= 1e-5, f"{family}: Pallas path logits differ from the reference path, relative error {err:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,switch", [("nemotron_h", "MAMBA2_FUSED_DECODE"),
+                                           ("minimax", "LIGHTNING_FUSED_DECODE")])
+def test_fused_scalar_decay_decode_equals_reference_path(family, switch, monkeypatch):
+    """With the scalar-decay families' decode step as one kernel reading the packed projections in place (NemotronH:
+    `simple_gla.MAMBA2_FUSED_DECODE`, after the conv kernel with its bias and SiLU; MiniMax:
+    `LIGHTNING_FUSED_DECODE`), interpreted, the logits of a chunked prefill and decode steps equal the reference
+    path's (fp32). Checked to fail with the Mamba2 kernel's dt read one head over (`dt_offset + head + 1`), and with
+    the lightning kernel's q read at k's offset."""
+    import dataclasses
+
+    from jhybrid.models.params import init_params
+    from pallas_kernels import simple_gla
+    from tests.tp_worker import family_config
+
+    monkeypatch.setattr(simple_gla, switch, True)
+    cfg = family_config(family)
+    if family == "nemotron_h":
+        cfg = dataclasses.replace(cfg, mamba_head_dim=16, ssm_state_size=16)
+    else:  # lightning first: the last layer of a model barely decays
+        cfg = dataclasses.replace(cfg, layer_kinds=cfg.layer_kinds[::-1])
+    params = init_params(cfg, seed=4, scale=0.3)
+    ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 29))
+    want = run(cfg, params, ids, (16, 13), 4, kernel_impl="reference")
+    got = run(cfg, params, ids, (16, 13), 4, kernel_impl="pallas", interpret=True)
+    err = np.linalg.norm(got[-4:] - want[-4:]) / np.linalg.norm(want[-4:])
+    assert err <= 1e-5, f"{family}: decode logits differ from the reference path's, relative error {err:.2e}"

@@ -193,3 +193,149 @@ def test_mesh_dispatch_lowers_per_shard():
     qd, vd, gd = sds((b, h, dk), bf, heads), sds((b, hv, dv), bf, heads), sds((b, hv), f32, P(None, "tp"))
     lower(lambda *a: fused_recurrent_simple_gla(*a, impl="pallas", mesh=mesh), qd, qd, vd, gd, state,
           sds((b,), i32), local="tensor<4x2x64xbf16>", kernels=[r"sgla_fused_recurrent_bv32_w4"])
+
+
+# ---------------------------------------------------------------- Mamba2 decode from the packed arrays
+
+
+def _mamba2_packed(rng, batch, dims, dtype):
+    """The conv's activated fp32 output `[x | B | C]` with NaN columns after it, and an in_proj output `[z | xBC |
+    dt]` whose columns other than dt are NaN (the kernel reads only dt there)."""
+    h, p, g, n = dims
+    conv = h * p + 2 * g * n
+    xbc = np.concatenate([rng.normal(size=(batch, conv)), np.full((batch, 16), np.nan)], axis=1)
+    proj = np.full((batch, h * p + conv + h), np.nan)
+    proj[:, h * p + conv :] = rng.normal(size=(batch, h)) - 1.0
+    return jnp.asarray(xbc, jnp.float32), jnp.asarray(proj, dtype), h * p + conv
+
+
+@pytest.mark.parametrize("batch,dims,dtype", [(4, (4, 32, 2, 16), jnp.float32), (3, (8, 16, 1, 32), jnp.bfloat16)])
+def test_mamba2_decode_pallas_matches_fp64(batch, dims, dtype):
+    """The Mamba2 decode step in one kernel (`mamba2_decode`, fused: step size, decay, recurrence, D skip, read in
+    place from the packed arrays) and its jnp reference, against the recurrence written out in float64 here:
+    `S' = exp(dt A) S + B (dt x)^T`, `y = C S' + D x` with `dt = clip(softplus(dt_raw + dt_bias))`. Padded rows on
+    the null slot (NaN there) keep nothing, free slots are neither read nor written. Checked to fail with the
+    kernel's D skip dropped, with B and C swapped, and with the dt clamp's upper bound ignored."""
+    from pallas_kernels.simple_gla import mamba2_decode, mamba2_decode_reference
+
+    h, p, g, n = dims
+    rng = np.random.default_rng(batch * h)
+    num_slots = batch + 3
+    xbc, proj, dt_offset = _mamba2_packed(rng, batch, dims, dtype)
+    dt_bias = jnp.asarray(rng.normal(size=h), jnp.float32)
+    a_log = jnp.asarray(rng.uniform(-1.0, 1.5, h), jnp.float32)
+    d_skip = jnp.asarray(rng.normal(size=h), jnp.float32)
+    state = rng.normal(size=(num_slots, h, n, p)).astype(np.float32)
+    slots = rng.permutation(np.arange(1, num_slots))[:batch].astype(np.int32)
+    slots[1] = 0
+    clean = state.copy()
+    state[0] = np.nan
+    free = np.setdiff1d(np.arange(1, num_slots), slots)
+    state[free] = np.nan
+    dt_range = (1e-3, 0.9)  # an upper bound some rows reach
+    form = dict(dims=dims, dt_offset=dt_offset, dt_range=dt_range, out_dtype=dtype)
+    args = (xbc, proj, dt_bias, a_log, d_skip, jnp.asarray(state), jnp.asarray(slots))
+
+    # float64 ground truth
+    x64 = np.asarray(xbc, np.float64)
+    xs = x64[:, : h * p].reshape(batch, h, p)
+    bk = x64[:, h * p : h * p + g * n].reshape(batch, g, n)
+    cq = x64[:, h * p + g * n : h * p + 2 * g * n].reshape(batch, g, n)
+    dt = np.log1p(np.exp(np.asarray(proj, np.float64)[:, dt_offset:] + np.asarray(dt_bias, np.float64)))
+    dt = np.clip(dt, *dt_range)
+    want_y = np.zeros((batch, h, p))
+    want_state = {}
+    for r in range(batch):
+        s0 = np.zeros((h, n, p)) if slots[r] == 0 else clean[slots[r]].astype(np.float64)
+        for j in range(h):
+            grp = j // (h // g)
+            s1 = np.exp(dt[r, j] * -np.exp(float(a_log[j]))) * s0[j] + np.outer(bk[r, grp], dt[r, j] * xs[r, j])
+            want_y[r, j] = cq[r, grp] @ s1 + float(d_skip[j]) * xs[r, j]
+            want_state[(r, j)] = s1
+    live = slots != 0
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-2
+    for name, (y, new_state) in {
+        "reference": jax.jit(functools.partial(mamba2_decode_reference, **form))(*args),
+        "fused kernel": mamba2_decode(*args, **form, impl="pallas", interpret=True, fused=True, block_p=16),
+        "parts (Pallas recurrence)": mamba2_decode(*args, **form, impl="pallas", interpret=True, fused=False),
+    }.items():
+        assert y.dtype == dtype
+        assert_close(f"{name} y", np.asarray(y, np.float64)[live], want_y[live], rtol)
+        got = np.stack([np.asarray(new_state)[slots[r], j] for r in range(batch) if live[r] for j in range(h)])
+        want = np.stack([want_state[(r, j)] for r in range(batch) if live[r] for j in range(h)])
+        assert_close(f"{name} state", got, want, 1e-5)
+        np.testing.assert_array_equal(np.asarray(new_state)[free], state[free])
+
+
+def test_mamba2_decode_lowers_for_h200():
+    """At the NemotronH-shaped layer of benchmarks.floors (64 heads of 64, 8 groups, state 128)."""
+    from pallas_kernels.simple_gla import mamba2_decode
+
+    dims, dt_offset = (64, 64, 8, 128), 4096 + 6144
+    fn = functools.partial(mamba2_decode, dims=dims, dt_offset=dt_offset, dt_range=(0.0, float("inf")),
+                           out_dtype=jnp.bfloat16, impl="pallas", fused=True)
+    args = [jnp.zeros((8, 6144), jnp.float32), jnp.zeros((8, 4096 + 6144 + 64), jnp.bfloat16),
+            jnp.zeros((64,), jnp.float32), jnp.zeros((64,), jnp.float32), jnp.zeros((64,), jnp.float32),
+            jnp.zeros((9, 64, 128, 64), jnp.float32), jnp.arange(8, dtype=jnp.int32)]
+    lower_for_h200(fn, *args, kernels=[r"mamba2_decode_bp32_w4"])
+
+
+# ---------------------------------------------------------------- lightning decode from the packed projection
+
+
+@pytest.mark.parametrize("batch,heads,hd,dtype", [(4, 3, 16, jnp.float32), (2, 2, 32, jnp.bfloat16)])
+def test_lightning_decode_pallas_matches_fp64(batch, heads, hd, dtype):
+    """The lightning decode step in one kernel (`lightning_decode`, fused: SiLU of the packed q | k | v per head,
+    the head's fixed decay, the recurrence) and its jnp reference, against float64 written out here: `S' =
+    exp(-slope) S + k v^T`, `o = q S'`; the gate's columns after the qkv are NaN (never read). Padded rows on the
+    null slot keep nothing, free slots are untouched. Checked to fail with the kernel's k and v offsets swapped, and
+    with the decay's sign flipped."""
+    from pallas_kernels.simple_gla import lightning_decode, lightning_decode_reference
+
+    rng = np.random.default_rng(heads * hd)
+    num_slots = batch + 2
+    qkv = rng.normal(size=(batch, 3 * heads * hd))
+    proj = jnp.asarray(np.concatenate([qkv, np.full((batch, heads * hd), np.nan)], axis=1), dtype)
+    slopes = jnp.asarray(rng.uniform(0.05, 1.0, heads), jnp.float32)
+    state = rng.normal(size=(num_slots, heads, hd, hd)).astype(np.float32)
+    slots = rng.permutation(np.arange(1, num_slots))[:batch].astype(np.int32)
+    slots[-1] = 0
+    clean = state.copy()
+    state[0] = np.nan
+    free = np.setdiff1d(np.arange(1, num_slots), slots)
+    state[free] = np.nan
+    args = (proj, slopes, jnp.asarray(state), jnp.asarray(slots))
+    form = dict(num_heads=heads, head_dim=hd)
+
+    act = np.asarray(proj, np.float64)[:, : 3 * heads * hd]
+    act = (act / (1 + np.exp(-act))).astype(np.float32 if dtype == jnp.float32 else np.float64)
+    act = np.asarray(jnp.asarray(act, dtype), np.float64).reshape(batch, heads, 3, hd)  # SiLU rounded as the model
+    want_o, want_s = np.zeros((batch, heads, hd)), {}
+    for r in range(batch):
+        for j in range(heads):
+            s0 = np.zeros((hd, hd)) if slots[r] == 0 else clean[slots[r], j].astype(np.float64)
+            s1 = np.exp(-float(slopes[j])) * s0 + np.outer(act[r, j, 1], act[r, j, 2])
+            want_o[r, j], want_s[(r, j)] = act[r, j, 0] @ s1, s1
+    live = slots != 0
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-2
+    for name, (o, new_state) in {
+        "reference": jax.jit(functools.partial(lightning_decode_reference, **form))(*args),
+        "fused kernel": lightning_decode(*args, **form, impl="pallas", interpret=True, fused=True, block_v=16),
+        "parts (Pallas recurrence)": lightning_decode(*args, **form, impl="pallas", interpret=True, fused=False),
+    }.items():
+        assert o.dtype == dtype
+        assert_close(f"{name} o", np.asarray(o, np.float64)[live], want_o[live], rtol)
+        got = np.stack([np.asarray(new_state)[slots[r], j] for r in range(batch) if live[r] for j in range(heads)])
+        want = np.stack([want_s[(r, j)] for r in range(batch) if live[r] for j in range(heads)])
+        assert_close(f"{name} state", got, want, 1e-5 if dtype == jnp.float32 else 1e-3)
+        np.testing.assert_array_equal(np.asarray(new_state)[free], state[free])
+
+
+def test_lightning_decode_lowers_for_h200():
+    """At the MiniMax-shaped layer of benchmarks.floors (16 heads of 128)."""
+    from pallas_kernels.simple_gla import lightning_decode
+
+    fn = functools.partial(lightning_decode, num_heads=16, head_dim=128, impl="pallas", fused=True)
+    args = [jnp.zeros((8, 4 * 16 * 128), jnp.bfloat16), jnp.zeros((16,), jnp.float32),
+            jnp.zeros((9, 16, 128, 128), jnp.float32), jnp.arange(8, dtype=jnp.int32)]
+    lower_for_h200(fn, *args, kernels=[r"lightning_decode_bv32_w4"])

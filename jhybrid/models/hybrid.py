@@ -86,7 +86,7 @@ def forward(
                                                   batch, inv_freq, decode, kernels, shards)
             i_lin += 1
         else:
-            x = mlp_block(cfg, mlp_kind, p, x, shards, dict(kernels))
+            x = mlp_block(cfg, mlp_kind, p, x, shards, dict(kernels), num_real=batch.cu_seqlens[-1])
     new_state = dataclasses.replace(state, k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
     if return_hidden:
         return x, new_state
@@ -111,7 +111,7 @@ def _layer(cfg: ModelConfig, kind: str, mlp_kind: str, index: int | None, p: dic
         h, conv, ssm = _linear_mixer(cfg, kind, p, normed, *cache, batch, index, decode, kernels)
         cache, alpha, beta = (conv, ssm), cfg.linear_attn_alpha, cfg.linear_attn_beta
     x = _residual(normed if cfg.residual_from_norm else x, h, alpha, beta)
-    return mlp_block(cfg, mlp_kind, p, x, shards, kernels), cache
+    return mlp_block(cfg, mlp_kind, p, x, shards, kernels, num_real=batch.cu_seqlens[-1]), cache
 
 
 def embed(cfg: ModelConfig, params: dict, batch: Batch) -> Float[Array, "T D"]:
@@ -132,16 +132,17 @@ def lm_head(cfg: ModelConfig, params: dict, x: Float[Array, "B D"]) -> Float[Arr
 
 
 def mlp_block(cfg: ModelConfig, mlp_kind: str, p: dict, x: Float[Array, "T D"], shards: int = 1,
-              kernels: dict | None = None) -> Float[Array, "T D"]:
+              kernels: dict | None = None, num_real: Array | None = None) -> Float[Array, "T D"]:
     """A layer's MLP (dense or MoE) with its norm and residual; `x` unchanged for kind "none". `kernels`: the
-    forward's kernel options (the MoE layer's routed experts take them)."""
+    forward's kernel options (the MoE layer's routed experts take them). `num_real` (a traced count): the tokens
+    from it on are a bucket's padding, which the MoE layer routes to no expert (their outputs are not used)."""
     if mlp_kind == "none":
         return x
     normed = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
     if mlp_kind == "moe":
         h = moe(p["mlp"], normed, cfg.num_experts_per_tok, cfg.norm_topk_prob, act=cfg.mlp_act, kernels=kernels,
                 router=cfg.moe_router, n_group=cfg.moe_n_group, topk_group=cfg.moe_topk_group,
-                scaling=cfg.routed_scaling_factor, num_shards=shards)
+                scaling=cfg.routed_scaling_factor, num_shards=shards, num_real=num_real)
     else:
         h = dense_mlp(p["mlp"], normed, cfg.mlp_act, shards)
     return _residual(normed if cfg.residual_from_norm else x, h, cfg.mlp_alpha, cfg.mlp_beta)

@@ -94,7 +94,7 @@ def dense_mlp(p: dict, x: Float[Array, "T D"], act: str = "silu", num_shards: in
 
 def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, act: str = "silu",
         router: str = "softmax", n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
-        num_shards: int = 1, kernels: dict | None = None) -> Array:
+        num_shards: int = 1, kernels: dict | None = None, num_real: Array | None = None) -> Array:
     """Top-k routed experts plus an optional shared expert (sigmoid-gated when `shared_gate` is present).
 
     router "softmax" (Qwen3-Next, MiniMax): weights = top-k of softmax(logits), optionally renormalised.
@@ -106,6 +106,9 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
     The routed experts run grouped by expert (`routed_experts_grouped`: only the routed (token, expert) pairs, the
     Pallas grouped matmul) or, as the reference, densely (`routed_experts_dense`: every expert on every token, the
     unrouted ones weighted zero: exact, simple, E / top-k times the routed FLOPs): `MOE_IMPL` and `kernels` pick.
+    On the grouped path the tokens from `num_real` on (a bucket's padding) are routed to no expert, so that their
+    experts' weights are not read (at batch 1 in a 4-row bucket they would be read for three padding rows); their
+    routed output is zero.
     """
     num_tokens = x.shape[0]
     if router == "softmax":
@@ -130,6 +133,8 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
     w_in, w_down = p["up_proj" if act == "relu2" else "gate_up_proj"], p["down_proj"]
     kernels = kernels or {}
     if _run_grouped(x, w_in, w_down, act, kernels):
+        if num_real is not None:  # padding tokens: an out-of-range expert, which `expert_tiles` drops
+            top_i = jnp.where((jnp.arange(num_tokens) < num_real)[:, None], top_i, -1)
         out = routed_experts_grouped(x, top_i, top_p, w_in, w_down, act, impl=kernels.get("impl", "auto"),
                                      interpret=kernels.get("interpret", False), mesh=kernels.get("mesh"))
     else:

@@ -12,7 +12,7 @@ from jhybrid.models.batch import Batch
 from jhybrid.models.layers import rms_norm
 from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
-from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode
 
 
 def lightning_slopes(num_heads: int, layer_index: int, num_layers: int) -> np.ndarray:
@@ -41,11 +41,16 @@ def lightning_attention_layer(
     num_tokens = x.shape[0]
     h, hd = cfg.num_heads, cfg.head_dim
     proj = linear(x, p["in_proj"])  # [T, 4*H*hd]: the packed qkv_proj, output_gate
-    qkv, gate = split_packed(proj, (3 * h * hd, h * hd), num_shards((kernels or {}).get("mesh")))  # [T, 3*H*hd], [T, H*hd]
+    shards = num_shards((kernels or {}).get("mesh"))
+    qkv, gate = split_packed(proj, (3 * h * hd, h * hd), shards)  # [T, 3*H*hd], [T, H*hd]
+    slopes = lightning_slopes(h, layer_index, cfg.num_layers)
+    if decode and shards == 1:  # the SiLU, the split and the recurrence: one kernel where it runs
+        o, ssm_state = lightning_decode(proj, jnp.asarray(slopes), ssm_state, batch.slot_ids, num_heads=h, head_dim=hd,
+                                        **(kernels or {}))
+        return _output(cfg, p, o, gate, x.dtype), ssm_state
     qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
     qkv = qkv.reshape(num_tokens, h, 3, hd)  # per head: hd q dims, hd k dims, hd v dims
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [T, H, hd] x3
-    slopes = lightning_slopes(h, layer_index, cfg.num_layers)
     g = jnp.broadcast_to(jnp.asarray(-slopes), (num_tokens, h))  # [T, H], constant in time
     if decode:
         o, ssm_state = fused_recurrent_simple_gla(q, k, v, g, ssm_state, batch.slot_ids, scale=1.0, **(kernels or {}))
@@ -53,6 +58,10 @@ def lightning_attention_layer(
         o, ssm_state = chunk_simple_gla(
             q, k, v, g, batch.cu_seqlens, ssm_state, batch.slot_ids, scale=1.0, **(kernels or {})
         )
-    o = rms_norm(o.reshape(num_tokens, h * hd).astype(x.dtype), p["norm"], LIGHTNING_NORM_EPS, False)
-    o = jax.nn.sigmoid(gate) * o
-    return linear(o, p["out_proj"]), ssm_state
+    return _output(cfg, p, o, gate, x.dtype), ssm_state
+
+
+def _output(cfg: ModelConfig, p: dict, o: Array, gate: Array, dtype) -> Array:
+    """RMSNorm over all heads of the recurrence's output `[T, H, hd]`, the sigmoid output gate, out_proj."""
+    o = rms_norm(o.reshape(o.shape[0], -1).astype(dtype), p["norm"], LIGHTNING_NORM_EPS, False)
+    return linear(jax.nn.sigmoid(gate) * o, p["out_proj"])

@@ -11,7 +11,8 @@ from jhybrid.models.batch import Batch
 from jhybrid.models.layers import grouped_gated_rms_norm, short_conv
 from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
-from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+from pallas_kernels import conv_update
+from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, mamba2_decode
 
 
 def mamba2_layer(
@@ -40,6 +41,12 @@ def mamba2_layer(
     if "in_proj_bias" in p:
         proj = proj + p["in_proj_bias"]
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
+    if decode and shards == 1:
+        y, conv_state, ssm_state = _decode_mixer(cfg, p, proj, conv_state, ssm_state, batch, kernels or {}, x.dtype)
+        y = grouped_gated_rms_norm(y.reshape(num_tokens, inner), proj[:, :inner], p["norm"], inner // g,
+                                   cfg.mamba_norm_eps)
+        out = linear(y, p["out_proj"])
+        return (out + p["out_bias"] if "out_bias" in p else out), conv_state, ssm_state
     z, xbc, dt = split_packed(proj, (inner, conv_dim, h), shards)
     xbc, conv_state = short_conv(xbc, conv_state, p["conv_weight"], batch, decode, kernels)
     if "conv_bias" in p:
@@ -63,3 +70,26 @@ def mamba2_layer(
     if "out_bias" in p:
         out = out + p["out_bias"]
     return out, conv_state, ssm_state
+
+
+def _decode_mixer(cfg: ModelConfig, p: dict, proj: Array, conv_state: Array, ssm_state: Array, batch: Batch,
+                  kernels: dict, dtype) -> tuple[Array, Array, Array]:
+    """One device's decode step from the in_proj output `[z | xBC | dt]` to the output before the gated norm
+    (`[B, Hm, P]` in the activations' `dtype`): the conv with its bias and SiLU (fp32 out), then
+    `simple_gla.mamba2_decode`. Where the kernels run they read their parts of `proj` in place, so no slice of the
+    packed arrays becomes a kernel of its own; else the same computation in parts."""
+    h, hp, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups, cfg.ssm_state_size
+    inner, conv_dim, weight = cfg.mamba_intermediate_size, cfg.mamba_conv_dim, p["conv_weight"]
+    impl = kernels.get("impl", "auto")
+    form = dict(bias=p.get("conv_bias"), activation="silu", out_dtype=jnp.float32)
+    if (inner % 16 == 0 and conv_update.pallas_supported(proj, weight)
+            and conv_update.resolve(impl, proj, weight) == "pallas"):
+        xbc, conv_state = conv_update.conv_update(proj, conv_state, weight, batch.slot_ids, offset=inner, **form,
+                                                  impl="pallas", interpret=kernels.get("interpret", False))
+    else:
+        xbc, conv_state = short_conv(proj[:, inner : inner + conv_dim], conv_state, weight, batch, True, kernels)
+        xbc = conv_update.finish(xbc, **form)
+    y, ssm_state = mamba2_decode(xbc, proj, p["dt_bias"], p["A_log"], p["D"], ssm_state, batch.slot_ids,
+                                 dims=(h, hp, g, n), dt_offset=inner + conv_dim,
+                                 dt_range=(cfg.mamba_dt_min, cfg.mamba_dt_max), out_dtype=dtype, **kernels)
+    return y, conv_state, ssm_state

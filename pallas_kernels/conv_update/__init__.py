@@ -14,7 +14,7 @@ import os
 import jax
 
 from pallas_kernels.conv_update.kernel import block_channels, conv_update_pallas
-from pallas_kernels.conv_update.reference import conv_update_reference
+from pallas_kernels.conv_update.reference import conv_update_reference, finish
 
 PALLAS_DECODE = os.environ.get("JHYBRID_CONV_UPDATE", "0") == "1"
 _IMPLS = ("auto", "reference", "pallas")
@@ -42,14 +42,14 @@ def resolve(impl: str, x, weight, mesh=None) -> str:
     return impl
 
 
-def conv_update(x, conv_state, weight, slot_ids, *, activation: str | None = None, impl: str = "auto",
-                interpret: bool = False, mesh=None, **tuning):
+def conv_update(x, conv_state, weight, slot_ids, *, offset: int = 0, bias=None, activation: str | None = None,
+                out_dtype=None, impl: str = "auto", interpret: bool = False, mesh=None, **tuning):
     """Same signature and result as `conv_update_reference` (`resolve` picks). `tuning` (block_c, num_warps) goes
     to the kernel."""
+    form = dict(offset=offset, bias=bias, activation=activation, out_dtype=out_dtype)
     if resolve(impl, x, weight, mesh) == "pallas":
-        return conv_update_pallas(x, conv_state, weight, slot_ids, activation=activation, interpret=interpret,
-                                  **tuning)
-    return conv_update_reference(x, conv_state, weight, slot_ids, activation=activation)
+        return conv_update_pallas(x, conv_state, weight, slot_ids, **form, interpret=interpret, **tuning)
+    return conv_update_reference(x, conv_state, weight, slot_ids, **form)
 
 
-__all__ = ["conv_update", "conv_update_pallas", "conv_update_reference", "pallas_supported", "resolve"]
+__all__ = ["conv_update", "conv_update_pallas", "conv_update_reference", "finish", "pallas_supported", "resolve"]

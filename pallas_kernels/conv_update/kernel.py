@@ -1,8 +1,8 @@
 """Pallas (Triton lowering) kernel for the decode step of a depthwise causal convolution over state slots.
 
 Grid `(B, C // BC)`: program (b, c) owns channels `[c * BC, (c + 1) * BC)` of row b. The input may be wider than
-C (a packed projection whose first C columns the conv takes: read in place, no slice of it written first); an
-optional activation (SiLU) is applied to the output in registers. It reads the row's `W - 1`
+C (a packed projection whose columns `[offset, offset + C)` the conv takes: read in place, no slice of it written
+first); an optional bias and activation (SiLU) are applied to the output in registers. It reads the row's `W - 1`
 inputs of those channels from `state[slot_ids[b]]` (one strided load per tap; zeros on the null slot 0), adds the
 row's new input, writes the output and stores the last `W - 1` inputs back into the slot (aliased in place; the
 null slot is never written, so padding rows race on nothing). One kernel where XLA runs the gather of the slots'
@@ -19,22 +19,25 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.conv_update.reference import activate
+from pallas_kernels.conv_update.reference import finish
 
 _WHOLE = pl.no_block_spec
 
 
-def _kernel(slot_ids_ref, x_ref, w_ref, state_in_ref, o_ref, state_ref, *, hist: int, block_c: int,
+def _kernel(slot_ids_ref, x_ref, w_ref, *refs, hist: int, block_c: int, offset: int, has_bias: bool,
             activation: str | None):
+    bias_ref = refs[0] if has_bias else None
+    state_in_ref, o_ref, state_ref = refs[int(has_bias):]
     row, c = pl.program_id(0), pl.program_id(1)
     slot = slot_ids_ref[row]
-    channels = pl.ds(pl.multiple_of(c * block_c, block_c), block_c)
+    start = pl.multiple_of(c * block_c, block_c)
+    channels = pl.ds(start, block_c)
     taps = [jnp.where(slot == 0, 0.0, state_in_ref[slot, channels, i].astype(jnp.float32)) for i in range(hist)]
-    taps.append(x_ref[row, channels].astype(jnp.float32))
+    taps.append(x_ref[row, pl.ds(pl.multiple_of(offset + start, 16), block_c)].astype(jnp.float32))
     out = jnp.zeros((block_c,), jnp.float32)
     for i, tap in enumerate(taps):  # (each weight column a strided load: Triton slices no loaded value)
         out = out + tap * w_ref[:, i].astype(jnp.float32)
-    o_ref[...] = activate(out.astype(o_ref.dtype), activation)
+    o_ref[...] = finish(out.astype(x_ref.dtype), bias_ref[...] if has_bias else None, activation, o_ref.dtype)
 
     @pl.when(slot != 0)
     def _():
@@ -50,20 +53,25 @@ def block_channels(num_channels: int, most: int = 1024) -> int:
     return block if block >= 16 else 0
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "block_c", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("offset", "activation", "out_dtype", "block_c", "num_warps", "interpret"))
 def conv_update_pallas(x: Float[Array, "B X"], conv_state: Float[Array, "S C W1"], weight: Float[Array, "C W"],
-                       slot_ids: Int[Array, "B"], *, activation: str | None = None, block_c: int | None = None,
+                       slot_ids: Int[Array, "B"], *, offset: int = 0, bias: Array | None = None,
+                       activation: str | None = None, out_dtype=None, block_c: int | None = None,
                        num_warps: int = 4, interpret: bool = False) -> tuple[Float[Array, "B C"], Float[Array, "S C W1"]]:
     """Same arguments and results as `conv_update_reference`. W must be a power of two (the weight's tile);
-    `block_c` (default `block_channels(C)`) a power of two dividing C."""
+    `block_c` (default `block_channels(C)`) a power of two dividing C; `offset` a multiple of 16."""
     batch = x.shape[0]
     num_channels, width = weight.shape
-    if x.shape[1] < num_channels:
-        raise ValueError(f"the conv's input has {x.shape[1]} columns, fewer than its {num_channels} channels")
+    if x.shape[1] < offset + num_channels or offset % 16:
+        raise ValueError(f"the conv's channels [{offset}, {offset + num_channels}) are not a 16-aligned part of its "
+                         f"input's {x.shape[1]} columns")
     block_c = block_c or block_channels(num_channels)
     if not block_c or num_channels % block_c:
         raise ValueError(f"no power-of-two channel block >= 16 divides C={num_channels}")
-    kernel = functools.partial(_kernel, hist=width - 1, block_c=block_c, activation=activation)
+    kernel = functools.partial(_kernel, hist=width - 1, block_c=block_c, offset=offset, has_bias=bias is not None,
+                               activation=activation)
+    out_dtype = jax.eval_shape(lambda: finish(jnp.zeros((1,), x.dtype), None if bias is None else jnp.zeros(
+        (1,), bias.dtype), activation, out_dtype)).dtype
     return pl.pallas_call(
         kernel,
         grid=(batch, num_channels // block_c),
@@ -71,13 +79,14 @@ def conv_update_pallas(x: Float[Array, "B X"], conv_state: Float[Array, "S C W1"
             _WHOLE,  # slot_ids
             _WHOLE,  # x (the row's channels read inside the kernel)
             pl.BlockSpec((block_c, width), lambda b, c: (c, 0)),  # weight
+            *([pl.BlockSpec((block_c,), lambda b, c: (c,))] if bias is not None else []),  # bias
             _WHOLE,  # state (read by slot inside the kernel)
         ],
         out_specs=[pl.BlockSpec((None, block_c), lambda b, c: (b, c)), _WHOLE],
-        out_shape=[jax.ShapeDtypeStruct((batch, num_channels), x.dtype),
+        out_shape=[jax.ShapeDtypeStruct((batch, num_channels), out_dtype),
                    jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)],
-        input_output_aliases={3: 1},
+        input_output_aliases={3 + (bias is not None): 1},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"conv_update_bc{block_c}_w{num_warps}{'_' + activation if activation else ''}",
-    )(slot_ids.astype(jnp.int32), x, weight, conv_state)
+    )(slot_ids.astype(jnp.int32), x, weight, *([bias] if bias is not None else []), conv_state)

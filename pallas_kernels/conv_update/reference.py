@@ -9,16 +9,20 @@ from jaxtyping import Array, Float, Int
 
 
 def conv_update_reference(x: Float[Array, "B X"], conv_state: Float[Array, "S C W1"], weight: Float[Array, "C W"],
-                          slot_ids: Int[Array, "B"], *, activation: str | None = None
+                          slot_ids: Int[Array, "B"], *, offset: int = 0, bias: Array | None = None,
+                          activation: str | None = None, out_dtype=None
                           ) -> tuple[Float[Array, "B C"], Float[Array, "S C W1"]]:
     """Row b's output `sum_i h[:, i] * weight[:, i]` over its window `h = [state[slot_b], x[b]]` (the slot's
     `W - 1` inputs, oldest first, then the new one; the null slot 0 reads zeros), summed in fp32 in that order and
     cast to x's dtype; the slot then holds the window's last `W - 1` inputs (fp32). Rows on slot 0 write nothing.
-    The conv's C channels are x's first C columns (x may be a wider packed projection). `activation="silu"`: the
-    output is `silu` of the cast output, in fp32, cast again (the layers' rounding). Returns (out [B, C], state)."""
+
+    The layers' forms: the conv's C channels are x's columns `[offset, offset + C)` (x may be a wider packed
+    projection); `bias` ([C]) is added to the cast output (in the promoted dtype, as `out + bias` in jnp);
+    `activation="silu"` applies `silu` in fp32 to that; the result is cast to `out_dtype` (default: its dtype
+    before the activation). Returns (out [B, C], state)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown conv activation {activation!r}; choose one of {ACTIVATIONS}")
-    xf = x[:, : weight.shape[0]].astype(jnp.float32)
+    xf = x[:, offset : offset + weight.shape[0]].astype(jnp.float32)
     h0 = jnp.where((slot_ids == 0)[:, None, None], 0.0, conv_state[slot_ids].astype(jnp.float32))  # [B, C, W-1]
     window = jnp.concatenate([h0, xf[:, :, None]], axis=-1)  # [B, C, W]
     w = weight.astype(jnp.float32)
@@ -28,14 +32,18 @@ def conv_update_reference(x: Float[Array, "B X"], conv_state: Float[Array, "S C 
     num_slots = conv_state.shape[0]
     dst = jnp.where(slot_ids == 0, num_slots, slot_ids)  # out of range: dropped
     new_state = conv_state.at[dst].set(window[:, :, 1:].astype(conv_state.dtype), mode="drop")
-    return activate(out.astype(x.dtype), activation), new_state
+    return finish(out.astype(x.dtype), bias, activation, out_dtype), new_state
 
 
 ACTIVATIONS = (None, "silu")
 
 
-def activate(out, activation: str | None):
-    """The conv output after `activation`: `silu` in fp32 of the output as rounded, cast back to its dtype."""
+def finish(out, bias, activation: str | None, out_dtype):
+    """The conv's cast output after the bias (`out + bias`), the activation (`silu` in fp32) and the cast to
+    `out_dtype` (default: the dtype after the bias)."""
+    if bias is not None:
+        out = out + bias
+    dtype = out.dtype if out_dtype is None else out_dtype
     if activation is None:
-        return out
-    return jax.nn.silu(out.astype(jnp.float32)).astype(out.dtype)
+        return out.astype(dtype)
+    return jax.nn.silu(out.astype(jnp.float32)).astype(dtype)

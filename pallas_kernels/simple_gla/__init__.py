@@ -12,15 +12,35 @@ per sequence) are the entry points the model calls. `impl` picks the implementat
     references need no wrapping (XLA SPMD partitions them).
 `_AUTO_PALLAS` lists the kernels "auto" routes to on GPU (checked by benchmarks/simple_gla_kernels.py).
 The arguments mirror `pallas_kernels.gated_delta_rule` without `beta`.
+
+`mamba2_decode` is a Mamba2 mixer's decode step after its convolution (step size, decay, the recurrence, the D
+skip) from the layer's packed arrays: with `fused` (`MAMBA2_FUSED_DECODE`) and the Pallas recurrence chosen, one
+kernel that reads them in place (`mamba2_decode.py`), else the parts one by one, the recurrence dispatched as above.
+`lightning_decode` likewise for a MiniMax lightning mixer (`LIGHTNING_FUSED_DECODE`, `lightning_decode.py`).
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import jax
 
 from pallas_kernels.gated_delta_rule import _per_head_shard, pallas_supported  # the same tile rule
 from pallas_kernels.simple_gla.chunk import chunk_simple_gla_pallas
 from pallas_kernels.simple_gla.fused_recurrent import fused_recurrent_simple_gla_pallas
+from pallas_kernels.simple_gla.mamba2_decode import (
+    mamba2_decode_in_parts,
+    mamba2_decode_pallas,
+    mamba2_decode_reference,
+)
+from pallas_kernels.simple_gla.mamba2_decode import pallas_supported as mamba2_pallas_supported
+from pallas_kernels.simple_gla.lightning_decode import (
+    lightning_decode_in_parts,
+    lightning_decode_pallas,
+    lightning_decode_reference,
+)
+from pallas_kernels.simple_gla.lightning_decode import pallas_supported as lightning_pallas_supported
 from pallas_kernels.simple_gla.reference import (
     chunk_simple_gla_reference,
     fused_recurrent_simple_gla_reference,
@@ -91,6 +111,52 @@ def fused_recurrent_simple_gla(q, k, v, g, state, slot_ids, *, impl: str = "auto
     return kernel(q, k, v, g, state, slot_ids)
 
 
+# the Mamba2 decode step as one kernel (`mamba2_decode`): off until measured on the H200 against the parts one by
+# one (benchmarks/device_loop.py --variant ...); JHYBRID_MAMBA2_FUSED_DECODE=1
+MAMBA2_FUSED_DECODE = os.environ.get("JHYBRID_MAMBA2_FUSED_DECODE", "0") == "1"
+
+
+def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: tuple[int, int, int, int],
+                  dt_offset: int, dt_range: tuple[float, float], out_dtype, impl: str = "auto",
+                  interpret: bool = False, mesh=None, fused: bool | None = None, **tuning):
+    """Same signature and result as `mamba2_decode_reference` (one device's unsharded packing). `fused` (default
+    `MAMBA2_FUSED_DECODE`): the one-kernel form where the recurrence's impl is "pallas" (so "auto" on a GPU) and no
+    mesh splits the heads; else the parts with `fused_recurrent_simple_gla` (its `impl`, `mesh`, `tuning`)."""
+    fused = MAMBA2_FUSED_DECODE if fused is None else fused
+    h, p, g, n = dims
+    form = dict(dims=dims, dt_offset=dt_offset, dt_range=dt_range, out_dtype=out_dtype)
+    if (fused and mamba2_pallas_supported(dims) and (mesh is None or mesh.size == 1)
+            and _pick(impl, "fused_recurrent", jax.ShapeDtypeStruct((1, g, n), xbc.dtype),
+                      jax.ShapeDtypeStruct((1, h, p), xbc.dtype)) == "pallas"):
+        return mamba2_decode_pallas(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, **form, interpret=interpret,
+                                    **tuning)
+    recurrence = functools.partial(fused_recurrent_simple_gla, impl=impl, interpret=interpret, scale=1.0, mesh=mesh,
+                                   **tuning)
+    return mamba2_decode_in_parts(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, **form, recurrence=recurrence)
+
+
+# the lightning decode step as one kernel (`lightning_decode`): off until measured on the H200;
+# JHYBRID_LIGHTNING_FUSED_DECODE=1
+LIGHTNING_FUSED_DECODE = os.environ.get("JHYBRID_LIGHTNING_FUSED_DECODE", "0") == "1"
+
+
+def lightning_decode(proj, slopes, state, slot_ids, *, num_heads: int, head_dim: int, impl: str = "auto",
+                     interpret: bool = False, mesh=None, fused: bool | None = None, **tuning):
+    """Same signature and result as `lightning_decode_reference` (one device's unsharded packing). `fused`
+    (default `LIGHTNING_FUSED_DECODE`): the one-kernel form where the recurrence's impl is "pallas" and no mesh
+    splits the heads; else the parts with `fused_recurrent_simple_gla` (its `impl`, `mesh`, `tuning`)."""
+    fused = LIGHTNING_FUSED_DECODE if fused is None else fused
+    shape = jax.ShapeDtypeStruct((1, num_heads, head_dim), proj.dtype)
+    if (fused and lightning_pallas_supported(head_dim) and (mesh is None or mesh.size == 1)
+            and _pick(impl, "fused_recurrent", shape, shape) == "pallas"):
+        return lightning_decode_pallas(proj, slopes, state, slot_ids, num_heads=num_heads, head_dim=head_dim,
+                                       interpret=interpret, **tuning)
+    recurrence = functools.partial(fused_recurrent_simple_gla, impl=impl, interpret=interpret, scale=1.0, mesh=mesh,
+                                   **tuning)
+    return lightning_decode_in_parts(proj, slopes, state, slot_ids, num_heads=num_heads, head_dim=head_dim,
+                                     recurrence=recurrence)
+
+
 __all__ = [
     "chunk_simple_gla",
     "chunk_simple_gla_pallas",
@@ -98,6 +164,12 @@ __all__ = [
     "fused_recurrent_simple_gla",
     "fused_recurrent_simple_gla_pallas",
     "fused_recurrent_simple_gla_reference",
+    "lightning_decode",
+    "lightning_decode_pallas",
+    "lightning_decode_reference",
+    "mamba2_decode",
+    "mamba2_decode_pallas",
+    "mamba2_decode_reference",
     "pallas_supported",
     "recurrent_simple_gla_reference",
 ]
