@@ -7,7 +7,8 @@ fall back to the reference, never a crash at run time").
 
 Each case runs the kernel through its dispatch function with `impl="pallas"` on small ragged inputs (the cases
 `cases()` builds: paged decode and prefill attention over bf16 or fp32 pages, the Gated DeltaNet and simple-GLA
-decode and chunked-prefill kernels over an fp32 state) and the same call with `impl="reference"`, and prints one
+decode and chunked-prefill kernels over an fp32 state, and the one-kernel decode steps of the Gated DeltaNet, Mamba2
+and lightning mixers, from their parts or the layers' packed arrays) and the same call with `impl="reference"`, and prints one
 line per case: PASS with the relative RMS error against the reference and the kernel's median time, or FAIL with
 the error the kernel raised (a shared-memory overflow shows here: what fits is only known on the GPU). Lowering
 for the H200 at every case is the CPU test `tests/test_head_dims.py`. Exit status 1 when any case fails.
@@ -26,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, paged_attention
-from pallas_kernels.gated_delta_rule import gated_delta_decode
-from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+from pallas_kernels.gated_delta_rule import gated_delta_decode, gated_delta_decode_packed
+from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode, mamba2_decode
 
-KERNELS = ("paged_decode", "paged_prefill", "gdn_decode", "gdn_fused_decode", "gdn_chunk", "sgla_decode", "sgla_chunk")
+KERNELS = ("paged_decode", "paged_prefill", "gdn_decode", "gdn_fused_decode", "gdn_packed_decode", "gdn_chunk",
+           "sgla_decode", "sgla_chunk", "mamba2_decode", "lightning_decode")
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 2e-3}  # relative RMS error (TF32 dots in fp32 kernels)
 
 
@@ -80,6 +82,26 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     out["gdn_fused_decode"] = (lambda *x, impl, interpret: gated_delta_decode(
         *x, eps=1e-6, impl=impl, interpret=interpret, fused=True), (q * 2, k, v, a, b, z, *gate_params, state,
                                                                      decode_slots))
+    # the same from the layer's packed arrays (conv output q | k | v, in_proj output q | k | v | z | b | a)
+    flat = lambda x: x.reshape(8, -1)  # noqa: E731
+    qkv = jnp.concatenate([flat(q * 2), flat(k), flat(v)], axis=1)
+    proj = jnp.concatenate([qkv, flat(z), b, a], axis=1)
+    out["gdn_packed_decode"] = (lambda *x, impl, interpret: gated_delta_decode_packed(
+        *x, dims=(h, d, hv, d), eps=1e-6, impl=impl, interpret=interpret, fused=True), (qkv, proj, *gate_params,
+                                                                                       state, decode_slots))
+    # Mamba2 (2 groups of 2 heads, P = N = d) and lightning attention (hd = d) decode from their packed arrays
+    xbc = jnp.asarray(rng.normal(size=(8, 4 * d + 2 * 2 * d)), jnp.float32)
+    m_proj = jnp.asarray(rng.normal(size=(8, 4 * d + xbc.shape[1] + 4)), dtype)
+    m_state = jnp.asarray(rng.normal(size=(slots, 4, d, d)), jnp.float32)
+    heads4 = lambda lo, hi: jnp.asarray(rng.uniform(lo, hi, 4), jnp.float32)  # noqa: E731
+    out["mamba2_decode"] = (lambda *x, impl, interpret: mamba2_decode(
+        *x, dims=(4, d, 2, d), dt_offset=4 * d + 8 * d, dt_range=(1e-3, 10.0), out_dtype=dtype, impl=impl,
+        interpret=interpret, fused=True), (xbc, m_proj, heads4(-1, 1), heads4(-1, 1), heads4(-1, 1), m_state,
+                                           decode_slots))
+    l_proj = jnp.asarray(rng.normal(size=(8, 4 * 4 * d)), dtype)
+    out["lightning_decode"] = (lambda *x, impl, interpret: lightning_decode(
+        *x, num_heads=4, head_dim=d, impl=impl, interpret=interpret, fused=True), (l_proj, heads4(0.05, 1.0), m_state,
+                                                                                   decode_slots))
     cu = jnp.asarray([0, 100, 101, 130], jnp.int32)  # a long prompt, a one-token row, a short prompt
     chunk_slots = jnp.asarray([1, 2, 3], jnp.int32)
     q, k = (jnp.asarray(_unit(rng, (130, h, d)), dtype) for _ in range(2))
