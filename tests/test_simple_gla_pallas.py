@@ -200,22 +200,25 @@ def test_mesh_dispatch_lowers_per_shard():
 
 def _mamba2_packed(rng, batch, dims, dtype):
     """The conv's activated fp32 output `[x | B | C]` with NaN columns after it, and an in_proj output `[z | xBC |
-    dt]` whose columns other than dt are NaN (the kernel reads only dt there)."""
+    dt]` whose xBC columns are NaN (the kernel reads z and dt there)."""
     h, p, g, n = dims
     conv = h * p + 2 * g * n
     xbc = np.concatenate([rng.normal(size=(batch, conv)), np.full((batch, 16), np.nan)], axis=1)
     proj = np.full((batch, h * p + conv + h), np.nan)
+    proj[:, : h * p] = rng.normal(size=(batch, h * p))
     proj[:, h * p + conv :] = rng.normal(size=(batch, h)) - 1.0
     return jnp.asarray(xbc, jnp.float32), jnp.asarray(proj, dtype), h * p + conv
 
 
+@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("batch,dims,dtype", [(4, (4, 32, 2, 16), jnp.float32), (3, (8, 16, 1, 32), jnp.bfloat16)])
-def test_mamba2_decode_pallas_matches_fp64(batch, dims, dtype):
+def test_mamba2_decode_pallas_matches_fp64(batch, dims, dtype, gated):
     """The Mamba2 decode step in one kernel (`mamba2_decode`, fused: step size, decay, recurrence, D skip, read in
     place from the packed arrays) and its jnp reference, against the recurrence written out in float64 here:
     `S' = exp(dt A) S + B (dt x)^T`, `y = C S' + D x` with `dt = clip(softplus(dt_raw + dt_bias))`. Padded rows on
-    the null slot (NaN there) keep nothing, free slots are neither read nor written. Checked to fail with the
-    kernel's D skip dropped, with B and C swapped, and with the dt clamp's upper bound ignored."""
+    the null slot (NaN there) keep nothing, free slots are neither read nor written. `gated`: the output is the
+    gated norm's input `y * silu(z)` (fp32, y rounded first). Checked to fail with the kernel's D skip dropped, with
+    B and C swapped, with the dt clamp's upper bound ignored, and with the gate's z read from xBC's columns."""
     from pallas_kernels.simple_gla import mamba2_decode, mamba2_decode_reference
 
     h, p, g, n = dims
@@ -233,7 +236,7 @@ def test_mamba2_decode_pallas_matches_fp64(batch, dims, dtype):
     free = np.setdiff1d(np.arange(1, num_slots), slots)
     state[free] = np.nan
     dt_range = (1e-3, 0.9)  # an upper bound some rows reach
-    form = dict(dims=dims, dt_offset=dt_offset, dt_range=dt_range, out_dtype=dtype)
+    form = dict(dims=dims, dt_offset=dt_offset, dt_range=dt_range, out_dtype=dtype, gated=gated)
     args = (xbc, proj, dt_bias, a_log, d_skip, jnp.asarray(state), jnp.asarray(slots))
 
     # float64 ground truth
@@ -252,6 +255,9 @@ def test_mamba2_decode_pallas_matches_fp64(batch, dims, dtype):
             s1 = np.exp(dt[r, j] * -np.exp(float(a_log[j]))) * s0[j] + np.outer(bk[r, grp], dt[r, j] * xs[r, j])
             want_y[r, j] = cq[r, grp] @ s1 + float(d_skip[j]) * xs[r, j]
             want_state[(r, j)] = s1
+    if gated:  # y rounded to the activations' dtype, times silu(z)
+        z = np.asarray(proj, np.float64)[:, : h * p].reshape(batch, h, p)
+        want_y = np.asarray(jnp.asarray(want_y, dtype), np.float64) * z / (1 + np.exp(-z))
     live = slots != 0
     rtol = 1e-5 if dtype == jnp.float32 else 1e-2
     for name, (y, new_state) in {
@@ -259,7 +265,7 @@ def test_mamba2_decode_pallas_matches_fp64(batch, dims, dtype):
         "fused kernel": mamba2_decode(*args, **form, impl="pallas", interpret=True, fused=True, block_p=16),
         "parts (Pallas recurrence)": mamba2_decode(*args, **form, impl="pallas", interpret=True, fused=False),
     }.items():
-        assert y.dtype == dtype
+        assert y.dtype == (jnp.float32 if gated else dtype)
         assert_close(f"{name} y", np.asarray(y, np.float64)[live], want_y[live], rtol)
         got = np.stack([np.asarray(new_state)[slots[r], j] for r in range(batch) if live[r] for j in range(h)])
         want = np.stack([want_state[(r, j)] for r in range(batch) if live[r] for j in range(h)])

@@ -225,11 +225,15 @@ def grouped_gated_rms_norm(x: Float[Array, "T I"], gate: Float[Array, "T I"], w:
                            eps: float) -> Array:
     """Mamba2 output norm (norm after the gate): `w * rmsnorm_per_group(x * silu(gate))`, the RMS taken over
     consecutive groups of `group_size` channels (NemotronH: one group per B/C group)."""
-    num_tokens, dim = x.shape
-    h = x.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+    return grouped_rms_norm(x.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32)), w, group_size, eps, x.dtype)
+
+
+def grouped_rms_norm(h: Float[Array, "T I"], w: Float[Array, "I"], group_size: int, eps: float, dtype) -> Array:
+    """`grouped_gated_rms_norm` after its gate: `w * rmsnorm_per_group(h)` of the gated fp32 `h`, normed in `dtype`."""
+    num_tokens, dim = h.shape
     h = h.reshape(num_tokens, dim // group_size, group_size)  # [T, G, I/G]
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return w * h.reshape(num_tokens, dim).astype(x.dtype)
+    return w * h.reshape(num_tokens, dim).astype(dtype)
 
 
 def short_conv(x: Float[Array, "T C"], conv_state: Array, weight: Array, batch, decode: bool,

@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
-from jhybrid.models.layers import grouped_gated_rms_norm, short_conv
+from jhybrid.models.layers import grouped_gated_rms_norm, grouped_rms_norm, short_conv
 from jhybrid.models.quant import linear
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import conv_update
@@ -43,8 +43,7 @@ def mamba2_layer(
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
     if decode and shards == 1:
         y, conv_state, ssm_state = _decode_mixer(cfg, p, proj, conv_state, ssm_state, batch, kernels or {}, x.dtype)
-        y = grouped_gated_rms_norm(y.reshape(num_tokens, inner), proj[:, :inner], p["norm"], inner // g,
-                                   cfg.mamba_norm_eps)
+        y = grouped_rms_norm(y.reshape(num_tokens, inner), p["norm"], inner // g, cfg.mamba_norm_eps, x.dtype)
         out = linear(y, p["out_proj"])
         return (out + p["out_bias"] if "out_bias" in p else out), conv_state, ssm_state
     z, xbc, dt = split_packed(proj, (inner, conv_dim, h), shards)
@@ -74,8 +73,8 @@ def mamba2_layer(
 
 def _decode_mixer(cfg: ModelConfig, p: dict, proj: Array, conv_state: Array, ssm_state: Array, batch: Batch,
                   kernels: dict, dtype) -> tuple[Array, Array, Array]:
-    """One device's decode step from the in_proj output `[z | xBC | dt]` to the output before the gated norm
-    (`[B, Hm, P]` in the activations' `dtype`): the conv with its bias and SiLU (fp32 out), then
+    """One device's decode step from the in_proj output `[z | xBC | dt]` to the gated norm's input (`y *
+    silu(z)`, `[B, Hm, P]` fp32, y rounded to the activations' `dtype` first): the conv with its bias and SiLU (fp32 out), then
     `simple_gla.mamba2_decode`. Where the kernels run they read their parts of `proj` in place, so no slice of the
     packed arrays becomes a kernel of its own; else the same computation in parts."""
     h, hp, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups, cfg.ssm_state_size
@@ -91,5 +90,6 @@ def _decode_mixer(cfg: ModelConfig, p: dict, proj: Array, conv_state: Array, ssm
         xbc = conv_update.finish(xbc, **form)
     y, ssm_state = mamba2_decode(xbc, proj, p["dt_bias"], p["A_log"], p["D"], ssm_state, batch.slot_ids,
                                  dims=(h, hp, g, n), dt_offset=inner + conv_dim,
-                                 dt_range=(cfg.mamba_dt_min, cfg.mamba_dt_max), out_dtype=dtype, **kernels)
+                                 dt_range=(cfg.mamba_dt_min, cfg.mamba_dt_max), out_dtype=dtype, gated=True,
+                                 **kernels)
     return y, conv_state, ssm_state

@@ -117,14 +117,14 @@ MAMBA2_FUSED_DECODE = os.environ.get("JHYBRID_MAMBA2_FUSED_DECODE", "0") == "1"
 
 
 def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: tuple[int, int, int, int],
-                  dt_offset: int, dt_range: tuple[float, float], out_dtype, impl: str = "auto",
+                  dt_offset: int, dt_range: tuple[float, float], out_dtype, gated: bool = False, impl: str = "auto",
                   interpret: bool = False, mesh=None, fused: bool | None = None, **tuning):
     """Same signature and result as `mamba2_decode_reference` (one device's unsharded packing). `fused` (default
     `MAMBA2_FUSED_DECODE`): the one-kernel form where the recurrence's impl is "pallas" (so "auto" on a GPU) and no
     mesh splits the heads; else the parts with `fused_recurrent_simple_gla` (its `impl`, `mesh`, `tuning`)."""
     fused = MAMBA2_FUSED_DECODE if fused is None else fused
     h, p, g, n = dims
-    form = dict(dims=dims, dt_offset=dt_offset, dt_range=dt_range, out_dtype=out_dtype)
+    form = dict(dims=dims, dt_offset=dt_offset, dt_range=dt_range, out_dtype=out_dtype, gated=gated)
     if (fused and mamba2_pallas_supported(dims) and (mesh is None or mesh.size == 1)
             and _pick(impl, "fused_recurrent", jax.ShapeDtypeStruct((1, g, n), xbc.dtype),
                       jax.ShapeDtypeStruct((1, h, p), xbc.dtype)) == "pallas"):
