@@ -24,6 +24,7 @@ from jhybrid.models.layers import dense_mlp, moe, rms_norm, rope_inv_freq
 from jhybrid.models.lightning import lightning_attention_layer
 from jhybrid.models.mamba2 import mamba2_layer
 from jhybrid.models.params import is_packed
+from jhybrid.models.quant import Fp8Weight
 from jhybrid.parallel.layout import num_shards
 
 
@@ -86,7 +87,7 @@ def forward(
                                                   batch, inv_freq, decode, kernels, shards)
             i_lin += 1
         else:
-            x = mlp_block(cfg, mlp_kind, p, x, shards, dict(kernels), num_real=batch.cu_seqlens[-1])
+            x = mlp_block(cfg, mlp_kind, p, x, shards, dict(kernels), num_real=batch.cu_seqlens[-1], decode=decode)
     new_state = dataclasses.replace(state, k_pages=tuple(k_pages), v_pages=tuple(v_pages), conv=tuple(conv), ssm=tuple(ssm))
     if return_hidden:
         return x, new_state
@@ -111,7 +112,7 @@ def _layer(cfg: ModelConfig, kind: str, mlp_kind: str, index: int | None, p: dic
         h, conv, ssm = _linear_mixer(cfg, kind, p, normed, *cache, batch, index, decode, kernels)
         cache, alpha, beta = (conv, ssm), cfg.linear_attn_alpha, cfg.linear_attn_beta
     x = _residual(normed if cfg.residual_from_norm else x, h, alpha, beta)
-    return mlp_block(cfg, mlp_kind, p, x, shards, kernels, num_real=batch.cu_seqlens[-1]), cache
+    return mlp_block(cfg, mlp_kind, p, x, shards, kernels, num_real=batch.cu_seqlens[-1], decode=decode), cache
 
 
 def embed(cfg: ModelConfig, params: dict, batch: Batch) -> Float[Array, "T D"]:
@@ -132,12 +133,18 @@ def lm_head(cfg: ModelConfig, params: dict, x: Float[Array, "B D"]) -> Float[Arr
 
 
 def mlp_block(cfg: ModelConfig, mlp_kind: str, p: dict, x: Float[Array, "T D"], shards: int = 1,
-              kernels: dict | None = None, num_real: Array | None = None) -> Float[Array, "T D"]:
+              kernels: dict | None = None, num_real: Array | None = None, decode: bool = False) -> Float[Array, "T D"]:
     """A layer's MLP (dense or MoE) with its norm and residual; `x` unchanged for kind "none". `kernels`: the
     forward's kernel options (the MoE layer's routed experts take them). `num_real` (a traced count): the tokens
-    from it on are a bucket's padding, which the MoE layer routes to no expert (their outputs are not used)."""
+    from it on are a bucket's padding, which the MoE layer routes to no expert (their outputs are not used). In a
+    decode step a plain dense block may run as two kernels (`pallas_kernels.decode_mlp`, where it resolves to
+    them: `DECODE_MLP`)."""
     if mlp_kind == "none":
         return x
+    if decode and mlp_kind == "dense" and shards == 1:
+        fused = _decode_mlp(cfg, p, x, kernels or {})
+        if fused is not None:
+            return fused
     normed = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
     if mlp_kind == "moe":
         h = moe(p["mlp"], normed, cfg.num_experts_per_tok, cfg.norm_topk_prob, act=cfg.mlp_act, kernels=kernels,
@@ -146,6 +153,25 @@ def mlp_block(cfg: ModelConfig, mlp_kind: str, p: dict, x: Float[Array, "T D"], 
     else:
         h = dense_mlp(p["mlp"], normed, cfg.mlp_act, shards)
     return _residual(normed if cfg.residual_from_norm else x, h, cfg.mlp_alpha, cfg.mlp_beta)
+
+
+def _decode_mlp(cfg: ModelConfig, p: dict, x: Array, kernels: dict) -> Array | None:
+    """`mlp_block` of a plain dense layer (no biases, FP8 weights, scaled residual or residual from the norm) as
+    `decode_mlp`'s two kernels, or None where they do not run."""
+    from pallas_kernels import decode_mlp
+
+    mlp, act = p["mlp"], cfg.mlp_act
+    w_in = mlp.get("gate_up_proj" if act == "silu" else "up_proj")
+    plain = (w_in is not None and not cfg.residual_from_norm and cfg.mlp_alpha == 1.0 and cfg.mlp_beta == 1.0
+             and not any(k.endswith("bias") for k in mlp)
+             and not any(isinstance(w, Fp8Weight) for w in (w_in, mlp["down_proj"])))
+    if not plain or act not in decode_mlp.ACTS or not decode_mlp.pallas_supported(x, w_in, mlp["down_proj"], act):
+        return None
+    if decode_mlp.resolve(kernels.get("impl", "auto"), x, w_in, mlp["down_proj"], act) != "pallas":
+        return None
+    return decode_mlp.decode_mlp(x, p["post_norm"], w_in, mlp["down_proj"], eps=cfg.rms_norm_eps,
+                                 zero_centred=cfg.norm_zero_centred, act=act, impl="pallas",
+                                 interpret=kernels.get("interpret", False))
 
 
 def _residual(r: Array, h: Array, alpha: float, beta: float) -> Array:
