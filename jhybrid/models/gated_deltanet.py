@@ -9,7 +9,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import gated_rms_norm, l2_normalize, short_conv
-from jhybrid.models.quant import linear
+from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import chunk_gated_delta_rule, conv_update
 from pallas_kernels.gated_delta_rule import gated_delta_decode, gated_delta_decode_packed
@@ -24,19 +24,22 @@ def gated_deltanet_layer(
     batch: Batch,
     decode: bool,
     kernels: dict | None = None,
+    io: dict | None = None,
 ) -> tuple[Float[Array, "T D"], Array, Array]:
     """in_proj -> causal conv + SiLU (conv state) -> L2-normed q/k, beta = sigmoid(b),
     g = -exp(A_log) * softplus(a + dt_bias) -> gated delta rule (recurrent state) -> gated RMSNorm(z) ->
-    out_proj. `decode` (static) means one token per row. Returns (out, conv_state, ssm_state)."""
+    out_proj. `decode` (static) means one token per row. Returns (out, conv_state, ssm_state). With `io` (a decode
+    step: `jhybrid.models.hybrid._fused_io`) x is the layer's input before its norm, which the in_proj's kernel
+    applies, and out already holds the residual added by the out_proj's kernel (`decode_linear`)."""
     num_tokens = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     c = cfg.conv_dim  # 2*HK*K + HV*V
-    proj = linear(x, p["in_proj"])  # [T, C + HV*V + 2*HV]: the packed qkv, z, b, a projections
+    proj = in_projection(x, p["in_proj"], io)  # [T, C + HV*V + 2*HV]: the packed qkv, z, b, a projections
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
     if decode and shards == 1:
         o, conv_state, ssm_state = _decode_mixer(cfg, p, proj, conv_state, ssm_state, batch, kernels or {})
-        return linear(o.reshape(num_tokens, hv * dv), p["out_proj"]), conv_state, ssm_state
+        return out_projection(o.reshape(num_tokens, hv * dv), p["out_proj"], io), conv_state, ssm_state
     qkv, z, b, a = split_packed(proj, (c, hv * dv, hv, hv), shards)  # [T, C] (shard-major), [T, HV*V], [T, HV] x2
     z = z.reshape(num_tokens, hv, dv)
     qkv, conv_state = short_conv(qkv, conv_state, p["conv_weight"], batch, decode, kernels)

@@ -104,6 +104,10 @@ def _layer(cfg: ModelConfig, kind: str, mlp_kind: str, index: int | None, p: dic
     linear kinds), residual, then the MLP block. Jitted (XLA inlines it into the step), so the model's
     repeated layers are traced and lowered once per (kind, shapes) rather than once per layer."""
     kernels = dict(kernels)
+    io = _fused_io(cfg, kind, p, x, kernels) if decode else None
+    if io is not None:  # the mixer's in_proj takes the norm, its out_proj the residual (`decode_linear`)
+        x, conv, ssm = _linear_mixer(cfg, kind, p, x, *cache, batch, index, decode, kernels, io=io)
+        return mlp_block(cfg, mlp_kind, p, x, shards, kernels, num_real=batch.cu_seqlens[-1], decode=decode), (conv, ssm)
     normed = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
     if kind == "full_attention":
         h, k, v = attention_layer(cfg, p["attn"], normed, *cache, batch, inv_freq, decode, kernels, host=host)
@@ -158,20 +162,20 @@ def mlp_block(cfg: ModelConfig, mlp_kind: str, p: dict, x: Float[Array, "T D"], 
 def _decode_mlp(cfg: ModelConfig, p: dict, x: Array, kernels: dict) -> Array | None:
     """`mlp_block` of a plain dense layer (no biases, FP8 weights, scaled residual or residual from the norm) as
     `decode_mlp`'s two kernels, or None where they do not run."""
-    from pallas_kernels import decode_mlp
+    from pallas_kernels import decode_linear
 
     mlp, act = p["mlp"], cfg.mlp_act
     w_in = mlp.get("gate_up_proj" if act == "silu" else "up_proj")
-    plain = (w_in is not None and not cfg.residual_from_norm and cfg.mlp_alpha == 1.0 and cfg.mlp_beta == 1.0
-             and not any(k.endswith("bias") for k in mlp)
-             and not any(isinstance(w, Fp8Weight) for w in (w_in, mlp["down_proj"])))
-    if not plain or act not in decode_mlp.ACTS or not decode_mlp.pallas_supported(x, w_in, mlp["down_proj"], act):
+    if (w_in is None or cfg.residual_from_norm or cfg.mlp_alpha != 1.0 or cfg.mlp_beta != 1.0
+            or any(k.endswith("bias") for k in mlp) or any(isinstance(w, Fp8Weight) for w in (w_in, mlp["down_proj"]))
+            or not decode_linear.mlp_supported(x, w_in, mlp["down_proj"], act)):
         return None
-    if decode_mlp.resolve(kernels.get("impl", "auto"), x, w_in, mlp["down_proj"], act) != "pallas":
+    applies = decode_linear.resolve(kernels.get("impl", "auto"), decode_linear.DECODE_MLP, True, "decode MLP")
+    if applies != "pallas":
         return None
-    return decode_mlp.decode_mlp(x, p["post_norm"], w_in, mlp["down_proj"], eps=cfg.rms_norm_eps,
-                                 zero_centred=cfg.norm_zero_centred, act=act, impl="pallas",
-                                 interpret=kernels.get("interpret", False))
+    return decode_linear.decode_mlp(x, p["post_norm"], w_in, mlp["down_proj"], eps=cfg.rms_norm_eps,
+                                    zero_centred=cfg.norm_zero_centred, act=act, impl="pallas",
+                                    interpret=kernels.get("interpret", False))
 
 
 def _residual(r: Array, h: Array, alpha: float, beta: float) -> Array:
@@ -181,14 +185,39 @@ def _residual(r: Array, h: Array, alpha: float, beta: float) -> Array:
     return r + h
 
 
-def _linear_mixer(cfg, kind, p, x, conv, ssm, batch, layer_index, decode, kernels):
+# the state-slot mixers' parameters and the names of their in and out projections
+_MIXERS = {"linear_attention": "gdn", "lightning_attention": "lightning", "mamba2": "mamba"}
+
+
+def _fused_io(cfg: ModelConfig, kind: str, p: dict, x: Array, kernels: dict) -> dict | None:
+    """For a decode step's state-slot mixer whose in and out projections `decode_linear` runs (`DECODE_LINEAR` or
+    impl "pallas"; plain weights, no biases, a plain residual `x + h`, one device): the `io` its layer function
+    takes (the input norm fused into its in_proj, the residual into its out_proj). Else None."""
+    from pallas_kernels import decode_linear
+
+    mixer = p.get(_MIXERS.get(kind, ""))
+    if (mixer is None or kernels.get("mesh") is not None or cfg.residual_from_norm or cfg.linear_attn_alpha != 1.0
+            or cfg.linear_attn_beta != 1.0 or {"in_proj_bias", "out_bias"} & set(mixer) or "in_proj" not in mixer):
+        return None
+    w_in, w_out = mixer["in_proj"], mixer["out_proj"]
+    out_rows = jax.ShapeDtypeStruct((x.shape[0], w_out.shape[0]), x.dtype)
+    if not (decode_linear.linear_supported(x, w_in) and decode_linear.linear_supported(out_rows, w_out)):
+        return None
+    if decode_linear.resolve(kernels.get("impl", "auto"), decode_linear.DECODE_LINEAR, True, "decode linear") != "pallas":
+        return None
+    return dict(norm_w=p["input_norm"], eps=cfg.rms_norm_eps, zero_centred=cfg.norm_zero_centred, residual=x,
+                interpret=kernels.get("interpret", False))
+
+
+def _linear_mixer(cfg, kind, p, x, conv, ssm, batch, layer_index, decode, kernels, io: dict | None = None):
     """Runs a state-slot mixer; returns (out, conv, ssm). Lightning attention has no conv (its conv state
-    is the empty `[S, 0, 0]` and passes through)."""
+    is the empty `[S, 0, 0]` and passes through). With `io` (`_fused_io`) x is the layer's input before its norm,
+    and out the residual stream after the mixer."""
     if kind == "linear_attention":
-        return gated_deltanet_layer(cfg, p["gdn"], x, conv, ssm, batch, decode, kernels)
+        return gated_deltanet_layer(cfg, p["gdn"], x, conv, ssm, batch, decode, kernels, io=io)
     if kind == "lightning_attention":
-        h, ssm = lightning_attention_layer(cfg, p["lightning"], x, ssm, batch, layer_index, decode, kernels)
+        h, ssm = lightning_attention_layer(cfg, p["lightning"], x, ssm, batch, layer_index, decode, kernels, io=io)
         return h, conv, ssm
     if kind == "mamba2":
-        return mamba2_layer(cfg, p["mamba"], x, conv, ssm, batch, decode, kernels)
+        return mamba2_layer(cfg, p["mamba"], x, conv, ssm, batch, decode, kernels, io=io)
     raise ValueError(f"layer {layer_index}: no model code for layer kind {kind!r}")

@@ -10,7 +10,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import LIGHTNING_NORM_EPS, ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import rms_norm
-from jhybrid.models.quant import linear
+from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode
 
@@ -34,20 +34,22 @@ def lightning_attention_layer(
     layer_index: int,
     decode: bool,
     kernels: dict | None = None,
+    io: dict | None = None,
 ) -> tuple[Float[Array, "T D"], Array]:
     """in_proj -> SiLU on q, k, v (no 1/sqrt(d), no RoPE) -> `S_t = exp(-slope) S_{t-1} + k_t^T v_t`,
     `o_t = q_t S_t` (recurrent state `[S, H, hd, hd]`) -> RMSNorm over all heads -> sigmoid output gate ->
-    out_proj. `decode` (static) means one token per row. Returns (out, ssm_state)."""
+    out_proj. `decode` (static) means one token per row. Returns (out, ssm_state). `io`: as
+    `gated_deltanet_layer`'s (the norm in the in_proj's kernel, the residual in the out_proj's)."""
     num_tokens = x.shape[0]
     h, hd = cfg.num_heads, cfg.head_dim
-    proj = linear(x, p["in_proj"])  # [T, 4*H*hd]: the packed qkv_proj, output_gate
+    proj = in_projection(x, p["in_proj"], io)  # [T, 4*H*hd]: the packed qkv_proj, output_gate
     shards = num_shards((kernels or {}).get("mesh"))
     qkv, gate = split_packed(proj, (3 * h * hd, h * hd), shards)  # [T, 3*H*hd], [T, H*hd]
     slopes = lightning_slopes(h, layer_index, cfg.num_layers)
     if decode and shards == 1:  # the SiLU, the split and the recurrence: one kernel where it runs
         o, ssm_state = lightning_decode(proj, jnp.asarray(slopes), ssm_state, batch.slot_ids, num_heads=h, head_dim=hd,
                                         **(kernels or {}))
-        return _output(cfg, p, o, gate, x.dtype), ssm_state
+        return _output(cfg, p, o, gate, x.dtype, io), ssm_state
     qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
     qkv = qkv.reshape(num_tokens, h, 3, hd)  # per head: hd q dims, hd k dims, hd v dims
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # [T, H, hd] x3
@@ -61,7 +63,7 @@ def lightning_attention_layer(
     return _output(cfg, p, o, gate, x.dtype), ssm_state
 
 
-def _output(cfg: ModelConfig, p: dict, o: Array, gate: Array, dtype) -> Array:
+def _output(cfg: ModelConfig, p: dict, o: Array, gate: Array, dtype, io: dict | None = None) -> Array:
     """RMSNorm over all heads of the recurrence's output `[T, H, hd]`, the sigmoid output gate, out_proj."""
     o = rms_norm(o.reshape(o.shape[0], -1).astype(dtype), p["norm"], LIGHTNING_NORM_EPS, False)
-    return linear(jax.nn.sigmoid(gate) * o, p["out_proj"])
+    return out_projection(jax.nn.sigmoid(gate) * o, p["out_proj"], io)

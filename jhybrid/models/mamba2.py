@@ -9,7 +9,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import grouped_gated_rms_norm, grouped_rms_norm, short_conv
-from jhybrid.models.quant import linear
+from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import conv_update
 from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, mamba2_decode
@@ -24,6 +24,7 @@ def mamba2_layer(
     batch: Batch,
     decode: bool,
     kernels: dict | None = None,
+    io: dict | None = None,
 ) -> tuple[Float[Array, "T D"], Array, Array]:
     """in_proj -> [z | x B C | dt] -> causal conv (+ bias) + SiLU over x, B, C (conv state) ->
     dt = clip(softplus(dt + dt_bias), dt_min, dt_max), A = -exp(A_log) ->
@@ -32,19 +33,20 @@ def mamba2_layer(
 
     HF clamps dt only in its chunked (prefill) path, not in its one-token update; jhybrid clamps in both so
     chunked prefill, one-shot prefill and decode compute one function (the clamp is inactive for any
-    realistic dt_bias: `time_step_min` is 1e-3 by default). Returns (out, conv_state, ssm_state).
+    realistic dt_bias: `time_step_min` is 1e-3 by default). Returns (out, conv_state, ssm_state). `io`: as
+    `gated_deltanet_layer`'s (the norm in the in_proj's kernel, the residual in the out_proj's; no biases).
     """
     num_tokens = x.shape[0]
     h, hp, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups, cfg.ssm_state_size
     inner, conv_dim = cfg.mamba_intermediate_size, cfg.mamba_conv_dim
-    proj = linear(x, p["in_proj"])  # [T, Im + Cm + Hm]
+    proj = in_projection(x, p["in_proj"], io)  # [T, Im + Cm + Hm]
     if "in_proj_bias" in p:
         proj = proj + p["in_proj_bias"]
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
     if decode and shards == 1:
         y, conv_state, ssm_state = _decode_mixer(cfg, p, proj, conv_state, ssm_state, batch, kernels or {}, x.dtype)
         y = grouped_rms_norm(y.reshape(num_tokens, inner), p["norm"], inner // g, cfg.mamba_norm_eps, x.dtype)
-        out = linear(y, p["out_proj"])
+        out = out_projection(y, p["out_proj"], io)
         return (out + p["out_bias"] if "out_bias" in p else out), conv_state, ssm_state
     z, xbc, dt = split_packed(proj, (inner, conv_dim, h), shards)
     xbc, conv_state = short_conv(xbc, conv_state, p["conv_weight"], batch, decode, kernels)

@@ -111,6 +111,27 @@ def linear(x: Float[Array, "... K"], w: Array | Fp8Weight) -> Float[Array, "... 
     return y.reshape(*lead, w.n)
 
 
+def in_projection(x: Array, w: Array, io: dict | None) -> Array:
+    """A mixer's in projection: `linear`, or with `io` (`jhybrid.models.hybrid._fused_io`: a decode step) the
+    layer's input norm and the projection in one kernel (`pallas_kernels.decode_linear`)."""
+    if io is None:
+        return linear(x, w)
+    from pallas_kernels.decode_linear import decode_linear
+
+    return decode_linear(x, w, norm_w=io["norm_w"], eps=io["eps"], zero_centred=io["zero_centred"], impl="pallas",
+                         interpret=io["interpret"])
+
+
+def out_projection(x: Array, w: Array, io: dict | None) -> Array:
+    """A mixer's out projection: `linear`, or with `io` the projection plus the residual stream (`io["residual"]`)
+    in one kernel: the layer's residual add done."""
+    if io is None:
+        return linear(x, w)
+    from pallas_kernels.decode_linear import decode_linear
+
+    return decode_linear(x, w, residual=io["residual"], impl="pallas", interpret=io["interpret"])
+
+
 def _per_shard(w: Fp8Weight):
     """The FP8 matmul of `w` run by each device on its blocks: column-parallel, its output columns of the whole
     input; row-parallel, its part of K (whole 128-groups, so the activations quantize as on one device), the partial

@@ -1,5 +1,6 @@
-"""`pallas_kernels.decode_mlp`: a decode step's MLP block (RMSNorm, up / gate projection, SwiGLU or relu^2, down
-projection, residual) in two kernels, against float64 written out here, lowered for the H200, and in the model."""
+"""`pallas_kernels.decode_linear`: a decode step's projections with the norm before them and the activation and
+residual after them in one kernel; the dense MLP block (RMSNorm, up / gate projection, SwiGLU or relu^2, down
+projection, residual) in two. Against float64 written out here, lowered for the H200, and in the model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.decode_mlp import decode_mlp, decode_mlp_reference
+from pallas_kernels.decode_linear import decode_mlp, decode_mlp_reference
 from tests.test_kernels_pallas import assert_close, lower_for_h200
 
 
@@ -48,6 +49,30 @@ def test_decode_mlp_matches_fp64(act, zero_centred, rows, dtype):
     assert_close("kernels", got, want, rtol)
 
 
+@pytest.mark.parametrize("with_norm,with_residual,dtype", [(True, False, jnp.float32), (False, True, jnp.float32),
+                                                            (True, True, jnp.bfloat16)])
+def test_decode_linear_parts_match_fp64(with_norm, with_residual, dtype):
+    """`decode_linear` as the mixers use it: the input norm fused before the projection (in_proj), the residual
+    after it (out_proj), or both; 6 rows, 400 output columns (25 programs of 16). Against float64. Checked to fail
+    with the residual read from the output's columns one block over."""
+    from pallas_kernels.decode_linear import decode_linear, decode_linear_reference
+
+    rng = np.random.default_rng(int(with_norm) * 2 + int(with_residual))
+    rows, k, n = 6, 256, 400
+    x = jnp.asarray(rng.normal(size=(rows, k)), dtype)
+    w = jnp.asarray(rng.normal(size=(k, n)) / 16, dtype)
+    norm_w = jnp.asarray(rng.uniform(-0.5, 0.5, k), dtype) if with_norm else None
+    residual = jnp.asarray(rng.normal(size=(rows, n)), dtype) if with_residual else None
+    x64 = np.asarray(x, np.float64)
+    if with_norm:
+        x64 = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6) * (1 + np.asarray(norm_w, np.float64))
+    want = x64 @ np.asarray(w, np.float64) + (np.asarray(residual, np.float64) if with_residual else 0)
+    form = dict(norm_w=norm_w, eps=1e-6, zero_centred=True, residual=residual)
+    rtol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert_close("reference", decode_linear_reference(x, w, **form), want, rtol)
+    assert_close("kernel", decode_linear(x, w, **form, impl="pallas", interpret=True), want, rtol)
+
+
 def test_decode_mlp_lowers_for_h200():
     """At the qwen3_next-shaped MLP (SwiGLU, D 2048, I 5632) and the NemotronH-shaped one (relu^2, I 8192), 4 and 64
     rows: two Triton kernels, nothing else."""
@@ -57,16 +82,20 @@ def test_decode_mlp_lowers_for_h200():
                     jnp.zeros((2048, inner * (2 if act == "silu" else 1)), jnp.bfloat16),
                     jnp.zeros((inner, 2048), jnp.bfloat16))
             fn = functools.partial(decode_mlp, eps=1e-6, zero_centred=act == "silu", act=act, impl="pallas")
-            lower_for_h200(fn, *args, kernels=[rf"decode_mlp_up_{act}_\w+", r"decode_mlp_down_\w+"])
+            lower_for_h200(fn, *args, kernels=[rf"decode_linear_norm_{act}_bn\d+_bk128", r"decode_linear_res_bn16_bk128"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
-def test_model_decode_mlp_equals_reference_path(family):
-    """Dense-MLP models (SwiGLU with zero-centred norms; NemotronH's relu^2 and MLP-only layers) at hidden and
-    intermediate 128, so that the kernels apply: the logits of a chunked prefill and decode steps through the Pallas
-    path (interpreted; decode steps' MLPs by `decode_mlp`) equal the reference path's, fp32. Checked to fail with the
-    model's decode MLP reading the input norm's weight instead of the post-attention norm's."""
+def test_model_decode_projections_equal_reference_path(family):
+    """Dense-MLP models at hidden and intermediate 128, so that the kernels apply: Gated DeltaNet + SwiGLU with
+    zero-centred norms, Mamba2 + relu^2 (NemotronH's MLP-only layers too). (MiniMax's layers take their residual
+    from the normed input, scaled: its mixers keep XLA's projections, and its MLPs are MoE.) Through the Pallas
+    path (interpreted) a decode step's MLP blocks run as `decode_mlp` and its state-slot mixers' in projections take
+    the input norm and their out projections the residual (`decode_linear`); the logits of a chunked prefill and
+    decode steps equal the reference path's, fp32. Checked to fail with the model's decode MLP reading the input
+    norm's weight instead of the post-attention norm's, and with the mixers' fused out projection leaving out the
+    residual."""
     from jhybrid.models.params import init_params
     from tests.test_model_pallas_path import run
     from tests.tp_worker import family_config
@@ -75,8 +104,8 @@ def test_model_decode_mlp_equals_reference_path(family):
     cfg = dataclasses.replace(cfg, hidden_size=128, intermediate_size=128, mlp_kinds=tuple(
         "dense" if k == "moe" else k for k in cfg.mlp_kinds))
     assert "dense" in cfg.mlp_kinds
-    if family == "nemotron_h":  # the Mamba2 kernels' tiles: head dim and state 16
-        cfg = dataclasses.replace(cfg, mamba_head_dim=16, ssm_state_size=16)
+    if family == "nemotron_h":  # the Mamba2 kernels' tiles (head dim and state 16) and 16-column projections
+        cfg = dataclasses.replace(cfg, mamba_num_heads=16, mamba_head_dim=16, ssm_state_size=16)
     params = init_params(cfg, seed=6, scale=0.3)
     ids = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 29))
     want = run(cfg, params, ids, (16, 13), 4, kernel_impl="reference")
