@@ -91,11 +91,11 @@ def test_model_decode_projections_equal_reference_path(family):
     """Dense-MLP models at hidden and intermediate 128, so that the kernels apply: Gated DeltaNet + SwiGLU with
     zero-centred norms, Mamba2 + relu^2 (NemotronH's MLP-only layers too). (MiniMax's layers take their residual
     from the normed input, scaled: its mixers keep XLA's projections, and its MLPs are MoE.) Through the Pallas
-    path (interpreted) a decode step's MLP blocks run as `decode_mlp` and its state-slot mixers' in projections take
-    the input norm and their out projections the residual (`decode_linear`); the logits of a chunked prefill and
+    path (interpreted) a decode step's MLP blocks run as `decode_mlp` and its mixers' in projections (attention's qkv
+    too) take the input norm and their out projections the residual (`decode_linear`); the logits of a chunked prefill and
     decode steps equal the reference path's, fp32. Checked to fail with the model's decode MLP reading the input
-    norm's weight instead of the post-attention norm's, and with the mixers' fused out projection leaving out the
-    residual."""
+    norm's weight instead of the post-attention norm's, with the mixers' fused out projection leaving out the
+    residual, and with the attention layer's alone leaving it out."""
     from jhybrid.models.params import init_params
     from tests.test_model_pallas_path import run
     from tests.tp_worker import family_config

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
 from jhybrid.models.layers import apply_rope, rms_norm
-from jhybrid.models.quant import linear
+from jhybrid.models.quant import in_projection, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import paged_attention, write_kv_pages
 from pallas_kernels.paged_attention import merge_attention
@@ -26,6 +26,7 @@ def attention_layer(
     decode: bool = False,
     kernels: dict | None = None,
     host=None,
+    io: dict | None = None,
 ) -> tuple[Float[Array, "T D"], Array, Array]:
     """Projects, normalises and rotates q/k, writes this step's K/V into the pages, attends causally over
     each row's cache, gates (if the family does) and projects out. Returns (out, k_pages, v_pages).
@@ -34,8 +35,11 @@ def attention_layer(
     are in the host tier. Their block tables then hold only the device blocks, which start at position
     `host.offsets[t]` (a multiple of the block size), so the GPU part attends with positions shifted by
     it (RoPE already used the true positions); `host(q)` returns the host part's (o, lse) and the two are
-    merged by LSE."""
-    q, gate, k_pages, v_pages, new_kv = attention_qkv(cfg, p, x, k_pages, v_pages, batch, inv_freq, kernels)
+    merged by LSE.
+
+    `io` (a decode step without host KV: `jhybrid.models.hybrid._fused_io`): x is the layer's input before its norm,
+    which the qkv projection's kernel applies, and out holds the residual added by the o projection's kernel."""
+    q, gate, k_pages, v_pages, new_kv = attention_qkv(cfg, p, x, k_pages, v_pages, batch, inv_freq, kernels, io)
     if host is None:
         o = paged_attention(
             q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions,
@@ -44,19 +48,19 @@ def attention_layer(
     else:
         o_dev, lse_dev = device_part(cfg, q, k_pages, v_pages, batch, host.offsets, decode, kernels, new_kv)
         o, _ = merge_attention(o_dev, lse_dev, *host(q))
-    return attention_out(cfg, p, o, gate, x.dtype), k_pages, v_pages
+    return attention_out(cfg, p, o, gate, x.dtype, io), k_pages, v_pages
 
 
 def attention_qkv(
     cfg: ModelConfig, p: dict, x: Float[Array, "T D"], k_pages: Array, v_pages: Array, batch: Batch, inv_freq: Array,
-    kernels: dict | None = None,
+    kernels: dict | None = None, io: dict | None = None,
 ) -> tuple[Float[Array, "T H hd"], Array | None, Array, Array, tuple[Array, Array]]:
     """The layer up to the attention: q `[T, H, hd]` (normalised, rotated), the output gate `[T, H*hd]` (or
     None), the pages with this step's K/V written, and that K/V `([T, KVH, hd], [T, KVH, hd])`."""
     num_tokens = x.shape[0]
     h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     q_out = h * hd * (2 if cfg.attn_output_gate else 1)
-    qkv = linear(x, p["qkv_proj"])  # [T, Q + 2*KVH*hd]: the packed q, k, v projections
+    qkv = in_projection(x, p["qkv_proj"], io)  # [T, Q + 2*KVH*hd]: the packed q, k, v projections
     if cfg.attention_bias:
         qkv = qkv + p["qkv_bias"]
     shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
@@ -88,12 +92,13 @@ def device_part(cfg: ModelConfig, q, k_pages, v_pages, batch: Batch, offsets, de
     )
 
 
-def attention_out(cfg: ModelConfig, p: dict, o: Float[Array, "T H hd"], gate: Array | None, dtype) -> Float[Array, "T D"]:
-    """Gates (if the family does) and projects the attention output out."""
+def attention_out(cfg: ModelConfig, p: dict, o: Float[Array, "T H hd"], gate: Array | None, dtype,
+                  io: dict | None = None) -> Float[Array, "T D"]:
+    """Gates (if the family does) and projects the attention output out (with `io`: plus the residual)."""
     o = o.reshape(o.shape[0], -1)
     if gate is not None:
         o = o * jax.nn.sigmoid(gate)
-    o = linear(o, p["o_proj"])
+    o = out_projection(o, p["o_proj"], io)
     if cfg.attention_bias:
         o = o + p["o_bias"]
     return o.astype(dtype)

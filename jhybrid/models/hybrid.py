@@ -104,10 +104,14 @@ def _layer(cfg: ModelConfig, kind: str, mlp_kind: str, index: int | None, p: dic
     linear kinds), residual, then the MLP block. Jitted (XLA inlines it into the step), so the model's
     repeated layers are traced and lowered once per (kind, shapes) rather than once per layer."""
     kernels = dict(kernels)
-    io = _fused_io(cfg, kind, p, x, kernels) if decode else None
+    io = _fused_io(cfg, kind, p, x, kernels) if decode and host is None else None
     if io is not None:  # the mixer's in_proj takes the norm, its out_proj the residual (`decode_linear`)
-        x, conv, ssm = _linear_mixer(cfg, kind, p, x, *cache, batch, index, decode, kernels, io=io)
-        return mlp_block(cfg, mlp_kind, p, x, shards, kernels, num_real=batch.cu_seqlens[-1], decode=decode), (conv, ssm)
+        if kind == "full_attention":
+            x, *cache = attention_layer(cfg, p["attn"], x, *cache, batch, inv_freq, decode, kernels, io=io)
+        else:
+            x, *cache = _linear_mixer(cfg, kind, p, x, *cache, batch, index, decode, kernels, io=io)
+        cache = tuple(cache)
+        return mlp_block(cfg, mlp_kind, p, x, shards, kernels, num_real=batch.cu_seqlens[-1], decode=decode), cache
     normed = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.norm_zero_centred)
     if kind == "full_attention":
         h, k, v = attention_layer(cfg, p["attn"], normed, *cache, batch, inv_freq, decode, kernels, host=host)
@@ -185,21 +189,25 @@ def _residual(r: Array, h: Array, alpha: float, beta: float) -> Array:
     return r + h
 
 
-# the state-slot mixers' parameters and the names of their in and out projections
-_MIXERS = {"linear_attention": "gdn", "lightning_attention": "lightning", "mamba2": "mamba"}
+# each mixer's parameters and the names of its in and out projections
+_MIXERS = {"linear_attention": ("gdn", "in_proj", "out_proj"), "lightning_attention": ("lightning", "in_proj", "out_proj"),
+           "mamba2": ("mamba", "in_proj", "out_proj"), "full_attention": ("attn", "qkv_proj", "o_proj")}
 
 
 def _fused_io(cfg: ModelConfig, kind: str, p: dict, x: Array, kernels: dict) -> dict | None:
-    """For a decode step's state-slot mixer whose in and out projections `decode_linear` runs (`DECODE_LINEAR` or
-    impl "pallas"; plain weights, no biases, a plain residual `x + h`, one device): the `io` its layer function
-    takes (the input norm fused into its in_proj, the residual into its out_proj). Else None."""
+    """For a decode step's mixer whose in and out projections `decode_linear` runs (`DECODE_LINEAR` or impl
+    "pallas"; plain weights, no biases, a plain residual `x + h`, one device): the `io` its layer function takes
+    (the input norm fused into its in projection, the residual into its out projection). Else None."""
     from pallas_kernels import decode_linear
 
-    mixer = p.get(_MIXERS.get(kind, ""))
-    if (mixer is None or kernels.get("mesh") is not None or cfg.residual_from_norm or cfg.linear_attn_alpha != 1.0
-            or cfg.linear_attn_beta != 1.0 or {"in_proj_bias", "out_bias"} & set(mixer) or "in_proj" not in mixer):
+    name, in_name, out_name = _MIXERS.get(kind, ("", "", ""))
+    mixer = p.get(name)
+    full = kind == "full_attention"
+    alpha, beta = (cfg.full_attn_alpha, cfg.full_attn_beta) if full else (cfg.linear_attn_alpha, cfg.linear_attn_beta)
+    if (mixer is None or in_name not in mixer or kernels.get("mesh") is not None or cfg.residual_from_norm
+            or alpha != 1.0 or beta != 1.0 or {"in_proj_bias", "out_bias"} & set(mixer) or (full and cfg.attention_bias)):
         return None
-    w_in, w_out = mixer["in_proj"], mixer["out_proj"]
+    w_in, w_out = mixer[in_name], mixer[out_name]
     out_rows = jax.ShapeDtypeStruct((x.shape[0], w_out.shape[0]), x.dtype)
     if not (decode_linear.linear_supported(x, w_in) and decode_linear.linear_supported(out_rows, w_out)):
         return None
