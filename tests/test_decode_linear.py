@@ -97,7 +97,7 @@ def test_model_decode_projections_equal_reference_path(family):
     norm's weight instead of the post-attention norm's, with the mixers' fused out projection leaving out the
     residual, and with the attention layer's alone leaving it out."""
     from jhybrid.models.params import init_params
-    from tests.test_model_pallas_path import run
+    from tests.test_model_pallas_path import decode_error
     from tests.tp_worker import family_config
 
     cfg = family_config(family)
@@ -106,9 +106,5 @@ def test_model_decode_projections_equal_reference_path(family):
     assert "dense" in cfg.mlp_kinds
     if family == "nemotron_h":  # the Mamba2 kernels' tiles (head dim and state 16) and 16-column projections
         cfg = dataclasses.replace(cfg, mamba_num_heads=16, mamba_head_dim=16, ssm_state_size=16)
-    params = init_params(cfg, seed=6, scale=0.3)
-    ids = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 29))
-    want = run(cfg, params, ids, (16, 13), 4, kernel_impl="reference")
-    got = run(cfg, params, ids, (16, 13), 4, kernel_impl="pallas", interpret=True)
-    err = np.linalg.norm(got[-4:] - want[-4:]) / np.linalg.norm(want[-4:])
+    err = decode_error(cfg, init_params(cfg, seed=6, scale=0.3), seed=3)
     assert err <= 1e-5, f"{family}: decode logits differ from the reference path's, relative error {err:.2e}"

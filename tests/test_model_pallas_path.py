@@ -37,6 +37,15 @@ def run(cfg, params, ids, chunks, decode_steps, **kernels):
     return np.concatenate(logits)
 
 
+def decode_error(cfg, params, seed: int) -> float:
+    """Relative error of the Pallas path's (interpreted) logits against the reference path's over the 4 decode
+    steps after a 29-token prompt in chunks of 16 and 13."""
+    ids = list(np.random.default_rng(seed).integers(0, cfg.vocab_size, 29))
+    want = run(cfg, params, ids, (16, 13), 4, kernel_impl="reference")
+    got = run(cfg, params, ids, (16, 13), 4, kernel_impl="pallas", interpret=True)
+    return float(np.linalg.norm(got[-4:] - want[-4:]) / np.linalg.norm(want[-4:]))
+
+
 @pytest.mark.slow  # the kernels themselves are in the fast tier (test_kernels_pallas.py)
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_pallas_path_equals_reference_path(ckpt, dtype, tol):
@@ -112,9 +121,5 @@ def test_fused_scalar_decay_decode_equals_reference_path(family, switch, monkeyp
         cfg = dataclasses.replace(cfg, mamba_head_dim=16, ssm_state_size=16)
     else:  # lightning first: the last layer of a model barely decays
         cfg = dataclasses.replace(cfg, layer_kinds=cfg.layer_kinds[::-1])
-    params = init_params(cfg, seed=4, scale=0.3)
-    ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 29))
-    want = run(cfg, params, ids, (16, 13), 4, kernel_impl="reference")
-    got = run(cfg, params, ids, (16, 13), 4, kernel_impl="pallas", interpret=True)
-    err = np.linalg.norm(got[-4:] - want[-4:]) / np.linalg.norm(want[-4:])
+    err = decode_error(cfg, init_params(cfg, seed=4, scale=0.3), seed=2)
     assert err <= 1e-5, f"{family}: decode logits differ from the reference path's, relative error {err:.2e}"
