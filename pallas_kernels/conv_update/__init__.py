@@ -3,8 +3,8 @@ short convolution): a reference, a Pallas kernel and dispatch.
 
 `conv_update(x, conv_state, weight, slot_ids, impl=...)`: "reference" (jnp), "pallas" (`kernel.py`; W a power of
 two, C a multiple of 16) or "auto": the kernel on a GPU where it applies and `PALLAS_DECODE` is on, else the
-reference. The kernel is off by default until it is measured on the H200 against XLA's fusions of the reference
-(JHYBRID_CONV_UPDATE=1 turns it on).
+reference. On by default since it was measured on the H200 with the one-kernel decode steps after it
+(JHYBRID_CONV_UPDATE=0 turns it off).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import jax
 from pallas_kernels.conv_update.kernel import block_channels, conv_update_pallas
 from pallas_kernels.conv_update.reference import conv_update_reference, finish
 
-PALLAS_DECODE = os.environ.get("JHYBRID_CONV_UPDATE", "0") == "1"
+# on: with the other one-kernel decode steps it took a batch-1 decode token from 1.942 to 1.786 ms (qwen3_next-shaped)
+# on the H200 (benchmarks/RESULTS.md, "Session 31"); JHYBRID_CONV_UPDATE=0 turns it off
+PALLAS_DECODE = os.environ.get("JHYBRID_CONV_UPDATE", "1") == "1"
 _IMPLS = ("auto", "reference", "pallas")
 
 

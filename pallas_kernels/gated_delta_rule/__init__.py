@@ -124,9 +124,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, slot_ids, *, impl:
     return kernel(q, k, v, g, beta, state, slot_ids)
 
 
-# the decode step's norms, gates and recurrence as one kernel (`gated_delta_decode`): off until measured on the H200
-# against the parts one by one (benchmarks/device_loop.py --set ...FUSED_DECODE=1); JHYBRID_GDN_FUSED_DECODE=1
-FUSED_DECODE = os.environ.get("JHYBRID_GDN_FUSED_DECODE", "0") == "1"
+# the decode step's norms, gates and recurrence as one kernel (`gated_delta_decode`): on, measured on the H200 against
+# the parts one by one with the conv kernel (a qwen3_next-shaped batch-1 token 1.942 -> 1.786 ms, benchmarks/RESULTS.md,
+# "Session 31"); JHYBRID_GDN_FUSED_DECODE=0 turns it off
+FUSED_DECODE = os.environ.get("JHYBRID_GDN_FUSED_DECODE", "1") == "1"
 FUSED_DECODE_MAX_V = 256  # the fused kernel holds a head's whole [K, V] state tile and output in one program
 
 

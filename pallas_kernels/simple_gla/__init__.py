@@ -111,9 +111,10 @@ def fused_recurrent_simple_gla(q, k, v, g, state, slot_ids, *, impl: str = "auto
     return kernel(q, k, v, g, state, slot_ids)
 
 
-# the Mamba2 decode step as one kernel (`mamba2_decode`): off until measured on the H200 against the parts one by
-# one (benchmarks/device_loop.py --variant ...); JHYBRID_MAMBA2_FUSED_DECODE=1
-MAMBA2_FUSED_DECODE = os.environ.get("JHYBRID_MAMBA2_FUSED_DECODE", "0") == "1"
+# the Mamba2 decode step as one kernel (`mamba2_decode`): on, measured on the H200 against the parts one by one with
+# the conv kernel (a NemotronH-shaped batch-1 token 1.423 -> 1.345 ms, benchmarks/RESULTS.md, "Session 31");
+# JHYBRID_MAMBA2_FUSED_DECODE=0 turns it off
+MAMBA2_FUSED_DECODE = os.environ.get("JHYBRID_MAMBA2_FUSED_DECODE", "1") == "1"
 
 
 def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: tuple[int, int, int, int],
@@ -135,9 +136,9 @@ def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: t
     return mamba2_decode_in_parts(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, **form, recurrence=recurrence)
 
 
-# the lightning decode step as one kernel (`lightning_decode`): off until measured on the H200;
-# JHYBRID_LIGHTNING_FUSED_DECODE=1
-LIGHTNING_FUSED_DECODE = os.environ.get("JHYBRID_LIGHTNING_FUSED_DECODE", "0") == "1"
+# the lightning decode step as one kernel (`lightning_decode`): on (a MiniMax-shaped batch-1 token 0.892 -> 0.860 ms on
+# the H200, the same logits bit for bit; benchmarks/RESULTS.md, "Session 31"); JHYBRID_LIGHTNING_FUSED_DECODE=0
+LIGHTNING_FUSED_DECODE = os.environ.get("JHYBRID_LIGHTNING_FUSED_DECODE", "1") == "1"
 
 
 def lightning_decode(proj, slopes, state, slot_ids, *, num_heads: int, head_dim: int, impl: str = "auto",
