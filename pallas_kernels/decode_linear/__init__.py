@@ -5,8 +5,9 @@ optional) in one kernel; `decode_mlp(x, norm_w, w_in, w_down, ...)` a dense MLP 
 projection, SwiGLU or relu^2, down projection, residual) in two. `impl`: "reference" (jnp, the model's rounding),
 "pallas" (`kernel.py`; at most `MAX_ROWS` rows, K a multiple of 128, the output columns of 16) or "auto": the
 kernel on a GPU where it applies and the switch is on (`DECODE_MLP` for the MLP blocks, `DECODE_LINEAR` for the
-mixers' in and out projections), else the reference. Both off until measured on the H200 against XLA's kernels
-(JHYBRID_DECODE_MLP=1, JHYBRID_DECODE_LINEAR=1).
+mixers' in and out projections), else the reference. Both off: on the H200 a batch-1 decode token with them took
+40-60% longer than with XLA's kernels (benchmarks/RESULTS.md, "Session 31": the GEMV-shaped programs stream the
+weights slower than XLA's GEMMs); JHYBRID_DECODE_MLP=1, JHYBRID_DECODE_LINEAR=1 turn them on.
 """
 
 from __future__ import annotations
