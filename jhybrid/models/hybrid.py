@@ -24,7 +24,6 @@ from jhybrid.models.layers import dense_mlp, moe, rms_norm, rope_inv_freq
 from jhybrid.models.lightning import lightning_attention_layer
 from jhybrid.models.mamba2 import mamba2_layer
 from jhybrid.models.params import is_packed
-from jhybrid.models.quant import Fp8Weight
 from jhybrid.parallel.layout import num_shards
 
 
@@ -145,8 +144,8 @@ def mlp_block(cfg: ModelConfig, mlp_kind: str, p: dict, x: Float[Array, "T D"], 
     """A layer's MLP (dense or MoE) with its norm and residual; `x` unchanged for kind "none". `kernels`: the
     forward's kernel options (the MoE layer's routed experts take them). `num_real` (a traced count): the tokens
     from it on are a bucket's padding, which the MoE layer routes to no expert (their outputs are not used). In a
-    decode step a plain dense block may run as two kernels (`pallas_kernels.decode_mlp`, where it resolves to
-    them: `DECODE_MLP`)."""
+    decode step a plain dense block may run as two kernels (`pallas_kernels.decode_linear.decode_mlp`, where it
+    resolves to them: `DECODE_MLP`)."""
     if mlp_kind == "none":
         return x
     if decode and mlp_kind == "dense" and shards == 1:
@@ -171,8 +170,8 @@ def _decode_mlp(cfg: ModelConfig, p: dict, x: Array, kernels: dict) -> Array | N
     mlp, act = p["mlp"], cfg.mlp_act
     w_in = mlp.get("gate_up_proj" if act == "silu" else "up_proj")
     if (w_in is None or cfg.residual_from_norm or cfg.mlp_alpha != 1.0 or cfg.mlp_beta != 1.0
-            or any(k.endswith("bias") for k in mlp) or any(isinstance(w, Fp8Weight) for w in (w_in, mlp["down_proj"]))
-            or not decode_linear.mlp_supported(x, w_in, mlp["down_proj"], act)):
+            or any(k.endswith("bias") for k in mlp)
+            or not decode_linear.mlp_supported(x, w_in, mlp["down_proj"], act)):  # (plain weights only: no FP8)
         return None
     applies = decode_linear.resolve(kernels.get("impl", "auto"), decode_linear.DECODE_MLP, True, "decode MLP")
     if applies != "pallas":
@@ -190,7 +189,8 @@ def _residual(r: Array, h: Array, alpha: float, beta: float) -> Array:
 
 
 # each mixer's parameters and the names of its in and out projections
-_MIXERS = {"linear_attention": ("gdn", "in_proj", "out_proj"), "lightning_attention": ("lightning", "in_proj", "out_proj"),
+_MIXERS = {"linear_attention": ("gdn", "in_proj", "out_proj"),
+           "lightning_attention": ("lightning", "in_proj", "out_proj"),
            "mamba2": ("mamba", "in_proj", "out_proj"), "full_attention": ("attn", "qkv_proj", "o_proj")}
 
 
@@ -205,13 +205,15 @@ def _fused_io(cfg: ModelConfig, kind: str, p: dict, x: Array, kernels: dict) -> 
     full = kind == "full_attention"
     alpha, beta = (cfg.full_attn_alpha, cfg.full_attn_beta) if full else (cfg.linear_attn_alpha, cfg.linear_attn_beta)
     if (mixer is None or in_name not in mixer or kernels.get("mesh") is not None or cfg.residual_from_norm
-            or alpha != 1.0 or beta != 1.0 or {"in_proj_bias", "out_bias"} & set(mixer) or (full and cfg.attention_bias)):
+            or alpha != 1.0 or beta != 1.0 or {"in_proj_bias", "out_bias"} & set(mixer)
+            or (full and cfg.attention_bias)):
         return None
     w_in, w_out = mixer[in_name], mixer[out_name]
     out_rows = jax.ShapeDtypeStruct((x.shape[0], w_out.shape[0]), x.dtype)
     if not (decode_linear.linear_supported(x, w_in) and decode_linear.linear_supported(out_rows, w_out)):
         return None
-    if decode_linear.resolve(kernels.get("impl", "auto"), decode_linear.DECODE_LINEAR, True, "decode linear") != "pallas":
+    impl = kernels.get("impl", "auto")
+    if decode_linear.resolve(impl, decode_linear.DECODE_LINEAR, True, "decode linear") != "pallas":
         return None
     return dict(norm_w=p["input_norm"], eps=cfg.rms_norm_eps, zero_centred=cfg.norm_zero_centred, residual=x,
                 interpret=kernels.get("interpret", False))

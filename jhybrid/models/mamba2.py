@@ -76,8 +76,8 @@ def mamba2_layer(
 def _decode_mixer(cfg: ModelConfig, p: dict, proj: Array, conv_state: Array, ssm_state: Array, batch: Batch,
                   kernels: dict, dtype) -> tuple[Array, Array, Array]:
     """One device's decode step from the in_proj output `[z | xBC | dt]` to the gated norm's input (`y *
-    silu(z)`, `[B, Hm, P]` fp32, y rounded to the activations' `dtype` first): the conv with its bias and SiLU (fp32 out), then
-    `simple_gla.mamba2_decode`. Where the kernels run they read their parts of `proj` in place, so no slice of the
+    silu(z)`, `[B, Hm, P]` fp32, y rounded to the activations' `dtype` first): the conv with its bias and SiLU (fp32
+    out), then `simple_gla.mamba2_decode`. Where the kernels run they read their parts of `proj` in place, so no slice of the
     packed arrays becomes a kernel of its own; else the same computation in parts."""
     h, hp, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups, cfg.ssm_state_size
     inner, conv_dim, weight = cfg.mamba_intermediate_size, cfg.mamba_conv_dim, p["conv_weight"]
