@@ -156,7 +156,7 @@ def matmul_tflops(tiny: bool) -> float:
 
 # ----------------------------------------------------------------------------------------- one model (subprocess)
 def worker(name: str, tiny: bool, out: str, prefill_only: bool = False, decode_only: bool = False,
-           num_scheduler_steps: int = 1) -> None:
+           num_scheduler_steps: int | None = None) -> None:
     import jax
 
     from benchmarks.decode_step import random_params
@@ -188,7 +188,7 @@ def worker(name: str, tiny: bool, out: str, prefill_only: bool = False, decode_o
         prefill_row(model, cfg, tiny, counts, rate, row, save, name)
 
 
-def decode_rows(model, name, tiny, counts, bw, row, save, num_scheduler_steps: int = 1) -> None:
+def decode_rows(model, name, tiny, counts, bw, row, save, num_scheduler_steps: int | None = None) -> None:
     import jhybrid
     from benchmarks.fp8 import decode_steps
 
@@ -198,6 +198,7 @@ def decode_rows(model, name, tiny, counts, bw, row, save, num_scheduler_steps: i
     max_seqs = batch_big if big else 1
     llm = jhybrid.LLM(model, dtype=None, max_num_seqs=max_seqs, max_model_len=prompt + 2 * new + 8,
                       max_num_batched_tokens=64 if tiny else 2048, num_scheduler_steps=num_scheduler_steps)
+    row["num_scheduler_steps"] = llm.engine.scheduler.num_scheduler_steps  # what ran (None asked: the default)
     step = decode_steps(llm, 1, prompt, new)
     floor = (counts["dense"] + counts["experts"] * (counts["top_k"] / counts["num_experts"] if counts["num_experts"] else 1)
              + 2 * counts["state"] + counts["kv_per_token"] * (prompt + new / 2)) / bw * 1e3
@@ -271,8 +272,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-only", action="store_true", help="only the models' decode rows")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU smoke test of the script)")
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per subprocess")
-    ap.add_argument("--num-scheduler-steps", type=int, default=1, help="the engines' multi-step decode (the batch-1 "
-                    "rows' decode steps per program; batch 256 runs single steps whatever it is)")
+    ap.add_argument("--num-scheduler-steps", type=int, default=None, help="the engines' multi-step decode (the "
+                    "batch-1 rows' decode steps per program; batch 256 runs single steps whatever it is; default: "
+                    "`jhybrid.LLM`'s, 8 on a GPU)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -291,7 +293,8 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "benchmarks.floors", "--worker", name, "--out", out]
             cmd += (["--tiny"] if a.tiny else []) + (["--prefill-only"] if a.prefill_only else [])
             cmd += ["--decode-only"] if a.decode_only else []
-            cmd += ["--num-scheduler-steps", str(a.num_scheduler_steps)]
+            if a.num_scheduler_steps is not None:
+                cmd += ["--num-scheduler-steps", str(a.num_scheduler_steps)]
             log(f"== {name}")
             try:
                 rc = subprocess.run(cmd, timeout=a.timeout).returncode

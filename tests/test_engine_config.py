@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import jax
 import pytest
 
 import jhybrid
 from jhybrid.cli import GENERATE_DEFAULTS, SERVE_DEFAULTS, _parser, main
-from jhybrid.engine.engine_config import OPTION_NAMES, EngineConfig, engine_config
+from jhybrid.engine.engine_config import (OFFLINE_SCHEDULER_STEPS, OPTION_NAMES, EngineConfig, engine_config,
+                                         offline_defaults)
 from jhybrid.models.params import init_params
 from jhybrid.model_loader import LoadedModel
 from tests.tp_worker import family_config
@@ -101,6 +103,9 @@ def test_serve_passes_every_option(monkeypatch):
     (dict(kv_offload="gpu"), "kv_offload='gpu'"), (dict(offload_policy="never"), "offload_policy='never'"),
     (dict(preemption_mode="swap"), "host_kv_memory_gb"), (dict(kv_offload="cpu"), "host_kv_memory_gb"),
     (dict(kv_offload="copy", host_kv_memory_gb=1.0, tensor_parallel_size=2), "tensor_parallel_size"),
+    # checked to fail with num_scheduler_steps left out of __post_init__'s checks
+    (dict(num_scheduler_steps=0), "num_scheduler_steps"), (dict(num_scheduler_steps=True), "num_scheduler_steps"),
+    (dict(num_scheduler_steps=2.0), "num_scheduler_steps"),
 ])
 def test_bad_values_name_the_option(options, message):
     with pytest.raises(ValueError, match=message):
@@ -121,7 +126,24 @@ def test_llm_takes_a_config_and_keyword_options():
     model = LoadedModel(cfg=cfg, params=init_params(cfg, seed=0, scale=0.3))
     config = EngineConfig(dtype=None, max_num_seqs=2, num_kv_blocks=16)
     llm = jhybrid.LLM(model, config, max_model_len=64)
-    assert llm.engine.config == dataclasses.replace(config, max_model_len=64)
+    # LLM resolves the offline defaults (num_scheduler_steps: None -> 1 here on the CPU, 8 on a GPU)
+    assert llm.engine.config == offline_defaults(dataclasses.replace(config, max_model_len=64), jax.default_backend())
     assert llm.engine.max_model_len == 64 and llm.engine.scheduler.max_num_seqs == 2
     assert jhybrid.LLM(model, dtype=None, max_num_seqs=2, max_model_len=64, num_kv_blocks=16).engine.config == \
         llm.engine.config
+
+
+def test_offline_defaults_resolve_num_scheduler_steps_by_backend():
+    """`num_scheduler_steps` None (the default) is multi-step decode for the offline API on a GPU and single steps
+    elsewhere; a value given is kept on both. Checked to fail with `offline_defaults` returning 1 always, and with
+    it replacing a given value."""
+    default = EngineConfig(max_num_seqs=3)
+    assert default.num_scheduler_steps is None
+    assert OFFLINE_SCHEDULER_STEPS == 8
+    gpu = offline_defaults(default, "gpu")
+    assert gpu.num_scheduler_steps == OFFLINE_SCHEDULER_STEPS
+    assert gpu == dataclasses.replace(default, num_scheduler_steps=8)  # nothing else changed
+    assert offline_defaults(default, "cpu").num_scheduler_steps == 1
+    given = EngineConfig(num_scheduler_steps=3)
+    for backend in ("gpu", "cpu"):
+        assert offline_defaults(given, backend).num_scheduler_steps == 3, backend

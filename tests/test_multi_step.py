@@ -15,6 +15,8 @@ import pytest
 from jhybrid import LLM, SamplingParams
 from jhybrid.cache.allocator import BlockAllocator, SlotAllocator
 from jhybrid.engine.compilation import CompileWatch
+from jhybrid.engine.engine_config import OFFLINE_SCHEDULER_STEPS
+from jhybrid.engine.llm_engine import LLMEngine
 from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
 from tests.conftest import ENGINE
@@ -87,7 +89,7 @@ def test_steps_after_a_rows_own_leave_its_kv_and_state_alone(tmp_path):
     path = write_example_checkpoint(tmp_path / "ckpt", seed=3)
     shape = dict(dtype="float32", max_num_seqs=4, max_model_len=160, max_num_batched_tokens=64, block_size=16)
     cached = LLM(path, **shape, enable_prefix_caching=True, num_scheduler_steps=K)
-    plain = LLM(path, **shape)
+    plain = LLM(path, **shape, num_scheduler_steps=1)  # single steps on a GPU too
     greedy = dict(temperature=0.0, ignore_eos=True)
     long_one = SamplingParams(max_tokens=60, **greedy)  # keeps the bursts going after the short one ends
     hits = 0
@@ -140,6 +142,23 @@ def test_a_burst_waits_for_the_queue_and_stops_at_the_length_limit():
     assert sched.schedule().burst == 1  # c waited: admitted in a plain step
 
 
+def test_default_steps_single_for_the_engine_multi_step_for_the_offline_api_on_a_gpu(tiny):
+    """`num_scheduler_steps` left at its default (None): an `LLMEngine` built directly (as the server builds it)
+    runs single steps, so that streams get their tokens one at a time; `LLM` (the offline API) resolves it with
+    `offline_defaults`: `OFFLINE_SCHEDULER_STEPS` on a GPU, 1 on the CPU (where this suite runs). Checked to fail
+    with `LLMEngine` passing None on to the scheduler (it raises), and with `LLM` not resolving the default (its
+    config keeps None)."""
+    engine = LLMEngine(tiny[1], **ENGINE)
+    assert engine.config.num_scheduler_steps is None
+    assert engine.scheduler.num_scheduler_steps == engine.runner.burst_steps == 1
+    engine.close()
+    llm = LLM(tiny[1], **ENGINE)
+    want = OFFLINE_SCHEDULER_STEPS if jax.default_backend() == "gpu" else 1
+    assert llm.engine.config.num_scheduler_steps == want
+    assert llm.engine.scheduler.num_scheduler_steps == llm.engine.runner.burst_steps == want
+    llm.engine.close()
+
+
 def test_warmup_builds_the_multi_step_programs_and_a_sealed_engine_compiles_none(tiny):
     """With `warmup=True` the engine builds the multi-step programs of its row buckets (greedy and sampling
     plans) before it is ready; a random workload (preemptions, aborts, every sampling control) then compiles
@@ -158,7 +177,7 @@ def test_warmup_builds_the_multi_step_programs_and_a_sealed_engine_compiles_none
     assert watch.count == 0, f"{watch.count} programs compiled after warm-up: {watch.names}"
     assert warm.engine.stats()["programs_compiled_after_ready"] == 0
     assert warm.engine.runner.num_bursts > 0
-    single = LLM(model, **ENGINE)
+    single = LLM(model, **ENGINE, num_scheduler_steps=1)  # single steps on a GPU too (where LLM's default is 8)
     assert got == run(single, work, aborts)
     warm.engine.close()
 

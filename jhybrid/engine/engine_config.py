@@ -26,6 +26,7 @@ from jhybrid.engine.scheduler import KV_OFFLOAD_MODES, OFFLOAD_POLICIES, PREEMPT
 from jhybrid.engine.swap import TRANSFERS
 
 QUANTIZATIONS = ("auto", "fp8", "none")
+OFFLINE_SCHEDULER_STEPS = 8  # `num_scheduler_steps` of the offline API on a GPU when not given (`offline_defaults`)
 
 
 def _option(default: Any, help: str, *, metavar: str | None = None, choices: tuple | None = None,
@@ -69,12 +70,14 @@ class EngineConfig:
         "token bucket, a power of two, that this lands the step in: its program runs over the whole bucket): "
         "smaller lowers running streams' inter-token latency while prompts arrive, at a cost in throughput "
         "(measured on the H200 in benchmarks/RESULTS.md, sessions 16-17)", metavar="N", none="the step's whole budget")
-    num_scheduler_steps: int = _option(
-        1, "multi-step decode: while every running sequence decodes and none waits, run this many decode steps in "
+    num_scheduler_steps: int | None = _option(
+        None, "multi-step decode: while every running sequence decodes and none waits, run this many decode steps in "
         "one program, each step's sampled tokens fed to the next on the device, and read them together (vLLM's "
         "option of this name); at batches of up to 8 rows the host's work between steps is then paid once per N "
         "tokens. Outputs are those of single steps. A sequence that stops early wastes the rest of its steps, and "
-        "streamed tokens arrive N at a time; 1: off", metavar="N")
+        "streamed tokens arrive N at a time; 1: off", metavar="N",
+        none=f"{OFFLINE_SCHEDULER_STEPS} for the offline API (jhybrid.LLM, jhybrid.generate, `jhybrid generate`) on a "
+        "GPU; else 1 (the server, whose streams would get tokens 8 at a time, and the CPU)")
     seed: int = _option(0, "seed of requests that give none", metavar="N")
     host_kv_memory_gb: float = _option(
         0.0, "host memory (GiB) for the KV blocks and state slots of preempted sequences (and, with prefix caching, "
@@ -137,10 +140,10 @@ class EngineConfig:
         "it, a step waits for the compile of each shape the first time it meets it", group="compilation")
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "num_scheduler_steps"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             _check_count(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "max_num_batched_tokens", "max_prefill_tokens_with_decodes",
-                     "offload_threads", "prefix_snapshot_slots"):
+                     "offload_threads", "prefix_snapshot_slots", "num_scheduler_steps"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name), " (or None: the default)")
         for name, choices in (("quantization", QUANTIZATIONS), ("preemption_mode", PREEMPTION_MODES),
@@ -221,3 +224,16 @@ def engine_config(config: EngineConfig | None = None, /, **options: Any) -> Engi
         raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; EngineConfig has: {', '.join(OPTION_NAMES)}")
     config = config if config is not None else EngineConfig()
     return dataclasses.replace(config, **options) if options else config
+
+
+def offline_defaults(config: EngineConfig, backend: str) -> EngineConfig:
+    """`config` with the offline API's defaults (`jhybrid.LLM`, hence `jhybrid.generate` and `jhybrid generate`)
+    resolved: `num_scheduler_steps` None is `OFFLINE_SCHEDULER_STEPS` when `backend` (`jax.default_backend()`) is
+    "gpu", else 1; a value given is kept. Offline, nobody watches tokens arrive, and on the H200 8 decode steps a
+    program made batch-1 decode 6-30% faster per token with the same outputs (benchmarks/RESULTS.md, Session 31,
+    call 3); the server (`LLMEngine` as built, which reads None as 1) keeps single steps, as its streams would get
+    their tokens 8 at a time, and so does the CPU."""
+    if config.num_scheduler_steps is not None:
+        return config
+    steps = OFFLINE_SCHEDULER_STEPS if backend == "gpu" else 1
+    return dataclasses.replace(config, num_scheduler_steps=steps)

@@ -15,7 +15,9 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jhybrid.engine.engine_config import EngineConfig, engine_config
+import jax
+
+from jhybrid.engine.engine_config import EngineConfig, engine_config, offline_defaults
 from jhybrid.engine.llm_engine import LLMEngine
 from jhybrid.engine.outputs import CompletionOutput, Logprob, RequestOutput, _Decoder, completion_output, prompt_logprobs
 from jhybrid.engine.progress import Progress
@@ -35,7 +37,8 @@ class LLM:
       config: the engine options, an `EngineConfig` (default: its defaults).
       **options: `EngineConfig` fields that replace `config`'s, e.g.
         `LLM(path, dtype="float32", max_num_seqs=64, max_model_len=4096, gpu_memory_utilization=0.8)`. Each field's
-        `help` metadata says what it does (`jhybrid serve --help` prints them all). vLLM's other constructor
+        `help` metadata says what it does (`jhybrid serve --help` prints them all); `num_scheduler_steps` not given
+        is 8 on a GPU, 1 elsewhere (`engine_config.offline_defaults`). vLLM's other constructor
         options are taken as `jhybrid.engine.vllm_options` says: translated (`dtype="auto"`,
         `num_gpu_blocks_override`), logged where they change nothing here (`enforce_eager`, `swap_space`, ...), or
         refused naming the option where they would change the output (`quantization`, `tokenizer`, ...).
@@ -47,7 +50,8 @@ class LLM:
             if "model" not in options:
                 raise TypeError("LLM() needs a model: a checkpoint directory or a LoadedModel")
             model = options.pop("model")
-        config = engine_config(config, **translate(model, options))
+        # offline: multi-step decode on a GPU unless num_scheduler_steps is given (`offline_defaults`)
+        config = offline_defaults(engine_config(config, **translate(model, options)), jax.default_backend())
         self.model_dir = None if isinstance(model, LoadedModel) else os.fspath(model)
         self.model = load(model, config.dtype, host=config.tensor_parallel_size > 1,
                           quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size)

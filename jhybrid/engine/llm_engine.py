@@ -185,7 +185,7 @@ class LLMEngine:
                                    prefix_cache=self.prefix_cache,
                                    token_bucket=lambda n: self.runner.buckets(False, 1, n)[1],
                                    snapshot_budget=self._snapshot_budget if self.runner.step_snapshot_share else None,
-                                   num_scheduler_steps=config.num_scheduler_steps if self.mesh is None else 1,
+                                   num_scheduler_steps=(config.num_scheduler_steps or 1) if self.mesh is None else 1,
                                    can_burst=self.runner.can_burst)
         self.runner.burst_steps = self.scheduler.num_scheduler_steps
         self.requests: dict[Any, Sequence] = {}
