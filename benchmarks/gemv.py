@@ -209,6 +209,7 @@ def main(argv=None):
             f"read {fmt(r['read'])} | pallas default {fmt(r['pallas_default'])} | best {fmt(best)} "
             f"{best['tiles'] if best else ''} | torch mm {fmt(r.get('torch_mm'))} | copy {fmt(r.get('torch_copy'))} "
             f"| {len(r['pallas_failed'])} tiles failed ({time.perf_counter() - t0:.0f} s)")
+        write(a.json, dict(device=jax.devices()[0].device_kind, read_bandwidth=bandwidth, rows_x=a.rows, shapes=rows))
     log("\n| shape K x N | MB | xla us (TB/s) | pallas default | pallas best (tiles) | read (jnp sum) | torch mm | "
         "torch copy (r+w) |")
     log("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -234,12 +235,16 @@ def main(argv=None):
         s = summary[name]
         log(f"| {name} | {mbytes:.0f} | {s['floor_ms']:.3f} | {s['read_ms']:.3f} | {s['xla_ms']:.3f} | "
             f"{s['pallas_ms']:.3f} | {s['torch_mm_ms']:.3f} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, read_bandwidth=bandwidth, rows_x=a.rows,
-                           shapes=rows, models={k: dict(v) for k, v in summary.items()},
-                           weights={k: {f"{s[0]}x{s[1]}": n for s, n in c.items()} for k, c in models.items()}),
-                      f, indent=1)
+    write(a.json, dict(device=jax.devices()[0].device_kind, read_bandwidth=bandwidth, rows_x=a.rows, shapes=rows,
+                       models={k: dict(v) for k, v in summary.items()},
+                       weights={k: {f"{s[0]}x{s[1]}": n for s, n in c.items()} for k, c in models.items()}))
+
+
+def write(path: str | None, data: dict) -> None:
+    """`data` as JSON to `path` (rewritten after each shape: a run cut short keeps its rows)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
 
 
 if __name__ == "__main__":

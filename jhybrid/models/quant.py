@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +87,11 @@ class Fp8Weight:
 # the rows of such a dot up to this size when its weight is large enough to matter; 0 turns that off.
 MIN_GEMM_MACS = 10_000_000
 _MIN_PADDED_WEIGHT = 1 << 20  # elements: smaller weights (routers, gates) are cheap either way
+# A plain projection of at most `gemv.MAX_ROWS` rows (a decode step) as `pallas_kernels.decode_linear.gemv_pallas`
+# (a split-K GEMV kernel) instead of XLA's GEMM, on a GPU, for weights of at least `_MIN_PADDED_WEIGHT` elements
+# that it tiles. Off until measured to stream the weights faster on the H200 (`benchmarks/gemv.py`);
+# JHYBRID_DECODE_GEMV=1 turns it on.
+DECODE_GEMV = os.environ.get("JHYBRID_DECODE_GEMV", "0") == "1"
 
 
 def _gemm_rows(m: int, k: int, n: int) -> int:
@@ -95,12 +101,30 @@ def _gemm_rows(m: int, k: int, n: int) -> int:
     return -(-MIN_GEMM_MACS // (k * n)) + 1  # the threshold's comparison is not ours to rely on: one row more
 
 
+def _gemv_applies(x: Array, w: Array) -> bool:
+    """Whether `linear` runs `x @ w` as the GEMV kernel (`DECODE_GEMV` on): a GPU's, or a CPU test's (interpreted,
+    `GEMV_ON_CPU`), few rows, a large weight that its default tiles fit. (Not for tensor parallelism yet: XLA would
+    gather a sharded weight for the kernel.)"""
+    from pallas_kernels.decode_linear.gemv import MAX_ROWS, default_tiles, supported
+
+    if (jax.default_backend() != "gpu" and not GEMV_ON_CPU) or x.shape[0] > MAX_ROWS or w.size < _MIN_PADDED_WEIGHT:
+        return False
+    return x.dtype == w.dtype and supported(x.shape[0], *w.shape, *default_tiles(*w.shape).values())
+
+
+GEMV_ON_CPU = False  # tests: let `DECODE_GEMV` run the kernel interpreted on the CPU
+
+
 def linear(x: Float[Array, "... K"], w: Array | Fp8Weight) -> Float[Array, "... N"]:
     """`x @ w`: a plain matmul, or the block-wise FP8 matmul for an `Fp8Weight` (FP8 tensor cores on a GPU that has
     them, else its jnp reference), in `x`'s dtype; per shard (`jax.shard_map`) for a weight split over a mesh. A
     plain matmul of few rows is padded with zero rows up to a GEMM's size (`MIN_GEMM_MACS`)."""
     if not isinstance(w, Fp8Weight):
         if x.ndim == 2 and w.ndim == 2:
+            if DECODE_GEMV and _gemv_applies(x, w):
+                from pallas_kernels.decode_linear.gemv import gemv_pallas
+
+                return gemv_pallas(x, w, interpret=jax.default_backend() != "gpu")
             rows = _gemm_rows(x.shape[0], *w.shape)
             if rows > x.shape[0]:
                 return (jnp.pad(x, ((0, rows - x.shape[0]), (0, 0))) @ w)[: x.shape[0]]
