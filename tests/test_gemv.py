@@ -61,9 +61,9 @@ def test_gemv_lowers_for_h200(splits):
 
 
 def test_linear_runs_decode_rows_as_the_gemv_when_switched_on(monkeypatch):
-    """`quant.linear` with `DECODE_GEMV` on: a 4-row projection of a large weight goes through the kernel
-    (interpreted here) and gives XLA's product; 17 rows (past one tile) and a small weight stay XLA's. Checked to
-    fail with the switch ignored (the kernel is never called)."""
+    """`quant.linear` with `DECODE_GEMV` on: a 4-row projection of a weight shape with measured tiles goes through
+    the kernel with them (interpreted here) and gives XLA's product; 17 rows (past one tile) and a shape without
+    tiles stay XLA's. Checked to fail with the switch ignored (the kernel is never called)."""
     from jhybrid.models import quant
     from pallas_kernels.decode_linear import gemv
 
@@ -72,10 +72,11 @@ def test_linear_runs_decode_rows_as_the_gemv_when_switched_on(monkeypatch):
     monkeypatch.setattr(gemv, "gemv_pallas", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setattr(quant, "DECODE_GEMV", True)
     monkeypatch.setattr(quant, "GEMV_ON_CPU", True)
+    monkeypatch.setitem(gemv.MEASURED_TILES, (1024, 1024), dict(block_n=256, block_k=128, splits=2))
     rng = np.random.default_rng(5)
-    w = jnp.asarray(rng.normal(size=(1024, 1024)) / 32, jnp.float32)  # 1 M elements: the smallest that counts
+    w = jnp.asarray(rng.normal(size=(1024, 1024)) / 32, jnp.float32)
     for rows in (4, 17):
         x = jnp.asarray(rng.normal(size=(rows, 1024)), jnp.float32)
         assert_close(f"{rows} rows", quant.linear(x, w), np.asarray(x, np.float64) @ np.asarray(w, np.float64), 1e-5)
-    quant.linear(jnp.ones((4, 256), jnp.float32), jnp.ones((256, 256), jnp.float32))
+    quant.linear(jnp.ones((4, 256), jnp.float32), jnp.ones((256, 256), jnp.float32))  # no measured tiles
     assert calls == [(4, 1024)]

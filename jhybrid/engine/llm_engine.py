@@ -54,6 +54,7 @@ from jhybrid.engine.scheduler import Scheduler
 from jhybrid.engine.sequence import Sequence
 from jhybrid.engine.slot_tables import ban_rows
 from jhybrid.engine.prefix_tier import PrefixTierMover
+from jhybrid.engine.prompts import int_array
 from jhybrid.engine.swap import (Swapper, check_transfer, measure_prefill_rate, measure_transfer_bandwidth,
                                  warm_swap_programs)
 from jhybrid.engine.offload import HostAttention, Offloader, OffloadStats
@@ -406,13 +407,16 @@ class LLMEngine:
             if self.tokenizer is None:
                 return [], "this checkpoint has no tokenizer: pass the prompt as a list of token ids"
             ids = self.tokenizer.encode(prompt)
+            arr = None
         else:
-            ids = [int(t) for t in prompt]
+            arr = int_array(prompt)
+            ids = arr.tolist() if arr is not None else [int(t) for t in prompt]
         vocab = self.model.cfg.vocab_size
         if not ids:
             return ids, "empty prompt: give at least one token"
-        if min(ids) < 0 or max(ids) >= vocab:
-            return ids, f"prompt token ids must lie in [0, {vocab}), got {min(ids)}..{max(ids)}"
+        lo, hi = (int(arr.min()), int(arr.max())) if arr is not None else (min(ids), max(ids))
+        if lo < 0 or hi >= vocab:
+            return ids, f"prompt token ids must lie in [0, {vocab}), got {lo}..{hi}"
         if len(ids) >= self.max_model_len:
             return ids, f"prompt of {len(ids)} tokens is too long: max_model_len is {self.max_model_len}"
         return ids, None

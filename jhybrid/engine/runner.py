@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 import os
@@ -728,7 +729,7 @@ class ModelRunner:
         cu = np.zeros(num_rows + 1, np.int64)
         np.cumsum(lengths, out=cu[1:])
         token_ids = np.zeros(num_tokens, np.int32)
-        token_ids[:total] = np.fromiter((t for piece in pieces for t in piece), np.int32, total)
+        token_ids[:total] = np.fromiter(itertools.chain.from_iterable(pieces), np.int32, total)
         token_seq = np.full(num_tokens, max(num_real - 1, 0), np.int64)
         token_seq[:total] = np.repeat(np.arange(num_rows), lengths)
         positions = np.zeros(num_tokens, np.int64)

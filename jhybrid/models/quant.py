@@ -88,9 +88,8 @@ class Fp8Weight:
 MIN_GEMM_MACS = 10_000_000
 _MIN_PADDED_WEIGHT = 1 << 20  # elements: smaller weights (routers, gates) are cheap either way
 # A plain projection of at most `gemv.MAX_ROWS` rows (a decode step) as `pallas_kernels.decode_linear.gemv_pallas`
-# (a split-K GEMV kernel) instead of XLA's GEMM, on a GPU, for weights of at least `_MIN_PADDED_WEIGHT` elements
-# that it tiles. Off until measured to stream the weights faster on the H200 (`benchmarks/gemv.py`);
-# JHYBRID_DECODE_GEMV=1 turns it on.
+# (a split-K GEMV kernel) instead of XLA's GEMM, on a GPU, for the weight shapes where it was measured faster on the
+# H200 (`gemv.MEASURED_TILES`, with their tiles). JHYBRID_DECODE_GEMV=1 turns it on.
 DECODE_GEMV = os.environ.get("JHYBRID_DECODE_GEMV", "0") == "1"
 
 
@@ -103,13 +102,14 @@ def _gemm_rows(m: int, k: int, n: int) -> int:
 
 def _gemv_applies(x: Array, w: Array) -> bool:
     """Whether `linear` runs `x @ w` as the GEMV kernel (`DECODE_GEMV` on): a GPU's, or a CPU test's (interpreted,
-    `GEMV_ON_CPU`), few rows, a large weight that its default tiles fit. (Not for tensor parallelism yet: XLA would
-    gather a sharded weight for the kernel.)"""
-    from pallas_kernels.decode_linear.gemv import MAX_ROWS, default_tiles, supported
+    `GEMV_ON_CPU`), few rows, a weight shape with measured tiles (`gemv.tiles_for`). (Not for tensor parallelism
+    yet: XLA would gather a sharded weight for the kernel.)"""
+    from pallas_kernels.decode_linear.gemv import MAX_ROWS, supported, tiles_for
 
-    if (jax.default_backend() != "gpu" and not GEMV_ON_CPU) or x.shape[0] > MAX_ROWS or w.size < _MIN_PADDED_WEIGHT:
+    if (jax.default_backend() != "gpu" and not GEMV_ON_CPU) or x.shape[0] > MAX_ROWS:
         return False
-    return x.dtype == w.dtype and supported(x.shape[0], *w.shape, *default_tiles(*w.shape).values())
+    tiles = tiles_for(*w.shape)
+    return tiles is not None and x.dtype == w.dtype and supported(x.shape[0], *w.shape, *tiles.values())
 
 
 GEMV_ON_CPU = False  # tests: let `DECODE_GEMV` run the kernel interpreted on the CPU
@@ -122,9 +122,9 @@ def linear(x: Float[Array, "... K"], w: Array | Fp8Weight) -> Float[Array, "... 
     if not isinstance(w, Fp8Weight):
         if x.ndim == 2 and w.ndim == 2:
             if DECODE_GEMV and _gemv_applies(x, w):
-                from pallas_kernels.decode_linear.gemv import gemv_pallas
+                from pallas_kernels.decode_linear.gemv import gemv_pallas, tiles_for
 
-                return gemv_pallas(x, w, interpret=jax.default_backend() != "gpu")
+                return gemv_pallas(x, w, interpret=jax.default_backend() != "gpu", **tiles_for(*w.shape))
             rows = _gemm_rows(x.shape[0], *w.shape)
             if rows > x.shape[0]:
                 return (jnp.pad(x, ((0, rows - x.shape[0]), (0, 0))) @ w)[: x.shape[0]]

@@ -42,6 +42,24 @@ def _kernel(x_ref, w_ref, o_ref, *, num_rows: int, block_n: int, block_k: int, k
     plt.store(o_ref.at[rows, col], acc.astype(o_ref.dtype), mask=row_mask)
 
 
+# Where the kernel beat XLA's GEMM by more than 10% on the H200 at 4 rows (the batch-1 decode bucket), the tiles that
+# did, by weight shape (K, N): benchmarks/RESULTS.md, "Session 32" (`benchmarks/gemv.py`, JSON
+# benchmarks/results/gemv-2026-12-05-s32.json). XLA was as fast or faster at every other shape of the benchmark models
+# (the widest by 0-10%, the LM heads, the down projections of K 4096 and 8192), so `tiles_for` gives None there.
+MEASURED_TILES = {
+    (2048, 8192): dict(block_n=64, block_k=128, splits=2),  # 12.7 us against XLA's 23.1
+    (5632, 2048): dict(block_n=256, block_k=64, splits=88),  # 11.6 against 13.6
+    (2048, 4096): dict(block_n=256, block_k=64, splits=16),  # 9.3 against 13.7
+    (2048, 2560): dict(block_n=64, block_k=128, splits=16),  # 7.6 against 12.8
+    (2048, 2048): dict(block_n=256, block_k=128, splits=16),  # 7.4 against 10.4
+}
+
+
+def tiles_for(k_dim: int, n_out: int) -> dict | None:
+    """The measured tiles for a `[K, N]` weight where the kernel beat XLA (`MEASURED_TILES`), else None."""
+    return MEASURED_TILES.get((k_dim, n_out))
+
+
 def supported(num_rows: int, k_dim: int, n_out: int, block_n: int, block_k: int, splits: int) -> bool:
     """At most `MAX_ROWS` rows; the columns a multiple of `block_n`; K a multiple of `splits * block_k`."""
     return 1 <= num_rows <= MAX_ROWS and n_out % block_n == 0 and k_dim % (splits * block_k) == 0
