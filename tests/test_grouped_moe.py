@@ -182,6 +182,28 @@ def test_grouped_layer_drops_other_devices_experts():
     assert float(jnp.abs(halves[0]).max()) > 0 and float(jnp.abs(halves[1]).max()) > 0
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_per_pair_tiles_of_a_decode_step(impl, monkeypatch):
+    """At most `PER_PAIR_TILES_MAX` pairs (a decode step) run one tile each: 3 tokens at top-2 whose first two share
+    an expert (its weights read once per pair), with the other half of the experts' ids out of range (another
+    device's, dropped: their tiles skipped and their rows masked, which the Pallas kernel leaves unwritten). The two
+    halves equal the dense layer, and the sorted layout's `expert_tiles` is never called. Checked to fail with the
+    dropped pairs' rows left unmasked (the interpreted kernel's unwritten rows) and with each pair's token taken
+    as p // 2 of the wrong axis (`jnp.tile` for `jnp.repeat`)."""
+    rng = np.random.default_rng(11)
+    e, k, d, ie = 8, 2, 64, 64
+    w_in, w_down = _experts(rng, e, d, ie, "silu", False)
+    x = jnp.asarray(rng.standard_normal((3, d)), jnp.float32)
+    top_i = jnp.asarray([[1, 6], [1, 2], [7, 4]], jnp.int32)
+    top_p = jnp.asarray(rng.uniform(0.1, 1, (3, k)), jnp.float32)
+    want = layers.routed_experts_dense(x, top_i, top_p, w_in, w_down, "silu")
+    monkeypatch.setattr(layers, "expert_tiles", None)  # the sorted layout would call it
+    halves = [layers._grouped_pairs(x, top_i - lo, top_p, (w_in[lo:lo + e // 2], None, 2 * ie),
+                                    (w_down[lo:lo + e // 2], None, d), "silu", impl, impl == "pallas")
+              for lo in (0, e // 2)]
+    assert_close("two halves, one tile a pair", halves[0] + halves[1], want, 1e-5)
+
+
 @pytest.mark.slow  # two model traces after clearing JAX's caches (~30 s); the layer-level cases are in the fast tier
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_model_with_grouped_experts_equals_dense(family, monkeypatch):

@@ -204,11 +204,20 @@ def routed_experts_grouped(x: Float[Array, "T D"], top_i: Int[Array, "T k"], top
         x, top_i, top_p, *tensors)
 
 
+# Up to this many (token, expert) pairs (a decode step of few rows: 8 = a 4-row bucket at top-2) `_grouped_pairs`
+# gives each pair a tile of its own, the pair in the tile's first row: a layout fixed at trace time, so the layer
+# runs no ranking, counting or scatter kernels for it (`expert_tiles`: about 8 of the MiniMax-shaped layer's 14
+# kernels at batch 1). The price: pairs that share an expert read its weights once each, rare among few pairs.
+PER_PAIR_TILES_MAX = 8
+
+
 def _grouped_pairs(x, top_i, top_p, w_in, w_down, act, impl, interpret):
     """`routed_experts_grouped` on one device: `top_i` numbered from its first expert (pairs outside its experts are
     dropped); `w_in`, `w_down`: `(weight stack, FP8 scales or None, output columns n)`."""
     num_tokens, k = top_i.shape
     num_experts = w_in[0].shape[0]
+    if num_tokens * k <= PER_PAIR_TILES_MAX:
+        return _pair_tiles(x, top_i, top_p, w_in, w_down, act, impl, interpret)
     block_m = default_block_m(num_tokens * k, num_experts)
     pair_row, row_pair, tile_expert = expert_tiles(top_i.reshape(-1), num_experts, block_m)
     x_rows = jnp.take(x, row_pair // k, axis=0, mode="fill", fill_value=0)  # [M, D]; padding rows: zeros
@@ -219,6 +228,26 @@ def _grouped_pairs(x, top_i, top_p, w_in, w_down, act, impl, interpret):
     y = grouped_matmul(h, w_down[0], tile_expert, scale=w_down[1], n=w_down[2], row_scale=row_w, **run)  # [M, D]
     y = jnp.take(y, pair_row, axis=0, mode="fill", fill_value=0).reshape(num_tokens, k, -1)  # [T, k, D]
     return jnp.sum(y.astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def _pair_tiles(x, top_i, top_p, w_in, w_down, act, impl, interpret):
+    """`_grouped_pairs` with one 16-row tile per pair (`PER_PAIR_TILES_MAX`): tile p holds pair p = (token p // k,
+    its (p % k)-th expert) in row 0 and zeros below; a dropped pair's tile has expert -1 (the kernel skips it and its
+    rows are unspecified: masked here)."""
+    num_tokens, k = top_i.shape
+    num_pairs, block_m, dim = num_tokens * k, 16, x.shape[-1]
+    pair_expert = top_i.reshape(-1)
+    valid = (pair_expert >= 0) & (pair_expert < w_in[0].shape[0])
+    tile_expert = jnp.where(valid, pair_expert, -1).astype(jnp.int32)  # [P]
+    first_row = lambda a: jnp.pad(a[:, None], ((0, 0), (0, block_m - 1)) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
+    x_rows = first_row(jnp.repeat(x, k, axis=0)).reshape(num_pairs * block_m, dim)  # [P * 16, D]
+    row_w = first_row(top_p.reshape(-1)).reshape(-1)  # [P * 16]
+    run = dict(block_m=block_m, impl="pallas" if impl == "pallas" else "auto", interpret=interpret)
+    h = grouped_matmul(x_rows, w_in[0], tile_expert, scale=w_in[1], n=w_in[2],
+                       epilogue="relu2" if act == "relu2" else "silu_gate", **run)
+    y = grouped_matmul(h, w_down[0], tile_expert, scale=w_down[1], n=w_down[2], row_scale=row_w, **run)
+    y = jnp.where(valid[:, None], y.reshape(num_pairs, block_m, -1)[:, 0].astype(jnp.float32), 0.0)  # [P, D]
+    return jnp.sum(y.reshape(num_tokens, k, -1), axis=1).astype(x.dtype)
 
 
 def grouped_gated_rms_norm(x: Float[Array, "T I"], gate: Float[Array, "T I"], w: Float[Array, "I"], group_size: int,
