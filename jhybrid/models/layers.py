@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -208,7 +210,9 @@ def routed_experts_grouped(x: Float[Array, "T D"], top_i: Int[Array, "T k"], top
 # gives each pair a tile of its own, the pair in the tile's first row: a layout fixed at trace time, so the layer
 # runs no ranking, counting or scatter kernels for it (`expert_tiles`: about 8 of the MiniMax-shaped layer's 14
 # kernels at batch 1). The price: pairs that share an expert read its weights once each, rare among few pairs.
-PER_PAIR_TILES_MAX = 8
+# Not yet timed on the GPU (the kernel counts come from the H200 compile, benchmarks/RESULTS.md "Session 32");
+# JHYBRID_MOE_PAIR_TILES_MAX=0 restores the sorted layout for every step.
+PER_PAIR_TILES_MAX = int(os.environ.get("JHYBRID_MOE_PAIR_TILES_MAX", "8"))
 
 
 def _grouped_pairs(x, top_i, top_p, w_in, w_down, act, impl, interpret):
