@@ -80,3 +80,19 @@ def test_linear_runs_decode_rows_as_the_gemv_when_switched_on(monkeypatch):
         assert_close(f"{rows} rows", quant.linear(x, w), np.asarray(x, np.float64) @ np.asarray(w, np.float64), 1e-5)
     quant.linear(jnp.ones((4, 256), jnp.float32), jnp.ones((256, 256), jnp.float32))  # no measured tiles
     assert calls == [(4, 1024)]
+
+
+def test_gemv_benchmark_runs_on_the_cpu(tmp_path):
+    """`benchmarks/gemv.py --tiny` (the script the H200 runs, on a tiny model's shapes with the kernel interpreted):
+    each shape's XLA and read timings, and kernel rows that were checked against XLA's product before timing (a
+    tile that gave a wrong product would be listed as failed, not timed)."""
+    import json
+
+    from benchmarks import gemv
+
+    out = tmp_path / "gemv.json"
+    gemv.main(["--tiny", "--reps", "1", "--only", "64x512", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["shapes"]
+    assert (row["k"], row["n"]) == (64, 512) and row["xla"]["us"] > 0 and row["read"]["us"] > 0
+    assert row["pallas_best"] is not None and row["pallas_best"]["rel_err"] < 2e-2
+    assert not row["pallas_failed"]
