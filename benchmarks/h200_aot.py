@@ -2,7 +2,7 @@
 
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 .venv-h200/bin/python -m benchmarks.h200_aot kernels \
         [--models qwen3_next,nemotron_h,minimax] [--rows 1,4] [--steps 1] [--hlo DIR] [--json out.json] \
-        [--set MODULE.NAME=VALUE]... [--top 25]
+        [--set MODULE.NAME=VALUE]... [--prefill 8192]
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 .venv-h200/bin/python -m benchmarks.h200_aot fit [--json out.json]
 
 XLA compiles for a GPU it does not have when it is given the GPU's description (a `GpuTargetConfigProto`,
@@ -15,6 +15,7 @@ kernels, the same shared-memory check at the end. What this answers without a GP
   by default, through `ModelRunner`'s own `engine_step`), sorted by kind: GEMMs (cuBLAS), Pallas/Triton kernels,
   XLA fusions by their root (elementwise "loop", reductions "input", ...), copies, and the loops' bodies times
   their trip counts. `--steps N` compiles the multi-step program of N decode steps instead and divides by N.
+  `--prefill T` adds the one-row prefill step of T tokens and lists the fusions that write the most bytes.
   `--set` changes a module switch first (e.g. `pallas_kernels.gated_delta_rule.FUSED_DECODE=True`), as
   `benchmarks.device_loop --variant` does on the GPU, so a change's kernel count is known before device time is
   spent on timing it.
@@ -37,7 +38,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib
 import json
+import math
 import os
 import re
 import sys
@@ -239,9 +242,11 @@ def count_kernels(text: str, branches: str = "min") -> dict:
 # ------------------------------------------------------------------------------------------------ step programs
 
 
-def step_kernels(name: str, rows: int, steps: int, hlo_dir: str | None) -> dict:
+def step_kernels(name: str, rows: int, steps: int, hlo_dir: str | None, prefill: int = 0) -> dict:
     """Compiles the engine's decode step program for model `name` (`benchmarks.floors`' shapes) at `rows` rows
-    (`steps` > 1: the multi-step program of that many greedy steps) for the H200; its kernel counts."""
+    (`steps` > 1: the multi-step program of that many greedy steps) for the H200; its kernel counts. `prefill` > 0:
+    instead the prefill step program of one row of that many tokens (its attention without the cuDNN part, which
+    needs cuDNN at compile time), with the fusions that write the most bytes (`largest_outputs`)."""
     import jax
 
     from benchmarks.decode_step import random_params
@@ -251,44 +256,74 @@ def step_kernels(name: str, rows: int, steps: int, hlo_dir: str | None) -> dict:
     from jhybrid.engine import runner as runner_mod
     from jhybrid.engine.sampling import SamplerPlan
 
+    attention = importlib.import_module("pallas_kernels.paged_attention")  # the package (its function shares the name)
+
     cfg = ModelConfig.from_hf(hf_config(name, False))
     params = jax.eval_shape(lambda: random_params(cfg))
     with gpu_choices():  # the runner as on the GPU (small real caches: their shapes do not change the kernels)
         cache = CacheConfig(num_blocks=1024, block_size=16, num_slots=rows + 1)
-        runner = runner_mod.ModelRunner(cfg, params, cache, max_num_seqs=rows, max_model_len=4096,
-                                        max_num_batched_tokens=2048)
-        bucket = runner.buckets(True, rows, rows)
+        runner = runner_mod.ModelRunner(cfg, params, cache, max_num_seqs=rows, max_model_len=max(4096, prefill + 8),
+                                        max_num_batched_tokens=max(2048, prefill))
+        bucket = runner.buckets(not prefill, rows, prefill or rows)
         plan = SamplerPlan() if steps > 1 else None
-        args, kwargs = runner._step_args(True, bucket[1], bucket[0], False, steps, plan)
-    with h200() as sharding:
+        args, kwargs = runner._step_args(not prefill, bucket[1], bucket[0], False, steps, plan)
+    no_cudnn = mock.patch.object(attention, "AUTO_CUDNN_PREFILL", False) if prefill else contextlib.nullcontext()
+    with h200() as sharding, no_cudnn:
         t0 = time.perf_counter()
         compiled = compile_for_h200(runner_mod.engine_step, args, kwargs, sharding)
         seconds = time.perf_counter() - t0
     text = compiled.as_text()
     if hlo_dir:
         os.makedirs(hlo_dir, exist_ok=True)
-        with open(os.path.join(hlo_dir, f"{name}-r{rows}-s{steps}.hlo.txt"), "w") as f:
+        with open(os.path.join(hlo_dir, f"{name}-{f'p{prefill}' if prefill else f'r{rows}-s{steps}'}.hlo.txt"),
+                  "w") as f:
             f.write(text)
     counts, most = count_kernels(text, "min"), count_kernels(text, "max")
     per = max(steps, 1)
-    return dict(model=name, rows=rows, bucket=list(bucket), steps=steps, compile_s=seconds,
+    return dict(model=name, rows=rows, prefill=prefill, bucket=list(bucket), steps=steps, compile_s=seconds,
+                largest=largest_outputs(text) if prefill else [],
                 layers=cfg.num_layers, kernels=counts["total"] / per, kernels_max=most["total"] / per,
                 by_kind={k: v / per for k, v in counts["by_kind"].items()},
                 names=[(n, k, t / per) for n, k, t in counts["names"]])
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "f64": 8}
+
+
+def largest_outputs(text: str, top: int = 12) -> list[tuple[str, float, str]]:
+    """The entry computation's fusions and custom calls that write the most bytes (their output shapes; a tuple's
+    elements summed), with XLA's `op_name` of each: `(name, MB, op_name)`, largest first. Bytes written are a lower
+    bound on a kernel's traffic, and show what a step materialises (e.g. zero-filled outputs)."""
+    entry = text[text.index("\nENTRY "):].split("\n}\n")[0]
+    out = []
+    for line in entry.split("\n"):
+        m = re.match(r"\s*(%[\w.\-]+) = (.*?) (?:fusion|custom-call)\(", line)
+        if not m:
+            continue
+        nbytes = sum(_DTYPE_BYTES.get(dtype, 4) * math.prod(int(d) for d in dims.split(",") if d)
+                     for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(2)))
+        op = re.search(r'op_name="([^"]*)"', line)
+        out.append((m.group(1), nbytes / 1e6, op.group(1) if op else ""))
+    return sorted(out, key=lambda t: -t[1])[:top]
+
+
 def kernels_main(args) -> int:
     rows = []
+    programs = [(r, 0) for r in (int(x) for x in args.rows.split(","))] if args.rows else []
+    programs += [(1, t) for t in (int(x) for x in args.prefill.split(","))] if args.prefill else []
     for name in args.models.split(","):
-        for r in (int(x) for x in args.rows.split(",")):
-            row = step_kernels(name, r, args.steps, args.hlo)
+        for r, tokens in programs:
+            row = step_kernels(name, r, args.steps, args.hlo, prefill=tokens)
             rows.append(row)
-            log(f"\n{name}, {r} row(s) (bucket {row['bucket']}), {args.steps} step(s) a program: "
-                f"{row['kernels']:.1f} kernels a step ({row['kernels'] / row['layers']:.1f} a layer over "
-                f"{row['layers']} layers; {row['kernels_max']:.1f} with every sampling branch), compiled in "
+            what = f"prefill of {tokens} tokens" if tokens else f"{r} row(s) (bucket {row['bucket']}), {args.steps} step(s) a program"
+            log(f"\n{name}, {what}: {row['kernels']:.1f} kernels a step ({row['kernels'] / row['layers']:.1f} a layer "
+                f"over {row['layers']} layers; {row['kernels_max']:.1f} with every sampling branch), compiled in "
                 f"{row['compile_s']:.1f} s")
             for kind, n in row["by_kind"].items():
                 log(f"  {n:8.1f}  {kind}")
+            for fusion, mb, op in row["largest"]:
+                log(f"  {mb:10.1f} MB written  {fusion}  {op[-90:]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(sets=args.set, rows=[{k: v for k, v in r.items() if k != "names" or args.names}
@@ -343,6 +378,8 @@ def main(argv=None) -> int:
     k.add_argument("--models", default="qwen3_next,nemotron_h,minimax")
     k.add_argument("--rows", default="1,4", help="decode rows (comma-separated)")
     k.add_argument("--steps", type=int, default=1, help="decode steps a program (multi-step decode)")
+    k.add_argument("--prefill", default="", help="also the prefill step of one row of these many tokens (comma-"
+                   "separated; e.g. 8192), with the fusions that write the most bytes; --rows '' for only these")
     k.add_argument("--hlo", help="write each program's optimized HLO here")
     k.add_argument("--names", action="store_true", help="keep every kernel's name in the JSON")
     k.add_argument("--json")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.h200_aot import count_kernels
+from benchmarks.h200_aot import count_kernels, largest_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,6 +86,17 @@ def test_count_kernels_walks_loops_conditionals_and_command_buffers():
     assert high["total"] == 12
     assert low["by_kind"] == {"loop fusion": 8, "reduction fusion": 1, "gemm (cuBLAS)": 1, "conditional": 1}
     assert high["by_kind"]["reduction fusion"] == 2
+
+
+def test_largest_outputs_sums_a_tuples_elements_in_the_entry_only():
+    """`largest_outputs` on the hand-written HLO: the entry's fusion and custom call by the bytes their outputs take
+    (the GEMM's tuple: 4 x 4 f32 + an empty s8 = 64 bytes; the reduction 16), largest first; the loop body's fusions
+    are not the entry's; a tuple of two non-empty arrays counts both. Checked to fail with a tuple's elements after
+    the first dropped."""
+    got = largest_outputs(HLO)
+    assert [(name, round(mb * 1e6)) for name, mb, _ in got] == [("%g", 64), ("%r", 16)]
+    two = HLO.replace("(f32[4,4]{1,0}, s8[0]{0}) custom-call", "(f32[4,4]{1,0}, bf16[8]{0}) custom-call")
+    assert round(largest_outputs(two)[0][1] * 1e6) == 64 + 16
 
 
 @pytest.mark.slow
