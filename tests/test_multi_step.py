@@ -156,7 +156,11 @@ def test_default_steps_single_for_the_engine_multi_step_for_the_offline_api_on_a
     want = OFFLINE_SCHEDULER_STEPS if jax.default_backend() == "gpu" else 1
     assert llm.engine.config.num_scheduler_steps == want
     assert llm.engine.scheduler.num_scheduler_steps == llm.engine.runner.burst_steps == want
+    assert llm.engine.runner.burst_background and not engine.runner.burst_background  # the default's compiles
     llm.engine.close()
+    asked = LLM(tiny[1], **ENGINE, num_scheduler_steps=2)  # asked for: compiled when first needed, as before
+    assert asked.engine.runner.burst_steps == 2 and not asked.engine.runner.burst_background
+    asked.engine.close()
 
 
 def test_warmup_builds_the_multi_step_programs_and_a_sealed_engine_compiles_none(tiny):
@@ -251,3 +255,39 @@ def test_multi_step_benchmark_checks_every_family(tmp_path):
     for row in rows:
         by_steps = {r["steps"]: r for r in row["results"]}
         assert by_steps[3]["multi_step_calls"] > 0 and by_steps[1]["multi_step_calls"] == 0, row["model"]
+
+
+def test_background_compiles_run_plain_steps_until_the_program_is_ready(tiny):
+    """`ModelRunner.burst_background` (the offline default's mode): the first time a step could run multi-step, its
+    program starts compiling on a thread of its own and the step runs plain, so no step waits for that compile; once
+    compiled, steps of that row bucket and plan run multi-step. Tokens equal single steps' throughout. Checked to
+    fail with `can_burst` answering True while the program is still missing (the burst compiles inline: a burst in
+    the first call), and with the compiled program never stored (no burst after waiting)."""
+    import threading
+
+    from jhybrid.engine.runner import BURST_COMPILE_THREAD
+
+    single = LLM(tiny[1], **ENGINE, num_scheduler_steps=1)
+    llm = LLM(tiny[1], **ENGINE, num_scheduler_steps=K)
+    runner = llm.engine.runner
+    runner.burst_background = True
+    gate, compile_step = threading.Event(), runner._compile
+
+    def gated(low, cache_key):  # the background compile waits for the first call to end (a compile slower than it)
+        if threading.current_thread().name.startswith(BURST_COMPILE_THREAD):
+            gate.wait(120)
+        return compile_step(low, cache_key)
+
+    runner._compile = gated
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [[5, 17, 33, 2, 9]]
+    want = single.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    first = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert runner.num_bursts == 0 and len(runner._burst_compiling) == 1
+    gate.set()
+    runner.wait_burst_compiles()
+    again = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.engine.runner.num_bursts > 0
+    assert first == again == want
+    for engine in (single.engine, llm.engine):
+        engine.close()

@@ -50,12 +50,17 @@ class LLM:
             if "model" not in options:
                 raise TypeError("LLM() needs a model: a checkpoint directory or a LoadedModel")
             model = options.pop("model")
+        config = engine_config(config, **translate(model, options))
+        steps_by_default = config.num_scheduler_steps is None
         # offline: multi-step decode on a GPU unless num_scheduler_steps is given (`offline_defaults`)
-        config = offline_defaults(engine_config(config, **translate(model, options)), jax.default_backend())
+        config = offline_defaults(config, jax.default_backend())
         self.model_dir = None if isinstance(model, LoadedModel) else os.fspath(model)
         self.model = load(model, config.dtype, host=config.tensor_parallel_size > 1,
                           quantization=config.quantization, tensor_parallel_size=config.tensor_parallel_size)
         self.engine = LLMEngine(self.model, config)
+        # the default's multi-step programs compile on a thread of their own when first wanted, plain steps running
+        # meanwhile: a batch that shrinks through several row buckets pays no compile for them on its way
+        self.engine.runner.burst_background = steps_by_default
         self._ids = itertools.count()
         self._chat_template: Any = None  # the checkpoint's, loaded on the first chat()
 

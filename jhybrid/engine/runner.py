@@ -76,6 +76,7 @@ MIN_MIXED_TOKENS = 64  # smallest token bucket of a mixed (prefill) step
 MULTI_STEP_MAX_ROWS = int(os.environ.get("JHYBRID_MULTI_STEP_MAX_ROWS", "8"))
 WARM_BURST_PLANS = (SamplerPlan(), SamplerPlan(draw=True), SamplerPlan(draw=True, filtered=True))
 SPLIT_COMPILE_THREAD = "jhybrid-split-compile"  # the thread that compiles split-step programs in the background
+BURST_COMPILE_THREAD = "jhybrid-burst-compile"  # the thread that compiles multi-step programs in the background
 # With prefix caching, a step program copies up to ceil(rows x this) of its rows' state into snapshot slots after
 # its forward (the pairs ride in its packed metadata), so the snapshots a step takes need no program call of their
 # own (a `copy_slots` call cost ~1 ms of the dispatch thread per step at 64 rows on the H200); a prompt's snapshots
@@ -520,6 +521,10 @@ class ModelRunner:
         self.num_split_compiled = 0
         self.num_split_steps = 0
         self.burst_steps = 1  # decode steps a multi-step program runs (the engine's `num_scheduler_steps`)
+        # compile a multi-step program on a background thread when first wanted, running plain steps until it is
+        # ready (`can_burst`), instead of compiling it on the request path: the offline API's default (`jhybrid.LLM`)
+        self.burst_background = False
+        self._burst_compiling: dict[tuple, Future] = {}
         self.num_bursts = 0  # multi-step programs dispatched
 
     def _replicate(self, make):
@@ -630,14 +635,46 @@ class ModelRunner:
 
     def can_burst(self, rows) -> bool:
         """Whether decode rows `rows` may run as one multi-step program (`Scheduler`'s check, before it commits):
-        one device, at most `MULTI_STEP_MAX_ROWS` rows, and, once sealed, the program of their row bucket and
-        sampler plan compiled (a burst never compiles on the request path; the rows run plain steps instead)."""
+        one device, at most `MULTI_STEP_MAX_ROWS` rows, and the program of their row bucket and sampler plan
+        compiled, or to be compiled when first dispatched (unsealed and not `burst_background`). Sealed, a burst
+        never compiles on the request path; with `burst_background` a missing program starts compiling on a thread
+        of its own (`BURST_COMPILE_THREAD`); either way the rows run plain steps meanwhile."""
         if self.mesh is not None or len(rows) > MULTI_STEP_MAX_ROWS:
             return False
-        if not self.sealed:
+        if not self.sealed and not self.burst_background:
             return True
         num_rows = self.buckets(True, len(rows), len(rows))[0]
-        return _key(True, num_rows, num_rows, False, self.burst_steps, self.burst_plan(rows)) in self._programs
+        key = _key(True, num_rows, num_rows, False, self.burst_steps, self.burst_plan(rows))
+        if key in self._programs:
+            return True
+        if not self.sealed:
+            self._compile_burst_in_background(key)
+        return False
+
+    def _compile_burst_in_background(self, key: tuple) -> None:
+        """Starts compiling the multi-step program of `key` on a thread of its own (once): traced there from the
+        shapes of the step's arguments, read here (the arrays themselves may be donated by the step in flight)."""
+        if key in self._burst_compiling:
+            return
+        args, kwargs = self._step_args(*key)
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x  # noqa: E731
+        args = (args[0], *jax.tree.map(spec, args[1:]))  # one device: uncommitted, as the plain steps' arrays are
+        cache_key = self._cache_key(key)
+
+        def build():
+            t0 = time.perf_counter()
+            self._programs[key] = self._compile(engine_step.lower(*args, **kwargs), cache_key)
+            log.info("compiled the multi-step decode program of %d rows (%s) in the background in %.1f s", key[2],
+                     key[-1].name if key[-1] is not None else "-", time.perf_counter() - t0)
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix=BURST_COMPILE_THREAD)
+        self._burst_compiling[key] = pool.submit(build)
+        pool.shutdown(wait=False)
+
+    def wait_burst_compiles(self) -> None:
+        """Waits for the multi-step programs compiling in the background (raises what a compile raised)."""
+        for future in list(self._burst_compiling.values()):
+            future.result()
 
     def burst_grid(self, max_num_seqs: int) -> list[tuple]:
         """The multi-step decode programs `warmup` builds: each decode row bucket of at most `MULTI_STEP_MAX_ROWS`
