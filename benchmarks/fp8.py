@@ -119,6 +119,7 @@ def decode_steps(llm, batch: int, prompt_len: int = 512, new: int = 64) -> float
     prompts = [[(7 * r + t) % vocab for t in range(1, prompt_len + 1)] for r in range(batch)]
     for rep in range(2):
         times = decode_step_times(llm.engine, prompts, sp, f"b{batch}-{rep}")
+        llm.engine.runner.wait_burst_compiles()  # the offline default's multi-step programs: compiled by round 2
     return float(np.median(times[min(4, len(times) // 2):])) * 1e3  # (multi-step decode: fewer, longer steps)
 
 
