@@ -257,14 +257,16 @@ def test_multi_step_benchmark_checks_every_family(tmp_path):
         assert by_steps[3]["multi_step_calls"] > 0 and by_steps[1]["multi_step_calls"] == 0, row["model"]
 
 
-def test_background_compiles_run_plain_steps_until_the_program_is_ready(tiny):
+def test_background_compiles_run_plain_steps_until_the_program_is_ready(tiny, monkeypatch):
     """`ModelRunner.burst_background` (the offline default's mode): the first time a step could run multi-step, its
     program starts compiling on a thread of its own and the step runs plain, so no step waits for that compile; once
-    compiled, steps of that row bucket and plan run multi-step. Tokens equal single steps' throughout. Checked to
-    fail with `can_burst` answering True while the program is still missing (the burst compiles inline: a burst in
-    the first call), and with the compiled program never stored (no burst after waiting)."""
+    compiled, steps of that row bucket and plan run multi-step. Tokens equal single steps' throughout. A job whose rows
+    have fewer than `BACKGROUND_BURST_MIN` tokens left starts no compile. Checked to fail with `can_burst` answering
+    True while the program is still missing (the burst compiles inline: a burst in the first call), with the compiled
+    program never stored (no burst after waiting), and with the tokens-left check dropped (the short job compiles)."""
     import threading
 
+    from jhybrid.engine import runner as runner_module
     from jhybrid.engine.runner import BURST_COMPILE_THREAD
 
     single = LLM(tiny[1], **ENGINE, num_scheduler_steps=1)
@@ -282,6 +284,9 @@ def test_background_compiles_run_plain_steps_until_the_program_is_ready(tiny):
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompt = [[5, 17, 33, 2, 9]]
     want = single.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    llm.generate(prompt, greedy, use_tqdm=False)  # a short job: no compile started for it
+    assert not runner._burst_compiling and runner.num_bursts == 0
+    monkeypatch.setattr(runner_module, "BACKGROUND_BURST_MIN", 8)  # 12 tokens now count as a long job
     first = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert runner.num_bursts == 0 and len(runner._burst_compiling) == 1
     gate.set()

@@ -77,6 +77,10 @@ MULTI_STEP_MAX_ROWS = int(os.environ.get("JHYBRID_MULTI_STEP_MAX_ROWS", "8"))
 WARM_BURST_PLANS = (SamplerPlan(), SamplerPlan(draw=True), SamplerPlan(draw=True, filtered=True))
 SPLIT_COMPILE_THREAD = "jhybrid-split-compile"  # the thread that compiles split-step programs in the background
 BURST_COMPILE_THREAD = "jhybrid-burst-compile"  # the thread that compiles multi-step programs in the background
+# `burst_background` starts a multi-step program's compile only for rows of which one may still generate this many
+# tokens: a compile took 3-4 s on the H200 (session 31) and multi-step decode saves 0.1-0.5 ms a token, so a short
+# job would gain nothing from it, and its process would wait for the compile's thread at exit
+BACKGROUND_BURST_MIN = 512
 # With prefix caching, a step program copies up to ceil(rows x this) of its rows' state into snapshot slots after
 # its forward (the pairs ride in its packed metadata), so the snapshots a step takes need no program call of their
 # own (a `copy_slots` call cost ~1 ms of the dispatch thread per step at 64 rows on the H200); a prompt's snapshots
@@ -647,7 +651,7 @@ class ModelRunner:
         key = _key(True, num_rows, num_rows, False, self.burst_steps, self.burst_plan(rows))
         if key in self._programs:
             return True
-        if not self.sealed:
+        if not self.sealed and max(r.seq.params.max_tokens - r.seq.num_generated for r in rows) >= BACKGROUND_BURST_MIN:
             self._compile_burst_in_background(key)
         return False
 
