@@ -274,7 +274,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per subprocess")
     ap.add_argument("--num-scheduler-steps", type=int, default=None, help="the engines' multi-step decode (the "
                     "batch-1 rows' decode steps per program; batch 256 runs single steps whatever it is; default: "
-                    "`jhybrid.LLM`'s, 8 on a GPU)")
+                    "`jhybrid.LLM`'s, which runs these 64-token rows as single steps: its multi-step programs "
+                    "compile only for rows with 512 tokens or more to go)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
