@@ -448,6 +448,22 @@ def _local(x: jax.Array) -> np.ndarray:
     return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
 
 
+def _shapes(tree):
+    """`tree` with its arrays replaced by their shapes and dtypes, for a program traced on another thread (the
+    arrays may be donated meanwhile). One device, no sharding: the program's outputs stay uncommitted, as the whole
+    step's are, so the programs that take the state next see what they were built for."""
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array | np.ndarray) else x  # noqa: E731
+    return jax.tree.map(spec, tree)
+
+
+def _in_background(thread_name: str, fn) -> Future:
+    """`fn()` on a thread of its own named `thread_name` (its pool shut down at once: the thread ends with `fn`)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=thread_name)
+    future = pool.submit(fn)
+    pool.shutdown(wait=False)
+    return future
+
+
 class ModelRunner:
     """`mesh`: a tensor-parallel mesh (`jhybrid.parallel.make_mesh`); the packed `params` are then
     re-laid out shard-major and sharded over it, and the state is created in its shards."""
@@ -660,9 +676,8 @@ class ModelRunner:
         shapes of the step's arguments, read here (the arrays themselves may be donated by the step in flight)."""
         if key in self._burst_compiling:
             return
-        args, kwargs = self._step_args(*key)
-        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x  # noqa: E731
-        args = (args[0], *jax.tree.map(spec, args[1:]))  # one device: uncommitted, as the plain steps' arrays are
+        (cfg, *arrays), kwargs = self._step_args(*key)
+        args = (cfg, *_shapes(arrays))
         cache_key = self._cache_key(key)
 
         def build():
@@ -671,9 +686,7 @@ class ModelRunner:
             log.info("compiled the multi-step decode program of %d rows (%s) in the background in %.1f s", key[2],
                      key[-1].name if key[-1] is not None else "-", time.perf_counter() - t0)
 
-        pool = ThreadPoolExecutor(1, thread_name_prefix=BURST_COMPILE_THREAD)
-        self._burst_compiling[key] = pool.submit(build)
-        pool.shutdown(wait=False)
+        self._burst_compiling[key] = _in_background(BURST_COMPILE_THREAD, build)
 
     def wait_burst_compiles(self) -> None:
         """Waits for the multi-step programs compiling in the background (raises what a compile raised)."""
@@ -945,9 +958,7 @@ class ModelRunner:
             def build():
                 self._split_programs[key] = self._compile_split(key, specs)
 
-            pool = ThreadPoolExecutor(1, thread_name_prefix=SPLIT_COMPILE_THREAD)
-            self._split_compiling[key] = pool.submit(build)
-            pool.shutdown(wait=False)
+            self._split_compiling[key] = _in_background(SPLIT_COMPILE_THREAD, build)
         return False
 
     def wait_split_compiles(self) -> None:
@@ -958,10 +969,8 @@ class ModelRunner:
     def _split_specs(self):
         """Shapes of the state, the token history and the sampling tables (read on the engine's
         thread; a background compile must not touch arrays the dispatch thread may be donating)."""
-        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # one device; no sharding: its outputs stay
-        # uncommitted, as the whole step's are, so the programs that take the state next see what they were built for
         keeper = self.slot_tables
-        return jax.tree.map(spec, (self.state, keeper.history, keeper.tables))
+        return _shapes((self.state, keeper.history, keeper.tables))
 
     def _compile_split(self, key: tuple[int, int], specs=None):
         """(engine_forward, engine_sample) compiled for decode bucket `key` = (num_tokens, num_rows)."""

@@ -221,37 +221,39 @@ def _grouped_pairs(x, top_i, top_p, w_in, w_down, act, impl, interpret):
     num_tokens, k = top_i.shape
     num_experts = w_in[0].shape[0]
     if num_tokens * k <= PER_PAIR_TILES_MAX:
-        return _pair_tiles(x, top_i, top_p, w_in, w_down, act, impl, interpret)
-    block_m = default_block_m(num_tokens * k, num_experts)
-    pair_row, row_pair, tile_expert = expert_tiles(top_i.reshape(-1), num_experts, block_m)
-    x_rows = jnp.take(x, row_pair // k, axis=0, mode="fill", fill_value=0)  # [M, D]; padding rows: zeros
-    row_w = jnp.take(top_p.reshape(-1), row_pair, mode="fill", fill_value=0)  # [M]
+        block_m, x_rows, row_w, tile_expert, pair_out = _pair_tiles(x, top_i, top_p, num_experts)
+    else:
+        block_m = default_block_m(num_tokens * k, num_experts)
+        pair_row, row_pair, tile_expert = expert_tiles(top_i.reshape(-1), num_experts, block_m)
+        x_rows = jnp.take(x, row_pair // k, axis=0, mode="fill", fill_value=0)  # [M, D]; padding rows: zeros
+        row_w = jnp.take(top_p.reshape(-1), row_pair, mode="fill", fill_value=0)  # [M]
+        pair_out = lambda y: jnp.take(y, pair_row, axis=0, mode="fill", fill_value=0)  # noqa: E731  [P, D]
     run = dict(block_m=block_m, impl="pallas" if impl == "pallas" else "auto", interpret=interpret)
     h = grouped_matmul(x_rows, w_in[0], tile_expert, scale=w_in[1], n=w_in[2],
                        epilogue="relu2" if act == "relu2" else "silu_gate", **run)  # [M, Ie]
     y = grouped_matmul(h, w_down[0], tile_expert, scale=w_down[1], n=w_down[2], row_scale=row_w, **run)  # [M, D]
-    y = jnp.take(y, pair_row, axis=0, mode="fill", fill_value=0).reshape(num_tokens, k, -1)  # [T, k, D]
+    y = pair_out(y).reshape(num_tokens, k, -1)  # [T, k, D]
     return jnp.sum(y.astype(jnp.float32), axis=1).astype(x.dtype)
 
 
-def _pair_tiles(x, top_i, top_p, w_in, w_down, act, impl, interpret):
-    """`_grouped_pairs` with one 16-row tile per pair (`PER_PAIR_TILES_MAX`): tile p holds pair p = (token p // k,
-    its (p % k)-th expert) in row 0 and zeros below; a dropped pair's tile has expert -1 (the kernel skips it and its
-    rows are unspecified: masked here)."""
+def _pair_tiles(x, top_i, top_p, num_experts: int):
+    """The layout of `_grouped_pairs` with one 16-row tile per pair (`PER_PAIR_TILES_MAX`): tile p holds pair
+    p = (token p // k, its (p % k)-th expert) in row 0 and zeros below; a dropped pair's tile has expert -1 (the kernel
+    skips it and leaves its rows unspecified: `pair_out` masks them). Returns (block_m, x_rows, row_w, tile_expert,
+    pair_out: the `[P, D]` pair outputs from the down projection's rows)."""
     num_tokens, k = top_i.shape
-    num_pairs, block_m, dim = num_tokens * k, 16, x.shape[-1]
+    num_pairs, block_m = num_tokens * k, 16
     pair_expert = top_i.reshape(-1)
-    valid = (pair_expert >= 0) & (pair_expert < w_in[0].shape[0])
+    valid = (pair_expert >= 0) & (pair_expert < num_experts)
     tile_expert = jnp.where(valid, pair_expert, -1).astype(jnp.int32)  # [P]
     first_row = lambda a: jnp.pad(a[:, None], ((0, 0), (0, block_m - 1)) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
-    x_rows = first_row(jnp.repeat(x, k, axis=0)).reshape(num_pairs * block_m, dim)  # [P * 16, D]
+    x_rows = first_row(jnp.repeat(x, k, axis=0)).reshape(num_pairs * block_m, x.shape[-1])  # [P * 16, D]
     row_w = first_row(top_p.reshape(-1)).reshape(-1)  # [P * 16]
-    run = dict(block_m=block_m, impl="pallas" if impl == "pallas" else "auto", interpret=interpret)
-    h = grouped_matmul(x_rows, w_in[0], tile_expert, scale=w_in[1], n=w_in[2],
-                       epilogue="relu2" if act == "relu2" else "silu_gate", **run)
-    y = grouped_matmul(h, w_down[0], tile_expert, scale=w_down[1], n=w_down[2], row_scale=row_w, **run)
-    y = jnp.where(valid[:, None], y.reshape(num_pairs, block_m, -1)[:, 0].astype(jnp.float32), 0.0)  # [P, D]
-    return jnp.sum(y.reshape(num_tokens, k, -1), axis=1).astype(x.dtype)
+
+    def pair_out(y):
+        return jnp.where(valid[:, None], y.reshape(num_pairs, block_m, -1)[:, 0], 0)  # [P, D]
+
+    return block_m, x_rows, row_w, tile_expert, pair_out
 
 
 def grouped_gated_rms_norm(x: Float[Array, "T I"], gate: Float[Array, "T I"], w: Float[Array, "I"], group_size: int,

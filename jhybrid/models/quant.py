@@ -100,16 +100,17 @@ def _gemm_rows(m: int, k: int, n: int) -> int:
     return -(-MIN_GEMM_MACS // (k * n)) + 1  # the threshold's comparison is not ours to rely on: one row more
 
 
-def _gemv_applies(x: Array, w: Array) -> bool:
-    """Whether `linear` runs `x @ w` as the GEMV kernel (`DECODE_GEMV` on): a GPU's, or a CPU test's (interpreted,
-    `GEMV_ON_CPU`), few rows, a weight shape with measured tiles (`gemv.tiles_for`). (Not for tensor parallelism
-    yet: XLA would gather a sharded weight for the kernel.)"""
+def _gemv_tiles(x: Array, w: Array) -> dict | None:
+    """The tiles with which `linear` runs `x @ w` as the GEMV kernel (`DECODE_GEMV` on), or None for XLA's GEMM: a
+    GPU's, or a CPU test's (interpreted, `GEMV_ON_CPU`), few rows, a weight shape with measured tiles
+    (`gemv.tiles_for`). (Not for tensor parallelism yet: XLA would gather a sharded weight for the kernel.)"""
     from pallas_kernels.decode_linear.gemv import MAX_ROWS, supported, tiles_for
 
     if (jax.default_backend() != "gpu" and not GEMV_ON_CPU) or x.shape[0] > MAX_ROWS:
-        return False
+        return None
     tiles = tiles_for(*w.shape)
-    return tiles is not None and x.dtype == w.dtype and supported(x.shape[0], *w.shape, *tiles.values())
+    ok = tiles is not None and x.dtype == w.dtype and supported(x.shape[0], *w.shape, *tiles.values())
+    return tiles if ok else None
 
 
 GEMV_ON_CPU = False  # tests: let `DECODE_GEMV` run the kernel interpreted on the CPU
@@ -121,10 +122,10 @@ def linear(x: Float[Array, "... K"], w: Array | Fp8Weight) -> Float[Array, "... 
     plain matmul of few rows is padded with zero rows up to a GEMM's size (`MIN_GEMM_MACS`)."""
     if not isinstance(w, Fp8Weight):
         if x.ndim == 2 and w.ndim == 2:
-            if DECODE_GEMV and _gemv_applies(x, w):
-                from pallas_kernels.decode_linear.gemv import gemv_pallas, tiles_for
+            if DECODE_GEMV and (tiles := _gemv_tiles(x, w)) is not None:
+                from pallas_kernels.decode_linear.gemv import gemv_pallas
 
-                return gemv_pallas(x, w, interpret=jax.default_backend() != "gpu", **tiles_for(*w.shape))
+                return gemv_pallas(x, w, interpret=jax.default_backend() != "gpu", **tiles)
             rows = _gemm_rows(x.shape[0], *w.shape)
             if rows > x.shape[0]:
                 return (jnp.pad(x, ((0, rows - x.shape[0]), (0, 0))) @ w)[: x.shape[0]]
