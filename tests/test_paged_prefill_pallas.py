@@ -61,3 +61,19 @@ def test_paged_prefill_lowers_for_h200(h, kvh, d):
         plain = lambda *a: paged_attention(*a, cu_seqlens=cu, decode=False, impl="pallas",  # noqa: E731
                                            per_page=per_page, pages_per_block=4)
         lower_for_h200(plain, *args, kernels=[kernel.format("pp" if per_page else "np")])
+
+
+def test_token_and_tile_layouts_lower_without_a_loop():
+    """The layouts a prefill step computes in every layer (each token's row, the query tiles of the paged kernel
+    and of the chunked recurrences) are comparisons in one fusion, not `searchsorted`'s default `scan`: an XLA
+    while loop, whose every trip the GPU runtime starts from the host after reading its predicate back. (Checked
+    to fail: with the default method in `gated_delta_rule.reference` both lowerings hold a `stablehlo.while`.)"""
+    from pallas_kernels.gated_delta_rule.reference import _token_rows, chunk_layout
+
+    cu = jnp.asarray([0, 5, 9, 30], jnp.int32)
+    for fn in (lambda c: chunk_layout(c, 40, 8), lambda c: _token_rows(c, 40)):
+        text = jax.jit(fn).lower(cu).as_text()
+        assert "stablehlo.while" not in text, text[:2000]
+    lay = chunk_layout(cu, 40, 8)  # and the same layout: rows of 5, 4 and 21 tokens in chunks of 8
+    np.testing.assert_array_equal(np.asarray(lay.chunk_row)[:5], [0, 1, 2, 2, 2])
+    np.testing.assert_array_equal(np.asarray(lay.token_chunk)[[0, 4, 5, 9, 17, 29, 30]], [0, 0, 1, 2, 3, 4, 8])

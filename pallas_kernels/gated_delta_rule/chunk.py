@@ -23,7 +23,8 @@ token), so nothing is gathered into chunk buffers.
 4. `_single_token_kernel`, grid `(B, HV, V // BV'')`: rows of exactly one token, which a serving engine's
    mixed step has many of (its decode rows), skip stages 1-3 (their chunk slots stay unused) and take the
    decode kernel's recurrent update instead. A one-token chunk would cost a full `[C, ...]` chunk's work in
-   a program sized for it; the decode update costs what a decode step costs.
+   a program sized for it; the decode update costs what a decode step costs. Its programs past the last row
+   write zeros for the padding tokens: no stage fills the output with zeros first (`zero_padding`).
 Programs with nothing to do (unused chunk slots) exit at once, and the sequential pass launches a few
 programs per value tile rather than one per row, so a step padded to many rows costs what its real rows cost.
 The older forms stay selectable and tested: `gcum=False` (the pass scans g per chunk), `scores=False`,
@@ -155,8 +156,7 @@ def _state_kernel(
     u_ref,  # [N, C, HV, V] (whole)
     s_ref,  # [N, C, HV, C] (whole) the WY stage's masked decayed scores (scores), else unused
     state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
-    o_in_ref,  # [T, HV, V] zeros (whole, aliased with o_ref)
-    o_ref,  # [T, HV, V] (whole)
+    o_ref,  # [T, HV, V] (whole; tokens of no multi-token row are `_single_token_kernel`'s)
     state_ref,  # [S, HV, K, V] (whole)
     *,
     chunk_size: int,
@@ -170,7 +170,6 @@ def _state_kernel(
 ):
     """The fused pass. Per chunk: `v_new = u - w S`, `o = exp(G) scale (q S) + scores v_new` and
     `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`; the decays scale `[C, BV]` tiles, not `[C, K]` ones."""
-    del o_in_ref
     j, i = pl.program_id(1), pl.program_id(2)
     v_slice = pl.ds(i * block_v, block_v)
 
@@ -283,8 +282,7 @@ def _output_kernel(
     g_ref,  # [T, HV] (whole), or the in-chunk cumulative g [C] of chunk n with gcum
     h_ref,  # [K, BV] state entering chunk n
     v_new_ref,  # [C, BV]
-    o_in_ref,  # [T, HV, V] zeros (whole, aliased with o_ref)
-    o_ref,  # [T, HV, V] (whole)
+    o_ref,  # [T, HV, V] (whole; tokens of no multi-token row are `_single_token_kernel`'s)
     *,
     chunk_size: int,
     group: int,
@@ -294,7 +292,6 @@ def _output_kernel(
     gcum: bool,
 ):
     """All chunks in parallel: o = (q exp(G)) S_n + lower(q.k exp(G_i - G_j)) v_new."""
-    del o_in_ref
     n, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = chunk_len_ref[n]
 
@@ -339,14 +336,20 @@ def _single_token_kernel(
     group: int,
     block_v: int,
     scale: float,
+    num_tokens: int,
+    tail_tokens: int,
 ):
     """Rows of exactly one token (the decode rows of a mixed step): the recurrent update, as the decode kernel
-    does it, in place of a `[C, ...]` chunk that would hold one token. Other rows are left alone."""
+    does it, in place of a `[C, ...]` chunk that would hold one token. Other rows are left alone. Programs past
+    the last row write the padding tokens' zeros (`zero_padding`)."""
     del o_in_ref
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    zero_padding(cu_seqlens_ref, o_ref, b - slot_ids_ref.shape[0], j, pl.ds(i * block_v, block_v),
+                 num_tokens=num_tokens, tokens=tail_tokens)
+    b = jnp.minimum(b, slot_ids_ref.shape[0] - 1)
     t = cu_seqlens_ref[b]
 
-    @pl.when(cu_seqlens_ref[b + 1] - t == 1)
+    @pl.when((pl.program_id(0) == b) & (cu_seqlens_ref[b + 1] - t == 1))
     def _():
         slot = slot_ids_ref[b]
         v_slice = pl.ds(i * block_v, block_v)
@@ -359,15 +362,36 @@ def _single_token_kernel(
             state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
 
 
+def zero_padding(cu_seqlens_ref, o_ref, p, j, v_slice, *, num_tokens: int, tokens: int) -> None:
+    """Program `p` (when 0 <= p) of `padding_programs(num_tokens, tokens)`: zeros into `o_ref[t, j, v_slice]` for
+    the tokens t of `[p * tokens, (p + 1) * tokens)` at or after the last row's end (padding). The chunk stages'
+    output is not zero-initialised (a fill would write the whole `[T, HV, V]` output once more: 67 MB a layer in
+    an 8k bf16 prefill of qwen3_next), so these are the only writes padding tokens get."""
+    @pl.when(p >= 0)
+    def _():
+        start = p * tokens
+        t = start + jnp.arange(tokens)
+        pad = (t >= cu_seqlens_ref[cu_seqlens_ref.shape[0] - 1]) & (t < num_tokens)
+        width = v_slice.size
+        plt.store(o_ref.at[pl.ds(start, tokens), j, v_slice], jnp.zeros((tokens, width), o_ref.dtype),
+                  mask=pad[:, None])
+
+
+def padding_programs(num_tokens: int, tokens: int) -> int:
+    """Programs `zero_padding` needs to cover `num_tokens` packed tokens, `tokens` each."""
+    return -(-num_tokens // tokens)
+
+
 def single_token_stage(q, k, v, g, beta, cu, o, state, slot_ids, *, block_v: int, num_warps: int, interpret: bool,
-                       scale: float):
-    """`_single_token_kernel` over every row (o and state updated in place): (o, new state)."""
+                       scale: float, num_tokens: int, tail_tokens: int):
+    """`_single_token_kernel` over every row (o and state updated in place), then `zero_padding` over the first
+    `num_tokens` tokens, `tail_tokens` a program: (o, new state)."""
     num_value_heads, value_dim = v.shape[1:]
     kernel = functools.partial(_single_token_kernel, group=num_value_heads // k.shape[1], block_v=block_v,
-                               scale=scale)
+                               scale=scale, num_tokens=num_tokens, tail_tokens=tail_tokens)
     return pl.pallas_call(
         kernel,
-        grid=(slot_ids.shape[0], num_value_heads, value_dim // block_v),
+        grid=(slot_ids.shape[0] + padding_programs(num_tokens, tail_tokens), num_value_heads, value_dim // block_v),
         in_specs=[_WHOLE] * 9,
         out_specs=[_WHOLE, _WHOLE],
         out_shape=[jax.ShapeDtypeStruct(o.shape, o.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
@@ -479,23 +503,22 @@ def fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout: _Layout, *,
     kernel = functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
                                precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum,
                                scores=scores is not None, row_groups=groups)
-    zeros_o = jnp.zeros(v.shape, v.dtype)
     return pl.pallas_call(
         kernel,
         grid=(groups, num_value_heads, value_dim // block_v),
-        in_specs=[_WHOLE] * 13,
+        in_specs=[_WHOLE] * 12,
         out_specs=[_WHOLE, _WHOLE],
         out_shape=[
             jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(state.shape, state.dtype),
         ],
-        input_output_aliases={12: 0, 11: 1},
+        input_output_aliases={11: 1},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"gdn_chunk_fused_c{chunk_size}_bv{block_v}_w{num_warps}_s{num_stages}{'_gc' if gcum else ''}"
              f"{'_sc' if scores is not None else ''}",
     )(layout.num_multi, layout.multi_rows, layout.row_chunks, slot_ids.astype(jnp.int32), cu, q, k, g, w, u,
-      w if scores is None else scores, state, zeros_o)
+      w if scores is None else scores, state)
 
 
 def state_stage(k, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int, block_v: int,
@@ -534,7 +557,6 @@ def output_stage(q, k, g, h, v_new, layout: _Layout, *, chunk_size: int, scale: 
     c, out_bv = chunk_size, min(block_v, value_dim)
     kernel = functools.partial(_output_kernel, chunk_size=c, group=group, block_v=out_bv, scale=scale,
                                precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum)
-    zeros_o = jnp.zeros((q.shape[0], num_value_heads, value_dim), v_new.dtype)
     g_spec = pl.BlockSpec((None, c, None), lambda n, j, i: (n, 0, j)) if gcum else _WHOLE
     return pl.pallas_call(
         kernel,
@@ -543,15 +565,13 @@ def output_stage(q, k, g, h, v_new, layout: _Layout, *, chunk_size: int, scale: 
             g_spec,
             pl.BlockSpec((None, None, key_dim, out_bv), lambda n, j, i: (n, j, 0, i)),  # h
             pl.BlockSpec((None, c, None, out_bv), lambda n, j, i: (n, 0, j, i)),  # v_new
-            _WHOLE,
         ],
         out_specs=_WHOLE,
-        out_shape=jax.ShapeDtypeStruct(zeros_o.shape, zeros_o.dtype),
-        input_output_aliases={7: 0},
+        out_shape=jax.ShapeDtypeStruct((q.shape[0], num_value_heads, value_dim), v_new.dtype),
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=2),
         name=f"gdn_chunk_output_c{c}_bv{out_bv}_w{num_warps}{'_gc' if gcum else ''}",
-    )(layout.chunk_start, layout.chunk_len, q, k, g, h, v_new, zeros_o)
+    )(layout.chunk_start, layout.chunk_len, q, k, g, h, v_new)
 
 
 def _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, chunk_size, interpret):
@@ -647,5 +667,6 @@ def chunk_gated_delta_rule_pallas(
         o = output_stage(q, k, g_pass, h, v_new, layout, chunk_size=c, scale=scale, block_v=out_block_v,
                          num_warps=wy_num_warps, interpret=interpret, gcum=gcum)
     o, new_state = single_token_stage(q, k, v, g, beta, cu, o, new_state, slot_ids, scale=scale,
-                                      block_v=min(single_block_v, value_dim), num_warps=4, interpret=interpret)
+                                      block_v=min(single_block_v, value_dim), num_warps=4, interpret=interpret,
+                                      num_tokens=num_tokens, tail_tokens=c)
     return o[:num_tokens], new_state

@@ -39,7 +39,9 @@ def _load_initial(state: Array, slot_ids: Array) -> Array:
 def _token_rows(cu_seqlens: Array, num_tokens: int) -> tuple[Array, Array]:
     """Batch row of each packed token and whether the token is real (not trailing padding)."""
     t = jnp.arange(num_tokens)
-    rows = jnp.searchsorted(cu_seqlens[1:], t, side="right")
+    # compare_all: T x B comparisons in one fusion (the default `scan` is an XLA while loop, whose every trip the
+    # GPU runtime drives from the host; the paged prefill kernel's layout runs this in every prefill step)
+    rows = jnp.searchsorted(cu_seqlens[1:], t, side="right", method="compare_all")
     valid = t < cu_seqlens[-1]
     return jnp.minimum(rows, cu_seqlens.shape[0] - 2), valid
 
@@ -72,7 +74,7 @@ def chunk_layout(cu_seqlens: Array, num_tokens: int, chunk_size: int) -> ChunkLa
     local = jnp.arange(num_tokens) - cu_seqlens[rows]
     token_chunk = jnp.where(valid, chunk_end[rows] - chunks_per_row[rows] + local // chunk_size, num_chunks)
     chunk_ids = jnp.arange(num_chunks)
-    chunk_row = jnp.minimum(jnp.searchsorted(chunk_end, chunk_ids, side="right"), batch - 1)
+    chunk_row = jnp.minimum(jnp.searchsorted(chunk_end, chunk_ids, side="right", method="compare_all"), batch - 1)
     return ChunkLayout(chunk_size, num_chunks, valid, token_chunk, local % chunk_size, chunk_row,
                        chunk_ids < chunk_end[-1])
 

@@ -20,7 +20,8 @@ Rows start from `state[slot_ids[b]]` (zeros on the null slot 0) and their final 
 slot (aliased, in place under jit with a donated state). Rows of exactly one token (a serving step's decode
 rows) take neither form: `_single_token_kernel`, grid `(B, HV, V // BV'')`, applies the decode kernel's
 recurrent update (`fused_recurrent.recurrent_step`), so a mixed step costs a decode step per such row, not a
-`[C, ...]` chunk. Programs with nothing to do exit at once.
+`[C, ...]` chunk; its programs past the last row write the padding tokens' zeros (the output is not
+zero-filled first). Programs with nothing to do exit at once.
 
 Dot operands are in v's dtype (q and k are cast; bf16 tensor cores for bf16 v), accumulation, the decays and
 the carried state are fp32; per-chunk states are stored in v's dtype. fp32 operands (Mamba2 passes fp32
@@ -37,7 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.gated_delta_rule.chunk import _for_each_multi_row, _layout, _Layout, _row_groups
+from pallas_kernels.gated_delta_rule.chunk import (_for_each_multi_row, _layout, _Layout, _row_groups, padding_programs,
+                                                   zero_padding)
 from pallas_kernels.simple_gla.fused_recurrent import recurrent_step
 
 _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
@@ -93,8 +95,7 @@ def _fused_kernel(
     v_ref,  # [T, HV, V] (whole)
     g_ref,  # [T, HV] (whole)
     state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
-    o_in_ref,  # [T, HV, V] zeros (whole, aliased with o_ref)
-    o_ref,  # [T, HV, V] (whole)
+    o_ref,  # [T, HV, V] (whole; tokens of no multi-token row are `_single_token_kernel`'s)
     state_ref,  # [S, HV, K, V] (whole)
     *,
     chunk_size: int,
@@ -105,7 +106,6 @@ def _fused_kernel(
     row_groups: int,
 ):
     """The sequential pass with the output: per chunk, o from the carried state, then the state advanced."""
-    del o_in_ref
     j, i = pl.program_id(1), pl.program_id(2)
     v_slice = pl.ds(i * block_v, block_v)
     lane = jnp.arange(chunk_size)
@@ -192,8 +192,7 @@ def _output_kernel(
     v_ref,  # [T, HV, V] (whole)
     g_ref,  # [T, HV] (whole)
     h_ref,  # [K, BV] the state entering chunk n
-    o_in_ref,  # [T, HV, V] zeros (whole, aliased with o_ref)
-    o_ref,  # [T, HV, V] (whole)
+    o_ref,  # [T, HV, V] (whole; tokens of no multi-token row are `_single_token_kernel`'s)
     *,
     chunk_size: int,
     group: int,
@@ -202,7 +201,6 @@ def _output_kernel(
     precision,
 ):
     """All chunks in parallel: each chunk's output from the state entering it."""
-    del o_in_ref
     n, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = chunk_len_ref[n]
 
@@ -233,13 +231,19 @@ def _single_token_kernel(
     group: int,
     block_v: int,
     scale: float,
+    num_tokens: int,
+    tail_tokens: int,
 ):
-    """Rows of exactly one token: the decode kernel's recurrent update. Other rows are left alone."""
+    """Rows of exactly one token: the decode kernel's recurrent update. Other rows are left alone. Programs past
+    the last row write the padding tokens' zeros (`zero_padding`)."""
     del o_in_ref
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    zero_padding(cu_seqlens_ref, o_ref, b - slot_ids_ref.shape[0], j, pl.ds(i * block_v, block_v),
+                 num_tokens=num_tokens, tokens=tail_tokens)
+    b = jnp.minimum(b, slot_ids_ref.shape[0] - 1)
     t = cu_seqlens_ref[b]
 
-    @pl.when(cu_seqlens_ref[b + 1] - t == 1)
+    @pl.when((pl.program_id(0) == b) & (cu_seqlens_ref[b + 1] - t == 1))
     def _():
         slot = slot_ids_ref[b]
         v_slice = pl.ds(i * block_v, block_v)
@@ -324,14 +328,13 @@ def chunk_simple_gla_pallas(
     seq_grid = (groups, num_value_heads, value_dim // block_v)
     o_shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
     state_shape = jax.ShapeDtypeStruct(state.shape, state.dtype)
-    zeros_o = jnp.zeros(v.shape, v.dtype)
     tag = f"c{c}_bv{block_v}_w{num_warps}_s{num_stages}{'_x3' if precision == 'tf32x3' else ''}"
     if fused_output:
         kernel = functools.partial(_fused_kernel, chunk_size=c, group=group, block_v=block_v, scale=scale,
                                    precision=dot_precision, row_groups=groups)
-        o, state = _call(kernel, seq_grid, 10, [o_shape, state_shape], {9: 0, 8: 1}, num_warps=num_warps,
+        o, state = _call(kernel, seq_grid, 9, [o_shape, state_shape], {8: 1}, num_warps=num_warps,
                          num_stages=num_stages, interpret=interpret, name=f"sgla_chunk_fused_{tag}")(
-            layout.num_multi, layout.multi_rows, slots, cu, q, k, v, g, state, zeros_o)
+            layout.num_multi, layout.multi_rows, slots, cu, q, k, v, g, state)
     else:
         kernel = functools.partial(_state_kernel, chunk_size=c, group=group, block_v=block_v,
                                    precision=dot_precision, row_groups=groups)
@@ -342,13 +345,15 @@ def chunk_simple_gla_pallas(
         kernel = functools.partial(_output_kernel, chunk_size=c, group=group, block_v=out_block_v, scale=scale,
                                    precision=dot_precision)
         h_spec = pl.BlockSpec((None, None, key_dim, out_block_v), lambda n, j, i: (n, j, 0, i))
-        (o,) = _call(kernel, (layout.num_chunks, num_value_heads, value_dim // out_block_v), 8, [o_shape], {7: 0},
+        (o,) = _call(kernel, (layout.num_chunks, num_value_heads, value_dim // out_block_v), 7, [o_shape], {},
                      num_warps=out_num_warps, num_stages=2, interpret=interpret,
-                     in_specs=[_WHOLE] * 6 + [h_spec, _WHOLE],
+                     in_specs=[_WHOLE] * 6 + [h_spec],
                      name=f"sgla_chunk_output_c{c}_bv{out_block_v}_w{out_num_warps}")(
-            layout.chunk_start, layout.chunk_len, q, k, v, g, h, zeros_o)
-    kernel = functools.partial(_single_token_kernel, group=group, block_v=single_block_v, scale=scale)
-    o, state = _call(kernel, (batch, num_value_heads, value_dim // single_block_v), 8, [o_shape, state_shape],
+            layout.chunk_start, layout.chunk_len, q, k, v, g, h)
+    kernel = functools.partial(_single_token_kernel, group=group, block_v=single_block_v, scale=scale,
+                               num_tokens=num_tokens, tail_tokens=c)
+    single_grid = (batch + padding_programs(num_tokens, c), num_value_heads, value_dim // single_block_v)
+    o, state = _call(kernel, single_grid, 8, [o_shape, state_shape],
                      {6: 0, 7: 1}, num_warps=4, num_stages=1, interpret=interpret,
                      name=f"sgla_chunk_single_bv{single_block_v}_w4")(cu, slots, q, k, v, g, o, state)
     return o[:num_tokens], state
