@@ -27,10 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, paged_attention
+from pallas_kernels.paged_attention import paged_attention_reference, paged_prefix_merge_pallas
+from pallas_kernels.paged_attention.self_attention import packed_causal_attention
 from pallas_kernels.gated_delta_rule import gated_delta_decode, gated_delta_decode_packed
 from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode, mamba2_decode
 
-KERNELS = ("paged_decode", "paged_prefill", "gdn_decode", "gdn_fused_decode", "gdn_packed_decode", "gdn_chunk",
+KERNELS = ("paged_decode", "paged_prefill", "paged_prefix_merge", "gdn_decode", "gdn_fused_decode", "gdn_packed_decode", "gdn_chunk",
            "sgla_decode", "sgla_chunk", "mamba2_decode", "lightning_decode")
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 2e-3}  # relative RMS error (TF32 dots in fp32 kernels)
 
@@ -54,6 +56,15 @@ def _paged(rng, lengths, new, d, dtype, h=8, kvh=2, bs=16):
     return (q, *pages, jnp.asarray(tables), jnp.asarray(rows), jnp.asarray(positions)), cu
 
 
+def _self_part(args, cu):
+    """The queries' attention over their own step's keys (read back from the pages), jnp."""
+    q, k_pages, v_pages, tables, rows, positions = args
+    bs = k_pages.shape[1]
+    pages = tables[rows, positions // bs]
+    k, v = k_pages[pages, positions % bs], v_pages[pages, positions % bs]
+    return packed_causal_attention(q, k, v, cu, scale=q.shape[-1] ** -0.5, impl="reference")
+
+
 def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     """Per kernel: (a function of `impl` and `interpret` that runs it, its arguments). q / k / v in `dtype`, linear
     states fp32 (the engine's), value and key head dims both `d`."""
@@ -65,6 +76,12 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     args, cu = _paged(rng, [40, 17], [30, 17], d, dtype)
     out["paged_prefill"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
         *a, cu_seqlens=cu, decode=False, impl=impl, interpret=interpret), args)
+    # the split prefill's prefix part merged into a given self part (its jnp form) in place; the reference: the
+    # whole attention (row 0 has 10 cached keys, row 1 none)
+    o_self, lse_self = _self_part(args, cu)
+    out["paged_prefix_merge"] = (lambda *a, impl, interpret, cu=cu: paged_attention_reference(*a[:6])
+                                 if impl == "reference" else paged_prefix_merge_pallas(
+                                     *a[:4], cu, *a[5:], interpret=interpret)[0], (*args, o_self, lse_self))
     h, hv, slots = 2, 4, 9
     state = jnp.asarray(rng.normal(size=(slots, hv, d, d)), jnp.float32)
     decode_slots = jnp.arange(1, 9, dtype=jnp.int32)

@@ -17,6 +17,7 @@ from tests.test_kernels_pallas import lower_for_h200
 TRITON = {  # the Triton kernels each call lowers to, in program order (names carry the tuning: not pinned here)
     "paged_decode": [r"paged_decode_\w+"],
     "paged_prefill": [r"paged_prefill_\w+"],
+    "paged_prefix_merge": [r"paged_prefix_merge_\w+"],
     "gdn_decode": [r"gdn_fused_recurrent_\w+"],
     "gdn_fused_decode": [r"gdn_fused_decode_w\d+"],
     "gdn_packed_decode": [r"gdn_fused_decode_packed_\w+"],

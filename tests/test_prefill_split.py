@@ -41,12 +41,25 @@ def _new_kv(args, token_seq, positions, n_real):
             jnp.asarray(np.concatenate([v, np.full((pad, *v.shape[1:]), np.nan, v.dtype)])))
 
 
-@pytest.mark.parametrize("skip_empty_prefix", [False, True])
+def _route(monkeypatch, route: str) -> None:
+    """The split's prefix part: "in_place" (`prefix.py`, which these small steps would not take by default: their
+    few query tiles get KV splits), "unmerged" (the prefill kernel + `merge_attention`, the prefix part run for
+    every step) or "unmerged_skip" (the same, skipped by a `lax.cond` when no row has a prefix)."""
+    from pallas_kernels.paged_attention import prefill
+
+    monkeypatch.setattr(pa, "PREFIX_IN_PLACE", route == "in_place")
+    monkeypatch.setattr(prefill, "TARGET_PROGRAMS", 1 if route == "in_place" else prefill.TARGET_PROGRAMS)
+    monkeypatch.setattr(self_attention, "SKIP_EMPTY_PREFIX", route == "unmerged_skip")
+    jax.clear_caches()  # a trace of another route must not be reused
+
+
+ROUTES = ["in_place", "unmerged", "unmerged_skip"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("lengths,new,h,kvh,d,bs", CASES)
-def test_split_prefill_matches_reference(lengths, new, h, kvh, d, bs, skip_empty_prefix, monkeypatch):
-    # both forms of a step without prefixes: the prefix part run (the default) and skipped by a `lax.cond`
-    monkeypatch.setattr(self_attention, "SKIP_EMPTY_PREFIX", skip_empty_prefix)
-    jax.clear_caches()  # a trace of the other setting must not be reused
+def test_split_prefill_matches_reference(lengths, new, h, kvh, d, bs, route, monkeypatch):
+    _route(monkeypatch, route)
     rng = np.random.default_rng(sum(lengths) + d)
     args, cu = _with_padding(_paged_inputs(rng, lengths, new, h, kvh, d, bs, jnp.float32), lengths, new)
     real = int(cu[-1])
@@ -99,11 +112,13 @@ def test_split_refuses_what_it_cannot_do():
         paged_attention(*args, cu_seqlens=cu, impl="pallas", interpret=True, new_kv=new_kv, self_impl="flash")
 
 
-def test_the_attention_layer_splits_prefill_steps_only(monkeypatch):
+@pytest.mark.parametrize("route", ["in_place", "unmerged"])
+def test_the_attention_layer_splits_prefill_steps_only(route, monkeypatch):
     """The model hands a prefill step's K/V to the attention (so that the GPU splits it); the logits of a fresh chunk, a chunk after it and decode steps through the split equal the reference path's.
     Checked to fail when `attention_layer` drops `new_kv`."""
     import dataclasses
 
+    _route(monkeypatch, route)
     from jhybrid.models.params import init_params
     from tests.test_model_pallas_path import run
     from tests.tp_worker import family_config

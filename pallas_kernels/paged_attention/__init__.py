@@ -13,8 +13,10 @@
     benchmarks/RESULTS.md); else the reference.
 
 A ragged prefill given its own keys and values (`new_kv`) runs split (`self_attention.py`): the step's tokens
-among themselves by cuDNN's fused attention, the rows' cached prefixes by the Pallas kernel, merged by LSE
-(`AUTO_CUDNN_PREFILL` on the GPU; `self_impl` picks the self part's implementation explicitly).
+among themselves by cuDNN's fused attention, the rows' cached prefixes by a Pallas kernel that merges into the
+self part's output in place (`prefix.py`; `PREFIX_IN_PLACE`), or, for steps of few query tiles, by the prefill
+kernel with KV splits followed by an LSE merge (`AUTO_CUDNN_PREFILL` on the GPU; `self_impl` picks the self
+part's implementation explicitly).
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.paged_attention.decode import paged_attention_decode_pallas
 from pallas_kernels.paged_attention.merge import merge_attention
-from pallas_kernels.paged_attention.prefill import paged_attention_prefill_pallas
+from pallas_kernels.paged_attention.prefill import paged_attention_prefill_pallas, tiling
+from pallas_kernels.paged_attention.prefix import paged_prefix_merge_pallas
 from pallas_kernels.paged_attention.reference import paged_attention_reference, write_kv_pages
 from pallas_kernels.paged_attention.self_attention import cudnn_supported, split_prefill_attention
 
 _IMPLS = ("auto", "reference", "pallas")
 _TUNING = ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page", "block_q")
 _PREFILL_TUNING = ("pages_per_block", "num_warps", "num_stages", "block_q", "per_page")
+_PREFIX_TUNING = ("pages_per_block", "num_warps", "num_stages", "block_q")
+_TILING = ("pages_per_block", "block_q")
 # "auto" routes prefill (many queries per row) to the ragged Pallas kernel: checked against the reference on
 # the H200 (benchmarks/kernels.py, 2026-11-30 session 2). Set False to fall back to the reference.
 AUTO_PALLAS_PREFILL = True
@@ -41,6 +46,11 @@ AUTO_PALLAS_PREFILL = True
 # before the engine starts).
 AUTO_CUDNN_PREFILL = os.environ.get("JHYBRID_CUDNN_PREFILL", "1") != "0"
 _SELF_IMPLS = ("cudnn", "reference")
+# a split prefill continues the self part's softmax over the prefixes in place (`prefix.py`: a fresh prompt's
+# tiles exit at once, and there is no tile layout, fp32 partial output or merge pass), unless the step's query
+# tiles are so few that the unmerged kernel would split their keys across programs (a short suffix after a long
+# cached prefix). JHYBRID_PREFIX_IN_PLACE=0: always the unmerged kernel and `merge_attention` (session 27's form).
+PREFIX_IN_PLACE = os.environ.get("JHYBRID_PREFIX_IN_PLACE", "1") != "0"
 
 
 def _pow2(x: int) -> bool:
@@ -97,7 +107,13 @@ def paged_attention(
             prefix = lambda pos: paged_attention_prefill_pallas(  # noqa: E731
                 q, k_pages, v_pages, block_tables, cu_seqlens, pos, interpret=interpret, scale=scale, return_lse=True,
                 **tuning)
-            o, lse = split_prefill_attention(q, *new_kv, cu_seqlens, positions, prefix, scale=scale, impl=self_impl)
+            merge = None
+            if PREFIX_IN_PLACE and tiling(q.shape, k_pages, block_tables.shape, **_only(tuning, _TILING))[2] == 1:
+                merge = lambda o, lse: paged_prefix_merge_pallas(  # noqa: E731
+                    q, k_pages, v_pages, block_tables, cu_seqlens, positions, o, lse, scale=scale, interpret=interpret,
+                    **_only(tuning, _PREFIX_TUNING))
+            o, lse = split_prefill_attention(q, *new_kv, cu_seqlens, positions, prefix, scale=scale, impl=self_impl,
+                                             merge_prefix=merge)
             return (o, lse) if return_lse else o
         kernel = lambda q, kp, vp, bt, rows, pos: paged_attention_prefill_pallas(  # noqa: E731
             q, kp, vp, bt, rows, pos, interpret=interpret, **kw, **tuning
@@ -112,6 +128,10 @@ def paged_attention(
     if mesh is not None and mesh.size > 1:
         kernel = _per_head_shard(kernel, mesh, return_lse)
     return kernel(q, k_pages, v_pages, block_tables, rows, positions)
+
+
+def _only(tuning: dict, names: tuple[str, ...]) -> dict:
+    return {k: v for k, v in tuning.items() if k in names}
 
 
 def _split_impl(q, k_pages, new_kv, self_impl, sliding_window, soft_cap, mesh) -> str | None:
@@ -145,6 +165,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_decode_pallas",
     "paged_attention_prefill_pallas",
+    "paged_prefix_merge_pallas",
     "paged_attention_reference",
     "write_kv_pages",
 ]

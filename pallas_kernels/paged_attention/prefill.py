@@ -117,6 +117,25 @@ def _prefill_kernel(
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
+def tiling(q_shape, k_pages, tables_shape, *, block_q: int | None = None, pages_per_block: int | None = None,
+           num_splits: int | None = None) -> tuple[int, int, int]:
+    """The kernel's (block_q, pages_per_block, num_splits) for queries `[T, H, D]` over `k_pages` and block tables
+    `[B, M]`, defaults filled in (`paged_attention_prefill_pallas`): static, so a caller can tell a step's KV splits
+    before tracing it."""
+    num_tokens, num_heads, _ = q_shape
+    num_kv_heads = k_pages.shape[2]
+    gp = _next_pow2(num_heads // num_kv_heads)
+    wide = jnp.dtype(k_pages.dtype).itemsize > 2
+    block_q = block_q or max(1, (64 if wide else 128) // gp)
+    if block_q * gp < 16:
+        block_q = 16 // gp
+    pages_per_block = min(pages_per_block or (2 if wide else 4), _next_pow2(tables_shape[1]))
+    num_tiles = -(-num_tokens // block_q) + tables_shape[0]
+    if num_splits is None:
+        num_splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (num_tiles * num_kv_heads)))
+    return block_q, pages_per_block, max(1, min(num_splits, -(-(tables_shape[1] + pages_per_block) // pages_per_block)))
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "sliding_window", "soft_cap", "return_lse", "block_q", "pages_per_block",
@@ -160,21 +179,14 @@ def paged_attention_prefill_pallas(
     _, block_size, num_kv_heads, _ = k_pages.shape
     group = num_heads // num_kv_heads
     gp = _next_pow2(group)
-    wide = jnp.dtype(k_pages.dtype).itemsize > 2
-    block_q = block_q or max(1, (64 if wide else 128) // gp)
-    pages_per_block = pages_per_block or (2 if wide else 4)
+    block_q, pages_per_block, num_splits = tiling(q.shape, k_pages, block_tables.shape, block_q=block_q,
+                                                  pages_per_block=pages_per_block, num_splits=num_splits)
     rows = block_q * gp
-    if rows < 16:
-        block_q, rows = 16 // gp, 16
     scale = head_dim**-0.5 if scale is None else scale
     tiles = chunk_layout(cu_seqlens, num_tokens, block_q)  # query tiles laid out as the recurrence's chunks
     num_tiles, token_tile, token_lane = tiles.num_chunks, tiles.token_chunk, tiles.token_lane
     tile_row = tiles.chunk_row.astype(jnp.int32)
-    pages_per_block = min(pages_per_block, _next_pow2(block_tables.shape[1]))
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pages_per_block)))
-    if num_splits is None:
-        num_splits = min(MAX_SPLITS, max(1, TARGET_PROGRAMS // (num_tiles * num_kv_heads)))
-    num_splits = max(1, min(num_splits, -(-block_tables.shape[1] // pages_per_block)))
 
     # queries and positions in tile layout [N, KVH, BQ*GP, D] / [N, BQ*GP]
     q4 = q.astype(k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)

@@ -1,5 +1,5 @@
 """Ragged prefill attention in two parts: the step's own tokens by cuDNN's fused attention, the cached prefix by
-the Pallas kernel, merged by log-sum-exp.
+a Pallas kernel, merged by log-sum-exp (in that kernel, `prefix.py`, or after it, `merge.py`).
 
 A prefill step's query tokens attend to two disjoint key sets: the keys the step itself brings (each row's new
 tokens, causally among themselves) and the keys its rows had before the step (a prompt's earlier chunks, a
@@ -56,16 +56,22 @@ def packed_causal_attention(
     """Causal attention of each row's packed tokens `[cu[b], cu[b+1])` over the same row's tokens (GQA: query head
     h reads kv head h // (H / KVH)). Returns (o `[T, H, D]` in q's dtype, lse `[T, H]` fp32, natural log of the
     scaled scores' sum-exp); padding tokens (at or after `cu[B]`) get o = 0 and lse = -inf."""
-    num_tokens, num_heads, head_dim = q.shape
-    row, real = token_rows(cu_seqlens, num_tokens)
+    o, lse = _self_part(q, k, v, cu_seqlens, scale, impl)
+    real = jnp.arange(q.shape[0]) < cu_seqlens[-1]
+    o = jnp.where(real[:, None, None], o, 0).astype(q.dtype)  # cuDNN leaves tokens outside every row unwritten
+    return o, jnp.where(real[:, None], lse, -jnp.inf)
+
+
+def _self_part(q, k, v, cu_seqlens, scale, impl):
+    """`packed_causal_attention` with its padding tokens' o and lse unspecified (o in q's dtype)."""
+    row, real = token_rows(cu_seqlens, q.shape[0])
     if impl == "reference":
         o, lse = _reference(q, k, v, row, real, scale)
     elif impl == "cudnn":
         o, lse = _cudnn(q, k, v, cu_seqlens, row, scale)
     else:
         raise ValueError(f"unknown packed attention {impl=}; choose 'cudnn' or 'reference'")
-    o = jnp.where(real[:, None, None], o, 0).astype(q.dtype)  # cuDNN leaves tokens outside every row unwritten
-    return o, jnp.where(real[:, None], lse, -jnp.inf)
+    return o.astype(q.dtype), lse
 
 
 def _reference(q, k, v, row, real, scale):
@@ -116,10 +122,18 @@ def prefix_positions(positions: Int[Array, "T"], cu_seqlens: Int[Array, "B+1"]) 
     return jnp.where(real, first - 1, -1).astype(positions.dtype)
 
 
-def split_prefill_attention(q, k, v, cu_seqlens, positions, prefix_attention, *, scale: float, impl: str = "cudnn"):
-    """The step's self-attention (`packed_causal_attention`) merged with `prefix_attention(prefix_positions)`,
-    a callable returning (o, lse) of the queries over their rows' keys up to the given positions (the Pallas
-    kernel), skipped when no row has a prefix if `SKIP_EMPTY_PREFIX`. Returns (o in q's dtype, lse fp32)."""
+def split_prefill_attention(q, k, v, cu_seqlens, positions, prefix_attention=None, *, scale: float,
+                            impl: str = "cudnn", merge_prefix=None):
+    """The step's self-attention (`packed_causal_attention`) merged with the attention over the rows' prefixes.
+
+    `merge_prefix(o_self, lse_self)`: a callable continuing the self part's softmax over the prefixes and
+    returning the merged (o, lse), with padding tokens' zeros and -inf (the in-place kernel, `prefix.py`);
+    the self part's padding tokens are left as computed. Else `prefix_attention(prefix_positions)`: a callable
+    returning (o, lse) of the queries over their rows' keys up to the given positions (the Pallas kernel),
+    merged by `merge_attention` and skipped when no row has a prefix if `SKIP_EMPTY_PREFIX`. Returns (o in q's
+    dtype, lse fp32)."""
+    if merge_prefix is not None:
+        return merge_prefix(*_self_part(q, k, v, cu_seqlens, scale, impl))
     o_self, lse_self = packed_causal_attention(q, k, v, cu_seqlens, scale=scale, impl=impl)
     before = prefix_positions(positions, cu_seqlens)
 
