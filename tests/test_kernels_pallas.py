@@ -455,6 +455,33 @@ def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, varian
     np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
 
 
+@pytest.mark.parametrize("variant", ["default", "split_output", "no_scores"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_pallas_normalises_q_and_k_as_it_loads_them(variant, dtype):
+    """`qk_l2norm=True` on raw q / k (not unit length, as the layer's conv output) gives what the kernel gives on
+    q / k normalised by jnp first (fp32, rounded to their dtype), in every stage that reads them: the WY stage, the
+    fused or split sequential pass and the one-token rows. (Checked to fail with `_l2norm` ignoring `on` in the
+    one-token rows only, and in the sequential pass only.)"""
+    from pallas_kernels.gated_delta_rule.fused_decode import _l2_normalize
+
+    lengths = [1, 63, 0, 37, 1]  # one-token rows, many chunks, an empty row
+    rng = np.random.default_rng(11)
+    q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, lengths, 2, 4, 32, 16, 9, dtype)
+    q, k = q * 3.0, k * 0.5  # raw: far from unit length
+    slots = jnp.arange(1, len(lengths) + 1, dtype=jnp.int32)
+    run = lambda q, k, **kw: chunk_gated_delta_rule(  # noqa: E731
+        q, k, v, g, beta, cu, jnp.asarray(state), slots, impl="pallas", interpret=True, chunk_size=16, block_v=16,
+        **CHUNK_VARIANTS[variant], **kw)
+    want_o, want_state = run(_l2_normalize(q, dtype), _l2_normalize(k, dtype))
+    got_o, got_state = run(q, k, qk_l2norm=True)
+    np.testing.assert_allclose(np.asarray(got_o, np.float32), np.asarray(want_o, np.float32), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_state), np.asarray(want_state), rtol=1e-5, atol=1e-6)
+    ref_o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu, jnp.asarray(state), slots, impl="reference",
+                                      chunk_size=16, qk_l2norm=True)  # the reference path normalises in jnp
+    assert_close("reference with qk_l2norm", np.asarray(ref_o, np.float32), np.asarray(want_o, np.float32),
+                 1e-5 if dtype == jnp.float32 else 1e-2)
+
+
 _WY, _SINGLE = r"gdn_chunk_wy_c\d+_bf16_w\d+", r"gdn_chunk_single_bv\d+_w\d+"
 _FUSED, _STATE = r"gdn_chunk_fused_c\d+_bv\d+_w\d+_s\d+", r"gdn_chunk_state_c\d+_bv\d+_w\d+_s\d+"
 _OUTPUT = r"gdn_chunk_output_c\d+_bv\d+_w\d+"

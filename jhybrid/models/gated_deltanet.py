@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
-from jhybrid.models.layers import gated_rms_norm, l2_normalize, short_conv
+from jhybrid.models.layers import gated_rms_norm, short_conv
 from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import chunk_gated_delta_rule, conv_update
@@ -50,13 +50,13 @@ def gated_deltanet_layer(
         o, ssm_state = gated_delta_decode(q, k, v, a, b, z, p["A_log"], p["dt_bias"], p["norm"], ssm_state,
                                           batch.slot_ids, eps=cfg.rms_norm_eps, **(kernels or {}))
         return linear(o.reshape(num_tokens, hv * dv), p["out_proj"]), conv_state, ssm_state
-    q, k = l2_normalize(q).astype(x.dtype), l2_normalize(k).astype(x.dtype)  # normalised in fp32, fed as x.dtype
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
     )
+    # q and k L2-normalised in fp32 and fed as x.dtype, by the kernels as they load them (no normalised copy)
     o, ssm_state = chunk_gated_delta_rule(q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids,
-                                          **(kernels or {}))
+                                          qk_l2norm=True, **(kernels or {}))
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)  # [T, HV, V]
     out = linear(o.reshape(num_tokens, hv * dv), p["out_proj"])
     return out, conv_state, ssm_state

@@ -26,7 +26,7 @@ import os
 import jax
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.gated_delta_rule.chunk import chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta_rule.chunk import _l2norm, chunk_gated_delta_rule_pallas
 from pallas_kernels.gated_delta_rule.fused_decode import (
     decode_in_parts,
     gated_delta_decode_packed_pallas,
@@ -82,14 +82,20 @@ def _per_head_shard(kernel, mesh, specs):
 
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, state, slot_ids, *, impl: str = "auto",
                            interpret: bool = False, scale: float | None = None, chunk_size: int = 64,
-                           mesh=None, **tuning):
+                           mesh=None, qk_l2norm: bool = False, **tuning):
     """Same signature and result as `chunk_gated_delta_rule_reference`.
 
     impl: "auto", "reference" (chunked WY form), "recurrent" (token-by-token scan, the definition) or
-    "pallas". `tuning` (block_v, num_warps, num_stages, wy_num_warps, wy_precision, gcum, scores, fused_output,
-    out_block_v, single_block_v, row_groups) goes to the Pallas kernel.
+    "pallas". `qk_l2norm`: q and k are L2-normalised over K first (in fp32, `fused_decode.L2_EPS`, rounded to their
+    dtype), by the Pallas kernels as they load them, by jnp before the references. `tuning` (block_v, num_warps,
+    num_stages, wy_num_warps, wy_precision, gcum, scores, fused_output, out_block_v, single_block_v, row_groups)
+    goes to the Pallas kernel.
     """
     impl = _pick(impl, "chunk", q, v)
+    if qk_l2norm and impl != "pallas":
+        q, k = (_l2norm(x, True, x.dtype) for x in (q, k))
+    elif qk_l2norm:
+        tuning = dict(tuning, qk_l2norm=True)
     args = (q, k, v, g, beta, cu_seqlens, state, slot_ids)
     if impl == "recurrent":
         return recurrent_gated_delta_rule_reference(*args, scale=scale)

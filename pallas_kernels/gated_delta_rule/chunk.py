@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.gated_delta_rule.fused_decode import _l2_normalize
 from pallas_kernels.gated_delta_rule.fused_recurrent import recurrent_step
 
 _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
@@ -80,6 +81,7 @@ def _wy_kernel(
     gcum: bool,
     scores: bool,
     scale: float,
+    l2norm: bool,
 ):
     n, j = pl.program_id(0), pl.program_id(1)
     length = chunk_len_ref[n]
@@ -88,15 +90,15 @@ def _wy_kernel(
     def _():
         _wy_chunk(chunk_start_ref[n], length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref,
                   *extra_refs, chunk_size=chunk_size, group=group, precision=precision, input_dots=input_dots,
-                  bf16_inverse=bf16_inverse, gcum=gcum, scores=scores, scale=scale)
+                  bf16_inverse=bf16_inverse, gcum=gcum, scores=scores, scale=scale, l2norm=l2norm)
 
 
 def _wy_chunk(start, length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, *extra_refs,
-              chunk_size, group, precision, input_dots, bf16_inverse, gcum, scores, scale):
+              chunk_size, group, precision, input_dots, bf16_inverse, gcum, scores, scale, l2norm):
     """The WY stage of one non-empty chunk (`_wy_kernel`)."""
     lane = jnp.arange(chunk_size)
     valid = lane < length
-    k = _load_chunk(k_ref, start, valid, j // group, slice(None))  # [C, K]
+    k = _load_qk(k_ref, start, valid, j // group, k_ref.dtype, l2norm).astype(jnp.float32)  # [C, K]
     v = _load_chunk(v_ref, start, valid, j, slice(None))  # [C, V]
     g = _load_chunk(g_ref, start, valid, j)  # [C]
     beta = _load_chunk(beta_ref, start, valid, j)  # [C]
@@ -130,7 +132,7 @@ def _wy_chunk(start, length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_r
         extra.pop(0)[...] = cum
     if scores:  # the output's masked decayed scores, so the fused pass computes neither q k^T nor a [C, C] exp
         s_ref = extra.pop(0)
-        q = _load_chunk(q_ref, start, valid, j // group, slice(None))  # [C, K]
+        q = _load_qk(q_ref, start, valid, j // group, q_ref.dtype, l2norm)  # [C, K]
         s_ref[...] = (io_dot(q.astype(dt), k.astype(dt), _DOT_T) * (decay_incl * scale)).astype(s_ref.dtype)
 
 
@@ -167,6 +169,7 @@ def _state_kernel(
     gcum: bool,
     scores: bool,
     row_groups: int,
+    l2norm: bool,
 ):
     """The fused pass. Per chunk: `v_new = u - w S`, `o = exp(G) scale (q S) + scores v_new` and
     `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`; the decays scale `[C, BV]` tiles, not `[C, K]` ones."""
@@ -178,13 +181,13 @@ def _state_kernel(
         h = jnp.where(slot == 0, 0.0, state_in_ref[slot, j, :, v_slice].astype(jnp.float32))  # [K, BV]
         _state_chunks(h, slot, j, v_slice, cu_seqlens_ref[b], cu_seqlens_ref[b + 1], row_chunks_ref[b], q_ref, k_ref,
                       g_ref, w_ref, u_ref, s_ref, o_ref, state_ref, chunk_size=chunk_size, group=group, scale=scale,
-                      precision=precision, gcum=gcum, scores=scores)
+                      precision=precision, gcum=gcum, scores=scores, l2norm=l2norm)
 
     _for_each_multi_row(num_multi_ref, multi_rows_ref, row_groups, row)
 
 
 def _state_chunks(h, slot, j, v_slice, seq_start, seq_end, first_chunk, q_ref, k_ref, g_ref, w_ref, u_ref, s_ref,
-                  o_ref, state_ref, *, chunk_size, group, scale, precision, gcum, scores):
+                  o_ref, state_ref, *, chunk_size, group, scale, precision, gcum, scores, l2norm):
     """`_state_kernel`'s loop over the chunks of a row of more than one token."""
     lane = jnp.arange(chunk_size)
     causal = lane[:, None] >= lane[None, :]
@@ -195,8 +198,8 @@ def _state_chunks(h, slot, j, v_slice, seq_start, seq_end, first_chunk, q_ref, k
         start = seq_start + c * chunk_size
         valid = lane < seq_end - start
         n = first_chunk + c
-        q = _load_chunk(q_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
-        k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
+        q = _load_qk(q_ref, start, valid, j // group, dt, l2norm)  # [C, K]
+        k = _load_qk(k_ref, start, valid, j // group, dt, l2norm)  # [C, K]
         cum, cum_last = _chunk_decays(g_ref, n, start, valid, j, chunk_size, gcum)
         hb = h.astype(dt)
         v_new = u_ref[n, :, j, v_slice].astype(jnp.float32) - dot(w_ref[n, :, j, :], hb, _DOT)  # [C, BV]
@@ -236,6 +239,7 @@ def _state_only_kernel(
     precision,
     gcum: bool,
     row_groups: int,
+    l2norm: bool,
 ):
     """The sequential part only: per chunk, snapshot S, `v_new = u - w S`,
     `S' = exp(G_last) S + k^T (exp(G_last - G) v_new)`."""
@@ -244,13 +248,13 @@ def _state_only_kernel(
     def row(b):
         _state_only_chunks(slot_ids_ref[b], j, pl.ds(i * block_v, block_v), cu_seqlens_ref[b], cu_seqlens_ref[b + 1],
                            row_chunks_ref[b], k_ref, g_ref, w_ref, u_ref, state_in_ref, h_ref, v_new_ref, state_ref,
-                           chunk_size=chunk_size, group=group, precision=precision, gcum=gcum)
+                           chunk_size=chunk_size, group=group, precision=precision, gcum=gcum, l2norm=l2norm)
 
     _for_each_multi_row(num_multi_ref, multi_rows_ref, row_groups, row)
 
 
 def _state_only_chunks(slot, j, v_slice, seq_start, seq_end, first_chunk, k_ref, g_ref, w_ref, u_ref, state_in_ref,
-                       h_ref, v_new_ref, state_ref, *, chunk_size, group, precision, gcum):
+                       h_ref, v_new_ref, state_ref, *, chunk_size, group, precision, gcum, l2norm):
     h = state_in_ref[slot, j, :, v_slice].astype(jnp.float32)  # [K, BV]
     h = jnp.where(slot == 0, 0.0, h)
     lane = jnp.arange(chunk_size)
@@ -265,7 +269,7 @@ def _state_only_chunks(slot, j, v_slice, seq_start, seq_end, first_chunk, k_ref,
         v_new = u_ref[n, :, j, v_slice].astype(jnp.float32) - dot(w_ref[n, :, j, :], h.astype(dt), _DOT)
         v_new_ref[n, :, j, v_slice] = v_new.astype(v_new_ref.dtype)
         cum, cum_last = _chunk_decays(g_ref, n, start, valid, j, chunk_size, gcum)
-        k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
+        k = _load_qk(k_ref, start, valid, j // group, dt, l2norm)  # [C, K]
         v_dec = (v_new * jnp.exp(cum_last - cum)[:, None]).astype(dt)
         return jnp.exp(cum_last) * h + dot(k, v_dec, _T_DOT)
 
@@ -290,6 +294,7 @@ def _output_kernel(
     scale: float,
     precision,
     gcum: bool,
+    l2norm: bool,
 ):
     """All chunks in parallel: o = (q exp(G)) S_n + lower(q.k exp(G_i - G_j)) v_new."""
     n, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -299,17 +304,17 @@ def _output_kernel(
     def _():
         _output_chunk(chunk_start_ref[n], length, j, i, q_ref, k_ref, g_ref, h_ref, v_new_ref, o_ref,
                       chunk_size=chunk_size, group=group, block_v=block_v, scale=scale, precision=precision,
-                      gcum=gcum)
+                      gcum=gcum, l2norm=l2norm)
 
 
 def _output_chunk(start, length, j, i, q_ref, k_ref, g_ref, h_ref, v_new_ref, o_ref, *, chunk_size, group, block_v,
-                  scale, precision, gcum):
+                  scale, precision, gcum, l2norm):
     lane = jnp.arange(chunk_size)
     valid = lane < length
     dt = q_ref.dtype
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-    q = _load_chunk(q_ref, start, valid, j // group, slice(None), dtype=dt)  # [C, K]
-    k = _load_chunk(k_ref, start, valid, j // group, slice(None), dtype=dt)
+    q = _load_qk(q_ref, start, valid, j // group, dt, l2norm)  # [C, K]
+    k = _load_qk(k_ref, start, valid, j // group, dt, l2norm)
     cum = g_ref[...] if gcum else jnp.cumsum(_load_chunk(g_ref, start, valid, j))  # [C]
     causal = lane[:, None] >= lane[None, :]
     decay = jnp.exp(jnp.where(causal, cum[:, None] - cum[None, :], -jnp.inf))
@@ -338,6 +343,7 @@ def _single_token_kernel(
     scale: float,
     num_tokens: int,
     tail_tokens: int,
+    l2norm: bool,
 ):
     """Rows of exactly one token (the decode rows of a mixed step): the recurrent update, as the decode kernel
     does it, in place of a `[C, ...]` chunk that would hold one token. Other rows are left alone. Programs past
@@ -353,8 +359,10 @@ def _single_token_kernel(
     def _():
         slot = slot_ids_ref[b]
         v_slice = pl.ds(i * block_v, block_v)
-        o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q_ref[t, j // group, :], k_ref[t, j // group, :],
-                              v_ref[t, j, v_slice], g_ref[t, j], beta_ref[t, j], scale)
+        q = _l2norm(q_ref[t, j // group, :], l2norm, q_ref.dtype)
+        k = _l2norm(k_ref[t, j // group, :], l2norm, k_ref.dtype)
+        o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q, k, v_ref[t, j, v_slice], g_ref[t, j],
+                              beta_ref[t, j], scale)
         o_ref[t, j, v_slice] = o.astype(o_ref.dtype)
 
         @pl.when(slot != 0)
@@ -383,12 +391,12 @@ def padding_programs(num_tokens: int, tokens: int) -> int:
 
 
 def single_token_stage(q, k, v, g, beta, cu, o, state, slot_ids, *, block_v: int, num_warps: int, interpret: bool,
-                       scale: float, num_tokens: int, tail_tokens: int):
+                       scale: float, num_tokens: int, tail_tokens: int, l2norm: bool = False):
     """`_single_token_kernel` over every row (o and state updated in place), then `zero_padding` over the first
     `num_tokens` tokens, `tail_tokens` a program: (o, new state)."""
     num_value_heads, value_dim = v.shape[1:]
     kernel = functools.partial(_single_token_kernel, group=num_value_heads // k.shape[1], block_v=block_v,
-                               scale=scale, num_tokens=num_tokens, tail_tokens=tail_tokens)
+                               scale=scale, num_tokens=num_tokens, tail_tokens=tail_tokens, l2norm=l2norm)
     return pl.pallas_call(
         kernel,
         grid=(slot_ids.shape[0] + padding_programs(num_tokens, tail_tokens), num_value_heads, value_dim // block_v),
@@ -400,6 +408,17 @@ def single_token_stage(q, k, v, g, beta, cu, o, state, slot_ids, *, block_v: int
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"gdn_chunk_single_bv{block_v}_w{num_warps}",
     )(cu, slot_ids.astype(jnp.int32), q, k, v, g, beta, o, state)
+
+
+def _l2norm(x, on: bool, dtype):
+    """x L2-normalised over its last axis in fp32 and rounded to `dtype` (what the caller would have passed had
+    it normalised first: `fused_decode._l2_normalize`) when `on`, else x in `dtype`."""
+    return _l2_normalize(x, dtype) if on else x.astype(dtype)
+
+
+def _load_qk(ref, start, valid, head, dtype, l2norm: bool):
+    """A chunk's q or k `[C, K]` in `dtype`, L2-normalised first with `l2norm` (masked tokens stay zeros)."""
+    return _l2norm(_load_chunk(ref, start, valid, head, slice(None)), l2norm, dtype)
 
 
 class _Layout(NamedTuple):
@@ -458,7 +477,7 @@ _PRECISIONS = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "tf32": No
 
 
 def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: str, num_warps: int,
-             interpret: bool, gcum: bool = False, q=None, scale: float = 1.0):
+             interpret: bool, gcum: bool = False, q=None, scale: float = 1.0, l2norm: bool = False):
     """w, u `[N, C, HV, K|V]` (v's dtype) for every chunk, all in parallel; then the in-chunk cumulative g
     `[N, C, HV]` (fp32) with `gcum`, and given `q` the masked decayed scores `[N, C, HV, C]` (v's dtype)."""
     num_value_heads, value_dim = v.shape[1:]
@@ -470,7 +489,7 @@ def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: s
     precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[wy_precision]
     kernel = functools.partial(_wy_kernel, chunk_size=c, group=group, precision=precision,
                                input_dots=wy_precision in ("input", "bf16"), bf16_inverse=wy_precision == "bf16",
-                               gcum=gcum, scores=scores, scale=scale)
+                               gcum=gcum, scores=scores, scale=scale, l2norm=l2norm)
     spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, j: (n, 0, j, 0))  # noqa: E731
     shape = lambda d: jax.ShapeDtypeStruct((n, c, num_value_heads, d), v.dtype)  # noqa: E731
     out_specs, out_shape = [spec(key_dim), spec(value_dim)], [shape(key_dim), shape(value_dim)]
@@ -494,7 +513,7 @@ def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: s
 
 def fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int,
                       block_v: int, scale: float, num_warps: int, num_stages: int, interpret: bool,
-                      gcum: bool = False, scores=None, row_groups: int | None = None):
+                      gcum: bool = False, scores=None, row_groups: int | None = None, l2norm: bool = False):
     """The sequential pass with the output computed inside it: (o [T', HV, V], new state). With `gcum`, `g`
     is the WY stage's in-chunk cumulative g; `scores` optionally its masked decayed scores."""
     num_value_heads, value_dim = v.shape[1:]
@@ -502,7 +521,7 @@ def fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout: _Layout, *,
     groups = row_groups or _row_groups(slot_ids.shape[0], num_value_heads, value_dim // block_v)
     kernel = functools.partial(_state_kernel, chunk_size=chunk_size, group=group, block_v=block_v, scale=scale,
                                precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum,
-                               scores=scores is not None, row_groups=groups)
+                               scores=scores is not None, row_groups=groups, l2norm=l2norm)
     return pl.pallas_call(
         kernel,
         grid=(groups, num_value_heads, value_dim // block_v),
@@ -522,7 +541,8 @@ def fused_state_stage(q, k, v, g, w, u, cu, state, slot_ids, layout: _Layout, *,
 
 
 def state_stage(k, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size: int, block_v: int,
-                num_warps: int, num_stages: int, interpret: bool, gcum: bool = False, row_groups: int | None = None):
+                num_warps: int, num_stages: int, interpret: bool, gcum: bool = False, row_groups: int | None = None,
+                l2norm: bool = False):
     """The sequential pass alone: (h [N, HV, K, V] entering each chunk, v_new [N, C, HV, V], new state).
     With `gcum`, `g` is the WY stage's in-chunk cumulative g."""
     num_value_heads, key_dim, value_dim = state.shape[1:]
@@ -530,7 +550,7 @@ def state_stage(k, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size:
     groups = row_groups or _row_groups(slot_ids.shape[0], num_value_heads, value_dim // block_v)
     kernel = functools.partial(_state_only_kernel, chunk_size=chunk_size, group=group, block_v=block_v,
                                precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum,
-                               row_groups=groups)
+                               row_groups=groups, l2norm=l2norm)
     n, c = layout.num_chunks, chunk_size
     return pl.pallas_call(
         kernel,
@@ -550,13 +570,13 @@ def state_stage(k, g, w, u, cu, state, slot_ids, layout: _Layout, *, chunk_size:
 
 
 def output_stage(q, k, g, h, v_new, layout: _Layout, *, chunk_size: int, scale: float, block_v: int,
-                 num_warps: int, interpret: bool, gcum: bool = False):
+                 num_warps: int, interpret: bool, gcum: bool = False, l2norm: bool = False):
     """All chunks in parallel: o [T', HV, V] from the per-chunk states and corrected values."""
     num_value_heads, key_dim, value_dim = h.shape[1:]
     group = num_value_heads // k.shape[1]
     c, out_bv = chunk_size, min(block_v, value_dim)
     kernel = functools.partial(_output_kernel, chunk_size=c, group=group, block_v=out_bv, scale=scale,
-                               precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum)
+                               precision=jax.lax.Precision.HIGHEST if interpret else None, gcum=gcum, l2norm=l2norm)
     g_spec = pl.BlockSpec((None, c, None), lambda n, j, i: (n, 0, j)) if gcum else _WHOLE
     return pl.pallas_call(
         kernel,
@@ -597,7 +617,7 @@ def default_num_stages(key_dim: int, itemsize: int) -> int:
     jax.jit,
     static_argnames=(
         "scale", "chunk_size", "block_v", "num_warps", "num_stages", "wy_num_warps", "wy_precision",
-        "fused_output", "gcum", "scores", "out_block_v", "single_block_v", "row_groups",
+        "fused_output", "gcum", "scores", "out_block_v", "single_block_v", "row_groups", "qk_l2norm",
         "interpret",
     ),
 )
@@ -624,9 +644,12 @@ def chunk_gated_delta_rule_pallas(
     out_block_v: int = 128,
     single_block_v: int = 128,
     row_groups: int | None = None,
+    qk_l2norm: bool = False,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T HV V"], Float[Array, "S HV K V"]]:
-    """Same arguments and results as `chunk_gated_delta_rule_reference`.
+    """Same arguments and results as `chunk_gated_delta_rule_reference`; with `qk_l2norm` those of q and k
+    L2-normalised over K first (in fp32, `fused_decode.L2_EPS`, rounded to v's dtype), which every kernel does as it loads
+    them, so the caller writes no normalised copy.
 
     K, V and `chunk_size` must be powers of two (>= 16); `block_v` is clipped to V. q and k are cast to
     v's dtype (the dot operand dtype; accumulation and the state are fp32). `wy_precision` picks the WY
@@ -655,9 +678,9 @@ def chunk_gated_delta_rule_pallas(
     scores = scores and gcum and fused_output
     q, k, v, g, beta, cu, layout = _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, c, interpret)
     tuning = dict(chunk_size=c, block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                  row_groups=row_groups)
+                  row_groups=row_groups, l2norm=qk_l2norm)
     w, u, *extra = wy_stage(k, v, g, beta, layout, chunk_size=c, wy_precision=wy_precision, num_warps=wy_num_warps,
-                            interpret=interpret, gcum=gcum, q=q if scores else None, scale=scale)
+                            interpret=interpret, gcum=gcum, q=q if scores else None, scale=scale, l2norm=qk_l2norm)
     g_pass = extra[0] if gcum else g
     if fused_output:
         o, new_state = fused_state_stage(q, k, v, g_pass, w, u, cu, state, slot_ids, layout, scale=scale, gcum=gcum,
@@ -665,8 +688,8 @@ def chunk_gated_delta_rule_pallas(
     else:
         h, v_new, new_state = state_stage(k, g_pass, w, u, cu, state, slot_ids, layout, gcum=gcum, **tuning)
         o = output_stage(q, k, g_pass, h, v_new, layout, chunk_size=c, scale=scale, block_v=out_block_v,
-                         num_warps=wy_num_warps, interpret=interpret, gcum=gcum)
+                         num_warps=wy_num_warps, interpret=interpret, gcum=gcum, l2norm=qk_l2norm)
     o, new_state = single_token_stage(q, k, v, g, beta, cu, o, new_state, slot_ids, scale=scale,
                                       block_v=min(single_block_v, value_dim), num_warps=4, interpret=interpret,
-                                      num_tokens=num_tokens, tail_tokens=c)
+                                      num_tokens=num_tokens, tail_tokens=c, l2norm=qk_l2norm)
     return o[:num_tokens], new_state
