@@ -30,10 +30,11 @@ from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_r
 from pallas_kernels.paged_attention import paged_attention_reference, paged_prefix_merge_pallas
 from pallas_kernels.paged_attention.self_attention import packed_causal_attention
 from pallas_kernels.gated_delta_rule import gated_delta_decode, gated_delta_decode_packed
-from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode, mamba2_decode
+from pallas_kernels.simple_gla import (chunk_mamba2, chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode,
+                                      mamba2_decode)
 
 KERNELS = ("paged_decode", "paged_prefill", "paged_prefix_merge", "gdn_decode", "gdn_fused_decode", "gdn_packed_decode", "gdn_chunk",
-           "sgla_decode", "sgla_chunk", "mamba2_decode", "lightning_decode")
+           "sgla_decode", "sgla_chunk", "mamba2_chunk", "mamba2_decode", "lightning_decode")
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 2e-3}  # relative RMS error (TF32 dots in fp32 kernels)
 
 
@@ -127,6 +128,14 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     beta = jnp.asarray(rng.uniform(0.0, 1.0, (130, hv)), jnp.float32)
     out["gdn_chunk"] = (chunk_gated_delta_rule, (q, k, v, g, beta, cu, state, chunk_slots))
     out["sgla_chunk"] = (chunk_simple_gla, (q, k, v, g, cu, state, chunk_slots))
+    # a Mamba2 mixer's chunked scan reading its conv output in place (4 heads of P = d in 2 groups, N = d), gated
+    # by z as the model asks for it
+    xbc_c = jnp.asarray(rng.normal(size=(130, 4 * d + 2 * 2 * d)), dtype)
+    dt_c = jnp.asarray(rng.uniform(0.01, 0.3, (130, 4)), jnp.float32)
+    z_c = jnp.asarray(rng.normal(size=(130, 4 * d)), dtype)
+    out["mamba2_chunk"] = (lambda *x, impl, interpret: chunk_mamba2(
+        *x, dims=(4, d, 2, d), out_dtype=dtype, impl=impl, interpret=interpret),
+        (xbc_c, dt_c, -dt_c, heads4(-1, 1), cu, m_state[:4], chunk_slots, z_c))
     return out
 
 

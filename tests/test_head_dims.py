@@ -24,6 +24,7 @@ TRITON = {  # the Triton kernels each call lowers to, in program order (names ca
     "gdn_chunk": [r"gdn_chunk_wy_\w+", r"gdn_chunk_fused_\w+", r"gdn_chunk_single_\w+"],
     "sgla_decode": [r"sgla_fused_recurrent_\w+"],
     "sgla_chunk": [r"sgla_chunk_fused_\w+", r"sgla_chunk_single_\w+"],
+    "mamba2_chunk": [r"mamba2_chunk_fused_\w+", r"mamba2_chunk_single_\w+"],
     "mamba2_decode": [r"mamba2_decode_\w+"],
     "lightning_decode": [r"lightning_decode_\w+"],
 }

@@ -79,8 +79,10 @@ def test_fused_gdn_decode_equals_reference_path(ckpt, monkeypatch):
 def test_scalar_decay_families_pallas_path_equals_reference_path(family):
     """Lightning attention (MiniMax) and Mamba2 (NemotronH) layers through the simple-GLA Pallas kernels (chunked
     prefill in two chunks, then decode steps), interpreted, against the reference path: logits of every step,
-    fp32. Head dims are 16 so that the kernels apply (their tiles need powers of two >= 16). Checked to fail with
-    the decay dropped from the decode kernel (`fused_recurrent.py`) and from the chunk kernel's state update."""
+    fp32. Head dims are 16 so that the kernels apply (their tiles need powers of two >= 16). NemotronH's prefill
+    takes `chunk_mamba2` (the kernels reading the conv output in place). Checked to fail with the decay dropped
+    from the decode kernel (`fused_recurrent.py`) and from the chunk kernel's state update, and with the D skip
+    dropped from the Mamba2 chunks."""
     import dataclasses
 
     from jhybrid.models.params import init_params

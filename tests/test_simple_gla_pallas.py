@@ -21,6 +21,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.simple_gla import (
+    chunk_mamba2,
     chunk_simple_gla,
     chunk_simple_gla_reference,
     fused_recurrent_simple_gla,
@@ -163,6 +164,65 @@ def test_chunk_lowers_for_h200(variant):
     for h, hv, dk, dv, dtype in [(4, 4, 128, 128, jnp.bfloat16), (2, 8, 128, 64, jnp.float32)]:
         q, k, v, g, state = _inputs(rng, 136, h, hv, dk, dv, 4, 1.0, dtype)
         lower_for_h200(fn, q, k, v, g, cu, jnp.asarray(state), slots, kernels=CHUNK_KERNELS[variant])
+
+
+MAMBA2_CHUNK_CASES = [
+    # lengths, slots, (Hm, P, G, N), xbc dtype: one-token rows, a ragged row, an empty row, the null slot
+    ([1, 40, 0, 16, 1], [3, 1, 2, 0, 5], (4, 16, 2, 16), jnp.float32),
+    ([33, 1, 17], [4, 0, 1], (2, 32, 1, 16), jnp.bfloat16),  # one group for every head; bf16 conv output
+]
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["y", "gated"])
+@pytest.mark.parametrize("case", range(len(MAMBA2_CHUNK_CASES)))
+def test_chunk_mamba2_reads_the_conv_output_in_place(case, gated):
+    """`chunk_mamba2` with the kernels reading x, B and C in the conv output (SiLU, `v = x dt` and the D skip
+    inside them) against its parts in jnp around the reference scan: every real token's `y = o + D x` in the
+    output dtype, or with the gate (`z`, read from a wider array) `y SiLU(z)` in fp32 (padding tokens exactly
+    zero), the rows' final states, free slots untouched. (Checked to fail with B and C swapped in
+    `_chunk_inputs`, with the D skip dropped from the one-token rows, with the step size left out of v in the
+    chunks, and with the gate read one head over in the chunks.)"""
+    lengths, slots, dims, dtype = MAMBA2_CHUNK_CASES[case]
+    heads, head_dim, groups, n = dims
+    rng = np.random.default_rng(10 + case)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + 3
+    xbc = jnp.asarray(rng.normal(size=(num_tokens, heads * head_dim + 2 * groups * n)), dtype)
+    dt = jnp.asarray(rng.uniform(0.01, 0.3, (num_tokens, heads)), jnp.float32)
+    g = dt * -jnp.asarray(rng.uniform(0.5, 4.0, heads), jnp.float32)
+    d_skip = jnp.asarray(rng.normal(size=heads), jnp.float32)
+    state = rng.normal(size=(max(slots) + 2, heads, n, head_dim)).astype(np.float32)
+    slots = np.asarray(slots, np.int32)
+    free = _poison(state, slots)
+    args = (xbc, dt, g, d_skip, jnp.asarray(cu), jnp.asarray(state), jnp.asarray(slots))
+    if gated:  # the gate in the first Hm P columns of a wider array (the in_proj output)
+        args += (jnp.asarray(rng.normal(size=(num_tokens, heads * head_dim + 7)), dtype),)
+    out_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
+    want_y, want_state = chunk_mamba2(*args, dims=dims, out_dtype=out_dtype, impl="reference", chunk_size=16)
+    got_y, got_state = chunk_mamba2(*args, dims=dims, out_dtype=out_dtype, impl="pallas", interpret=True,
+                                    chunk_size=16, block_v=16, single_block_v=16)
+    assert got_y.dtype == (jnp.float32 if gated else out_dtype) and got_y.shape == (num_tokens, heads, head_dim)
+    rtol = 1e-5 if out_dtype == jnp.float32 else 1e-2
+    real = int(cu[-1])
+    assert_close("mamba2 chunk output", got_y[:real], want_y[:real], rtol)
+    assert np.all(np.asarray(got_y, np.float32)[real:] == 0), "padding tokens must produce zeros"
+    live = slots[(slots != 0) & (np.asarray(lengths) > 0)]
+    assert_close("mamba2 chunk final state", np.asarray(got_state)[live], np.asarray(want_state)[live], 1e-5)
+    np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
+
+
+def test_chunk_mamba2_lowers_for_h200():
+    """The in-place Mamba2 form at NemotronH's head shapes (Hm 64, P 64, G 8, N 128; bf16 conv output): the fused
+    pass and the one-token rows' kernel, and nothing else."""
+    heads, head_dim, groups, n = dims = (64, 64, 8, 128)
+    f32 = jnp.float32
+    t = 136
+    xbc = jax.ShapeDtypeStruct((t, heads * head_dim + 2 * groups * n), jnp.bfloat16)
+    fn = functools.partial(chunk_mamba2, dims=dims, out_dtype=jnp.bfloat16, impl="pallas")
+    lower_for_h200(fn, xbc, jnp.zeros((t, heads), f32), jnp.zeros((t, heads), f32), jnp.zeros(heads, f32),
+                   jnp.array([0, 100, 101, 130], jnp.int32), jnp.zeros((4, heads, n, head_dim), f32),
+                   jnp.array([1, 2, 0], jnp.int32),
+                   kernels=[r"mamba2_chunk_fused_c64_bv32_w4_s2", r"mamba2_chunk_single_bv32_w4"])
 
 
 def test_mesh_dispatch_lowers_per_shard():

@@ -12,7 +12,7 @@ from jhybrid.models.layers import grouped_gated_rms_norm, grouped_rms_norm, shor
 from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import conv_update
-from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, mamba2_decode
+from pallas_kernels.simple_gla import chunk_mamba2, chunk_simple_gla, fused_recurrent_simple_gla, mamba2_decode
 
 
 def mamba2_layer(
@@ -52,21 +52,29 @@ def mamba2_layer(
     xbc, conv_state = short_conv(xbc, conv_state, p["conv_weight"], batch, decode, kernels)
     if "conv_bias" in p:
         xbc = xbc + p["conv_bias"]
-    xbc = jax.nn.silu(xbc.astype(jnp.float32))  # [T, Cm]
-    xs, b, c = split_packed(xbc, (inner, g * n, g * n), shards)
-    xs = xs.reshape(num_tokens, h, hp)  # [T, Hm, P]
-    b = b.reshape(num_tokens, g, n)  # [T, G, N]: the keys
-    c = c.reshape(num_tokens, g, n)  # [T, G, N]: the queries
     dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))  # [T, Hm]
     dt = jnp.clip(dt, cfg.mamba_dt_min, cfg.mamba_dt_max)
     decay = dt * -jnp.exp(p["A_log"].astype(jnp.float32))  # [T, Hm], log space
-    v = xs * dt[..., None]  # [T, Hm, P]
-    if decode:
-        y, ssm_state = fused_recurrent_simple_gla(c, b, v, decay, ssm_state, batch.slot_ids, scale=1.0, **(kernels or {}))
+    if not decode and shards == 1:  # SiLU, x / B / C, v = x dt, the D skip and the gate (z: proj's first columns)
+        y, ssm_state = chunk_mamba2(xbc, dt, decay, p["D"], batch.cu_seqlens, ssm_state, batch.slot_ids, proj,
+                                    dims=(h, hp, g, n), out_dtype=x.dtype, **(kernels or {}))
+        y = grouped_rms_norm(y.reshape(num_tokens, inner), p["norm"], inner // g, cfg.mamba_norm_eps, x.dtype)
     else:
-        y, ssm_state = chunk_simple_gla(c, b, v, decay, batch.cu_seqlens, ssm_state, batch.slot_ids, scale=1.0, **(kernels or {}))
-    y = y + xs * p["D"].astype(jnp.float32)[:, None]  # D skip
-    y = grouped_gated_rms_norm(y.reshape(num_tokens, inner).astype(x.dtype), z, p["norm"], inner // g, cfg.mamba_norm_eps)
+        xbc = jax.nn.silu(xbc.astype(jnp.float32))  # [T, Cm]
+        xs, b, c = split_packed(xbc, (inner, g * n, g * n), shards)
+        xs = xs.reshape(num_tokens, h, hp)  # [T, Hm, P]
+        b = b.reshape(num_tokens, g, n)  # [T, G, N]: the keys
+        c = c.reshape(num_tokens, g, n)  # [T, G, N]: the queries
+        v = xs * dt[..., None]  # [T, Hm, P]
+        if decode:
+            y, ssm_state = fused_recurrent_simple_gla(c, b, v, decay, ssm_state, batch.slot_ids, scale=1.0,
+                                                      **(kernels or {}))
+        else:
+            y, ssm_state = chunk_simple_gla(c, b, v, decay, batch.cu_seqlens, ssm_state, batch.slot_ids, scale=1.0,
+                                            **(kernels or {}))
+        y = y + xs * p["D"].astype(jnp.float32)[:, None]  # D skip
+        y = grouped_gated_rms_norm(y.reshape(num_tokens, inner).astype(x.dtype), z, p["norm"], inner // g,
+                                   cfg.mamba_norm_eps)
     out = linear(y, p["out_proj"])
     if "out_bias" in p:
         out = out + p["out_bias"]

@@ -17,6 +17,9 @@ The arguments mirror `pallas_kernels.gated_delta_rule` without `beta`.
 skip) from the layer's packed arrays: with `fused` (`MAMBA2_FUSED_DECODE`) and the Pallas recurrence chosen, one
 kernel that reads them in place (`mamba2_decode.py`), else the parts one by one, the recurrence dispatched as above.
 `lightning_decode` likewise for a MiniMax lightning mixer (`LIGHTNING_FUSED_DECODE`, `lightning_decode.py`).
+`chunk_mamba2` is a Mamba2 mixer's chunked prefill from its conv output: with `MAMBA2_FUSED_PREFILL` and the Pallas
+kernels chosen, the chunk kernels read x, B and C in place and apply the SiLU, the step size and the D skip
+themselves (`chunk.chunk_mamba2_pallas`); else those parts in jnp around `chunk_simple_gla`.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import functools
 import os
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.gated_delta_rule import _per_head_shard, pallas_supported  # the same tile rule
-from pallas_kernels.simple_gla.chunk import chunk_simple_gla_pallas
+from pallas_kernels.simple_gla.chunk import chunk_mamba2_pallas, chunk_simple_gla_pallas
 from pallas_kernels.simple_gla.fused_recurrent import fused_recurrent_simple_gla_pallas
 from pallas_kernels.simple_gla.mamba2_decode import (
     mamba2_decode_in_parts,
@@ -136,6 +140,54 @@ def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: t
     return mamba2_decode_in_parts(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, **form, recurrence=recurrence)
 
 
+# a Mamba2 mixer's chunked prefill reading its conv output in place (`chunk_mamba2`): on by default;
+# JHYBRID_MAMBA2_FUSED_PREFILL=0 computes SiLU(x), B, C, v = x dt and the D skip in XLA around `chunk_simple_gla`
+MAMBA2_FUSED_PREFILL = os.environ.get("JHYBRID_MAMBA2_FUSED_PREFILL", "1") == "1"
+
+
+def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *,
+                          dims: tuple[int, int, int, int], out_dtype, chunk):
+    """`chunk_mamba2`'s result from its parts in jnp around `chunk(q, k, v, g, cu_seqlens, state, slot_ids)` (a
+    chunked simple-GLA scan): SiLU over the conv output, x / B / C split from it, `v = x dt`, the scan, the D skip
+    `y = o + D x`, y in `out_dtype`; given the gate `z`, `y SiLU(z)` in fp32."""
+    heads, head_dim, groups, state_dim = dims
+    num_tokens = xbc.shape[0]
+    x = jax.nn.silu(xbc.astype(jnp.float32))
+    inner = heads * head_dim
+    xs = x[:, :inner].reshape(num_tokens, heads, head_dim)
+    b = x[:, inner:inner + groups * state_dim].reshape(num_tokens, groups, state_dim)  # the keys
+    c = x[:, inner + groups * state_dim:].reshape(num_tokens, groups, state_dim)  # the queries
+    y, state = chunk(c, b, xs * dt.astype(jnp.float32)[..., None], g, cu_seqlens, state, slot_ids)
+    y = (y + xs * d_skip.astype(jnp.float32)[:, None]).astype(out_dtype)
+    if z is not None:
+        gate = z[:, :inner].reshape(num_tokens, heads, head_dim).astype(jnp.float32)
+        y = y.astype(jnp.float32) * jax.nn.silu(gate)
+    return y, state
+
+
+def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dims: tuple[int, int, int, int],
+                 out_dtype, impl: str = "auto", interpret: bool = False, chunk_size: int = 64, mesh=None,
+                 fused: bool | None = None, **tuning):
+    """A Mamba2 mixer's chunked scan from its conv output (`chunk_mamba2_pallas` says what each argument is):
+    (`y = o + D SiLU(x)` `[T, Hm, P]` in `out_dtype`, or given the gate `z` the gated norm's input in fp32; the
+    state). `fused` (default `MAMBA2_FUSED_PREFILL`): the
+    kernels reading `xbc` in place where the scan's impl is "pallas" (so "auto" on a GPU), no mesh splits the
+    heads and the fused form is asked for; else `chunk_mamba2_in_parts` with `chunk_simple_gla` (its `impl`,
+    `mesh`, `tuning`)."""
+    fused = MAMBA2_FUSED_PREFILL if fused is None else fused
+    heads, head_dim, groups, state_dim = dims
+    q = jax.ShapeDtypeStruct((1, groups, state_dim), xbc.dtype)
+    v = jax.ShapeDtypeStruct((1, heads, head_dim), xbc.dtype)
+    if (fused and (mesh is None or mesh.size == 1) and tuning.get("fused_output", True)
+            and _pick(impl, "chunk", q, v) == "pallas"):
+        return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
+                                   chunk_size=chunk_size, interpret=interpret, **tuning)
+    chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0, chunk_size=chunk_size,
+                              mesh=mesh, **tuning)
+    return chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
+                                 chunk=chunk)
+
+
 # the lightning decode step as one kernel (`lightning_decode`): on (a MiniMax-shaped batch-1 token 0.892 -> 0.860 ms on
 # the H200, the same logits bit for bit; benchmarks/RESULTS.md, "Session 31"); JHYBRID_LIGHTNING_FUSED_DECODE=0
 LIGHTNING_FUSED_DECODE = os.environ.get("JHYBRID_LIGHTNING_FUSED_DECODE", "1") == "1"
@@ -159,6 +211,8 @@ def lightning_decode(proj, slopes, state, slot_ids, *, num_heads: int, head_dim:
 
 
 __all__ = [
+    "chunk_mamba2",
+    "chunk_mamba2_pallas",
     "chunk_simple_gla",
     "chunk_simple_gla_pallas",
     "chunk_simple_gla_reference",

@@ -31,6 +31,7 @@ q/k/v) use TF32 on the GPU unless `precision="tf32x3"`. Every exponent is <= 0, 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,14 +60,51 @@ def _load(ref, start, valid, *idx, dtype=jnp.float32):
     return plt.load(ref.at[(pl.ds(start, valid.shape[0]), *idx)], mask=mask, other=0).astype(dtype)
 
 
-def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group: int, dt):
-    """q, k `[C, K]` and v `[C, BV]` (dot dtype `dt`), the in-chunk cumulative g `[C]` and its last value."""
-    key = pl.ds(0, q_ref.shape[-1])
-    q = _load(q_ref, start, valid, j // group, key, dtype=dt)
-    k = _load(k_ref, start, valid, j // group, key, dtype=dt)
-    v = _load(v_ref, start, valid, j, v_slice, dtype=dt)
+class Mamba2Inputs(NamedTuple):
+    """Where a Mamba2 mixer's q (C), k (B) and x sit in its conv output `xbc [T, Cm]` (before the SiLU; columns
+    `x | B | C`): the kernels read them there, apply the SiLU, scale x by the step size (`v = x dt`) and add the
+    D skip (`o + D x`) themselves, so no fp32 copy of B, C, v or the output is written (`chunk_mamba2_pallas`)."""
+
+    head_dim: int  # P: head j's x at columns [j P, (j + 1) P)
+    state_dim: int  # N: group i's B at [b_offset + i N, ...), its C at [b_offset + G N + i N, ...)
+    b_offset: int  # H P
+    num_groups: int  # G
+    gated: bool = False  # the output is the gated norm's input `y z_gate` (`chunk_mamba2_pallas`'s z)
+
+
+def _silu(x):
+    return x * jax.nn.sigmoid(x)
+
+
+def _mamba2_out(o, x, d, z, m2: Mamba2Inputs, out_dtype):
+    """`y = o + D x` (x the SiLU'd values) in `out_dtype`; with `m2.gated`, `y` so rounded times SiLU(z) in fp32
+    (z `[..., BV]` the gate's columns)."""
+    y = (o + d * x).astype(out_dtype)
+    return y.astype(jnp.float32) * _silu(z.astype(jnp.float32)) if m2.gated else y
+
+
+def _mamba2_x(v_ref, start, valid, j, v_slice, m2: Mamba2Inputs):
+    """SiLU(x) `[C, BV]` fp32 of head j's values `v_slice` from the conv output."""
+    return _silu(_load(v_ref, start, valid, pl.ds(j * m2.head_dim + v_slice.start, v_slice.size)))
+
+
+def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group: int, dt, m2=None, dt_ref=None):
+    """q, k `[C, K]` and v `[C, BV]` (dot dtype `dt`), the in-chunk cumulative g `[C]` and its last value; with
+    `m2` (`Mamba2Inputs`: q_ref = k_ref = v_ref the conv output, `dt_ref [T, HV]` the step sizes) also SiLU(x)
+    `[C, BV]` fp32, the D skip's input (else None)."""
     g = _load(g_ref, start, valid, j)  # [C], zeros past the end keep G flat there
-    return q, k, v, jnp.cumsum(g), jnp.sum(g)
+    if m2 is None:
+        key = pl.ds(0, q_ref.shape[-1])
+        q = _load(q_ref, start, valid, j // group, key, dtype=dt)
+        k = _load(k_ref, start, valid, j // group, key, dtype=dt)
+        v = _load(v_ref, start, valid, j, v_slice, dtype=dt)
+        return q, k, v, jnp.cumsum(g), jnp.sum(g), None
+    n, b_cols = m2.state_dim, m2.b_offset + (j // group) * m2.state_dim
+    k = _silu(_load(k_ref, start, valid, pl.ds(b_cols, n))).astype(dt)
+    q = _silu(_load(q_ref, start, valid, pl.ds(b_cols + m2.num_groups * n, n))).astype(dt)
+    x = _mamba2_x(v_ref, start, valid, j, v_slice, m2)
+    v = (x * _load(dt_ref, start, valid, j)[:, None]).astype(dt)
+    return q, k, v, jnp.cumsum(g), jnp.sum(g), x
 
 
 def _intra_output(q, k, v, h, cum, *, scale: float, dot):
@@ -94,6 +132,9 @@ def _fused_kernel(
     k_ref,  # [T, H, K] (whole)
     v_ref,  # [T, HV, V] (whole)
     g_ref,  # [T, HV] (whole)
+    dt_ref,  # [T, HV] (whole) Mamba2's step sizes (`mamba2`), else unused
+    d_ref,  # [HV] Mamba2's D (`mamba2`), else unused
+    z_ref,  # [T, >= HV V] (whole) Mamba2's gate (`mamba2.gated`), else unused
     state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
     o_ref,  # [T, HV, V] (whole; tokens of no multi-token row are `_single_token_kernel`'s)
     state_ref,  # [S, HV, K, V] (whole)
@@ -104,13 +145,16 @@ def _fused_kernel(
     scale: float,
     precision,
     row_groups: int,
+    mamba2: Mamba2Inputs | None,
+    out_dtype,
 ):
-    """The sequential pass with the output: per chunk, o from the carried state, then the state advanced."""
+    """The sequential pass with the output: per chunk, o from the carried state, then the state advanced. With
+    `mamba2`, q_ref = k_ref = v_ref is the conv output (`Mamba2Inputs`) and the output is `_mamba2_out`'s."""
     j, i = pl.program_id(1), pl.program_id(2)
     v_slice = pl.ds(i * block_v, block_v)
     lane = jnp.arange(chunk_size)
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-    dt = v_ref.dtype
+    dt = jnp.float32 if mamba2 else v_ref.dtype
 
     def row(b):  # empty rows and one-token rows (`_single_token_kernel`) never come here
         slot = slot_ids_ref[b]
@@ -119,8 +163,13 @@ def _fused_kernel(
         def body(c, h):
             start = seq_start + c * chunk_size
             valid = lane < seq_end - start
-            q, k, v, cum, cum_last = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt)
+            q, k, v, cum, cum_last, x = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group,
+                                                      dt, mamba2, dt_ref)
             o = _intra_output(q, k, v, h.astype(dt), cum, scale=scale, dot=dot)
+            if mamba2:  # the D skip (and the gate)
+                z = _load(z_ref, start, valid, pl.ds(j * mamba2.head_dim + v_slice.start, v_slice.size)) \
+                    if mamba2.gated else None
+                o = _mamba2_out(o, x, d_ref[j], z, mamba2, out_dtype)
             plt.store(o_ref.at[pl.ds(start, chunk_size), j, v_slice], o.astype(o_ref.dtype), mask=valid[:, None])
             return _advance(h, k, v, cum, cum_last, dot=dot)
 
@@ -211,7 +260,7 @@ def _output_kernel(
         v_slice = pl.ds(i * block_v, block_v)
         dt = v_ref.dtype
         dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-        q, k, v, cum, _ = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt)
+        q, k, v, cum, _, _ = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt)
         o = _intra_output(q, k, v, h_ref[...].astype(dt), cum, scale=scale, dot=dot)
         plt.store(o_ref.at[pl.ds(start, chunk_size), j, v_slice], o.astype(o_ref.dtype), mask=valid[:, None])
 
@@ -223,6 +272,9 @@ def _single_token_kernel(
     k_ref,  # [T, H, K] (whole)
     v_ref,  # [T, HV, V] (whole)
     g_ref,  # [T, HV] (whole)
+    dt_ref,  # [T, HV] (whole) Mamba2's step sizes (`mamba2`), else unused
+    d_ref,  # [HV] Mamba2's D (`mamba2`), else unused
+    z_ref,  # [T, >= HV V] (whole) Mamba2's gate (`mamba2.gated`), else unused
     o_in_ref,  # [T, HV, V] (whole, aliased with o_ref): the chunk stages' output
     state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
     o_ref,  # [T, HV, V] (whole)
@@ -233,9 +285,11 @@ def _single_token_kernel(
     scale: float,
     num_tokens: int,
     tail_tokens: int,
+    mamba2: Mamba2Inputs | None,
+    out_dtype,
 ):
     """Rows of exactly one token: the decode kernel's recurrent update. Other rows are left alone. Programs past
-    the last row write the padding tokens' zeros (`zero_padding`)."""
+    the last row write the padding tokens' zeros (`zero_padding`). `mamba2` as `_fused_kernel`'s."""
     del o_in_ref
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     zero_padding(cu_seqlens_ref, o_ref, b - slot_ids_ref.shape[0], j, pl.ds(i * block_v, block_v),
@@ -247,8 +301,18 @@ def _single_token_kernel(
     def _():
         slot = slot_ids_ref[b]
         v_slice = pl.ds(i * block_v, block_v)
-        o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q_ref[t, j // group, :],
-                              k_ref[t, j // group, :], v_ref[t, j, v_slice], g_ref[t, j], scale)
+        if mamba2:  # token t's row of what `_chunk_inputs` reads
+            n, b_cols = mamba2.state_dim, mamba2.b_offset + (j // group) * mamba2.state_dim
+            k = _silu(k_ref[t, pl.ds(b_cols, n)].astype(jnp.float32))
+            q = _silu(q_ref[t, pl.ds(b_cols + mamba2.num_groups * n, n)].astype(jnp.float32))
+            x = _silu(v_ref[t, pl.ds(j * mamba2.head_dim + v_slice.start, v_slice.size)].astype(jnp.float32))
+            v = x * dt_ref[t, j]
+        else:
+            q, k, v = q_ref[t, j // group, :], k_ref[t, j // group, :], v_ref[t, j, v_slice]
+        o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q, k, v, g_ref[t, j], scale)
+        if mamba2:
+            columns = pl.ds(j * mamba2.head_dim + v_slice.start, v_slice.size)
+            o = _mamba2_out(o, x, d_ref[j], z_ref[t, columns] if mamba2.gated else None, mamba2, out_dtype)
         o_ref[t, j, v_slice] = o.astype(o_ref.dtype)
 
         @pl.when(slot != 0)
@@ -270,11 +334,11 @@ def _call(kernel, grid, num_inputs, out_shape, aliases, *, num_warps, num_stages
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("scale", "chunk_size", "fused_output", "block_v", "num_warps", "num_stages", "out_block_v",
-                     "out_num_warps", "single_block_v", "row_groups", "precision", "interpret"),
-)
+_TUNING = ("scale", "chunk_size", "fused_output", "block_v", "num_warps", "num_stages", "out_block_v", "out_num_warps",
+           "single_block_v", "row_groups", "precision", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_TUNING)
 def chunk_simple_gla_pallas(
     q: Float[Array, "T H K"],
     k: Float[Array, "T H K"],
@@ -307,34 +371,102 @@ def chunk_simple_gla_pallas(
     tile (`_row_groups`). `precision` ("tf32" or "tf32x3") sets fp32 dots on the GPU; the interpreter's dots
     are exact.
     """
+    num_value_heads, value_dim = v.shape[1:]
+    dims = (q.shape[1], q.shape[2], num_value_heads, value_dim)
+    q, k = q.astype(v.dtype), k.astype(v.dtype)  # one dot operand dtype (the model passes fp32 q/k with bf16 v)
+    unused = jnp.zeros((1, 1), jnp.float32)
+    return _chunk(q, k, v, g, unused, unused[0], unused, cu_seqlens, state, slot_ids, dims=dims, mamba2=None,
+                  out_dtype=v.dtype, scale=scale, chunk_size=chunk_size, fused_output=fused_output, block_v=block_v,
+                  num_warps=num_warps, num_stages=num_stages, out_block_v=out_block_v, out_num_warps=out_num_warps,
+                  single_block_v=single_block_v, row_groups=row_groups, precision=precision, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_TUNING + ("dims", "out_dtype"))
+def chunk_mamba2_pallas(
+    xbc: Float[Array, "T Cm"],
+    dt: Float[Array, "T Hm"],
+    g: Float[Array, "T Hm"],
+    d_skip: Float[Array, "Hm"],
+    cu_seqlens: Int[Array, "B+1"],
+    state: Float[Array, "S Hm N P"],
+    slot_ids: Int[Array, "B"],
+    z: Float[Array, "T Z"] | None = None,
+    *,
+    dims: tuple[int, int, int, int],
+    out_dtype=jnp.float32,
+    scale: float = 1.0,
+    chunk_size: int = 64,
+    block_v: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    single_block_v: int = 32,
+    row_groups: int | None = None,
+    precision: str = "tf32",
+    interpret: bool = False,
+    fused_output: bool = True,
+    out_block_v: int = 64,
+    out_num_warps: int = 4,
+) -> tuple[Float[Array, "T Hm P"], Float[Array, "S Hm N P"]]:
+    """A Mamba2 mixer's chunked scan from its conv output, `chunk_mamba2_reference`'s result: `xbc [T, Cm]` the
+    conv output (with its bias, before the SiLU; columns x `[Hm P]` | B `[G N]` | C `[G N]`), `dt` the step
+    sizes, `g = dt A` the log decays, `d_skip` D, `dims = (Hm, P, G, N)`. The kernels read x, B and C where
+    they sit in `xbc` (`Mamba2Inputs`), so no fp32 copy of B, C, `v = SiLU(x) dt` or the output is written;
+    the output `y = o + D SiLU(x)` comes in `out_dtype`. Given `z` (`[T, >= Hm P]`, the gate at columns
+    `[0, Hm P)`, e.g. the in_proj output itself), the output is instead the gated norm's input `y SiLU(z)` in fp32
+    (y rounded to `out_dtype` first), as `mamba2_decode(gated=True)`'s. Only the fused form (`fused_output=True`);
+    the other arguments as `chunk_simple_gla_pallas`'s."""
+    heads, head_dim, groups, state_dim = dims
+    if not fused_output:
+        raise ValueError("chunk_mamba2_pallas has the fused form only (fused_output=True)")
+    if xbc.shape[1] != heads * head_dim + 2 * groups * state_dim:
+        raise ValueError(f"xbc [T, Cm] must hold x | B | C = {heads} x {head_dim} + 2 x {groups} x {state_dim} "
+                         f"columns, got {xbc.shape}")
+    m2 = Mamba2Inputs(head_dim, state_dim, heads * head_dim, groups, gated=z is not None)
+    del out_block_v, out_num_warps
+    z = jnp.zeros((1, 1), jnp.float32) if z is None else z
+    return _chunk(xbc, xbc, xbc, g, dt.astype(jnp.float32), d_skip.astype(jnp.float32), z, cu_seqlens, state,
+                  slot_ids, dims=(groups, state_dim, heads, head_dim), mamba2=m2, out_dtype=out_dtype, scale=scale,
+                  chunk_size=chunk_size, fused_output=True, block_v=block_v, num_warps=num_warps,
+                  num_stages=num_stages, out_block_v=64, out_num_warps=4, single_block_v=single_block_v,
+                  row_groups=row_groups, precision=precision, interpret=interpret)
+
+
+def _chunk(q, k, v, g, dt, d_skip, z, cu_seqlens, state, slot_ids, *, dims, mamba2, out_dtype, scale, chunk_size,
+           fused_output, block_v, num_warps, num_stages, out_block_v, out_num_warps, single_block_v, row_groups,
+           precision, interpret):
+    """The kernels' calls. `dims = (H, K, HV, V)`: key heads and dim, value heads and dim (q, k, v's shapes
+    unless `mamba2`, where all three are the conv output)."""
     if precision not in _PRECISIONS:
         raise ValueError(f"unknown {precision=}; choose one of {tuple(_PRECISIONS)}")
     if chunk_size < 16 or chunk_size & (chunk_size - 1):
         raise ValueError(f"{chunk_size=} must be a power of two >= 16 (Triton dot tiles)")
-    num_tokens, _, key_dim = q.shape
+    num_tokens = q.shape[0]
     batch = slot_ids.shape[0]
-    num_value_heads, value_dim = v.shape[1:]
-    group = num_value_heads // q.shape[1]
+    num_key_heads, key_dim, num_value_heads, value_dim = dims
+    group = num_value_heads // num_key_heads
     c = chunk_size
     block_v, out_block_v, single_block_v = (min(x, value_dim) for x in (block_v, out_block_v, single_block_v))
     dot_precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[precision]
-    q, k = q.astype(v.dtype), k.astype(v.dtype)  # one dot operand dtype (the model passes fp32 q/k with bf16 v)
     layout: _Layout = _layout(cu_seqlens, num_tokens, batch, c)
     if interpret:  # the interpreter clamps windows that run past the end: pad instead (GPU loads are masked)
         pad = lambda x: jnp.pad(x, ((0, c),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
         q, k, v, g = map(pad, (q, k, v, g))
+        dt = pad(dt) if mamba2 else dt
+        z = pad(z) if mamba2 and mamba2.gated else z
     cu, slots = cu_seqlens.astype(jnp.int32), slot_ids.astype(jnp.int32)
     groups = row_groups or _row_groups(batch, num_value_heads, value_dim // block_v)
     seq_grid = (groups, num_value_heads, value_dim // block_v)
-    o_shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    o_dtype = jnp.float32 if mamba2 and mamba2.gated else out_dtype
+    o_shape = jax.ShapeDtypeStruct((q.shape[0], num_value_heads, value_dim), o_dtype)
     state_shape = jax.ShapeDtypeStruct(state.shape, state.dtype)
     tag = f"c{c}_bv{block_v}_w{num_warps}_s{num_stages}{'_x3' if precision == 'tf32x3' else ''}"
     if fused_output:
         kernel = functools.partial(_fused_kernel, chunk_size=c, group=group, block_v=block_v, scale=scale,
-                                   precision=dot_precision, row_groups=groups)
-        o, state = _call(kernel, seq_grid, 9, [o_shape, state_shape], {8: 1}, num_warps=num_warps,
-                         num_stages=num_stages, interpret=interpret, name=f"sgla_chunk_fused_{tag}")(
-            layout.num_multi, layout.multi_rows, slots, cu, q, k, v, g, state)
+                                   precision=dot_precision, row_groups=groups, mamba2=mamba2, out_dtype=out_dtype)
+        o, state = _call(kernel, seq_grid, 12, [o_shape, state_shape], {11: 1}, num_warps=num_warps,
+                         num_stages=num_stages, interpret=interpret,
+                         name=f"{'mamba2' if mamba2 else 'sgla'}_chunk_fused_{tag}")(
+            layout.num_multi, layout.multi_rows, slots, cu, q, k, v, g, dt, d_skip, z, state)
     else:
         kernel = functools.partial(_state_kernel, chunk_size=c, group=group, block_v=block_v,
                                    precision=dot_precision, row_groups=groups)
@@ -351,9 +483,9 @@ def chunk_simple_gla_pallas(
                      name=f"sgla_chunk_output_c{c}_bv{out_block_v}_w{out_num_warps}")(
             layout.chunk_start, layout.chunk_len, q, k, v, g, h)
     kernel = functools.partial(_single_token_kernel, group=group, block_v=single_block_v, scale=scale,
-                               num_tokens=num_tokens, tail_tokens=c)
+                               num_tokens=num_tokens, tail_tokens=c, mamba2=mamba2, out_dtype=out_dtype)
     single_grid = (batch + padding_programs(num_tokens, c), num_value_heads, value_dim // single_block_v)
-    o, state = _call(kernel, single_grid, 8, [o_shape, state_shape],
-                     {6: 0, 7: 1}, num_warps=4, num_stages=1, interpret=interpret,
-                     name=f"sgla_chunk_single_bv{single_block_v}_w4")(cu, slots, q, k, v, g, o, state)
+    o, state = _call(kernel, single_grid, 11, [o_shape, state_shape], {9: 0, 10: 1}, num_warps=4, num_stages=1,
+                     interpret=interpret, name=f"{'mamba2' if mamba2 else 'sgla'}_chunk_single_bv{single_block_v}_w4")(
+        cu, slots, q, k, v, g, dt, d_skip, z, o, state)
     return o[:num_tokens], state
