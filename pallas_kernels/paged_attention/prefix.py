@@ -21,7 +21,6 @@ log-sum-exp for padding tokens (at or after `cu_seqlens[B]`), which the self par
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-_WHOLE = pl.no_block_spec
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_LOG2E = math.log2(math.e)
-
-
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+from pallas_kernels.paged_attention.prefill import _LOG2E, _MASK_VALUE, _WHOLE, _next_pow2
 
 
 def query_tiles(cu_seqlens: Int[Array, "B+1"], num_tokens: int, block_q: int) -> tuple[Array, Array, Array]:
