@@ -47,8 +47,18 @@ def decode_error(cfg, params, seed: int) -> float:
 
 
 @pytest.mark.slow  # the kernels themselves are in the fast tier (test_kernels_pallas.py)
+@pytest.mark.parametrize("kernel_qk_norm", [True, False], ids=["qk_norm_in_kernel", "qk_norm_in_xla"])
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_pallas_path_equals_reference_path(ckpt, dtype, tol):
+def test_pallas_path_equals_reference_path(ckpt, dtype, tol, kernel_qk_norm, monkeypatch):
+    """The Gated DeltaNet prefill's q / k norms inside the chunk kernels or in XLA first
+    (`gated_deltanet.KERNEL_QK_NORM`): either way the Pallas path's logits equal the reference path's. (Checked to
+    fail with the in-kernel norm skipped in the sequential pass.)"""
+    import jax
+
+    from jhybrid.models import gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "KERNEL_QK_NORM", kernel_qk_norm)
+    jax.clear_caches()  # a trace of the other setting must not be reused
     cfg, params = load_model(ckpt, dtype=dtype)
     ids = list(np.random.default_rng(0).integers(0, cfg.vocab_size, 37))
     want = run(cfg, params, ids, (20, 17), 3, kernel_impl="reference")

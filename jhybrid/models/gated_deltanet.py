@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
-from jhybrid.models.layers import gated_rms_norm, short_conv
+from jhybrid.models.layers import gated_rms_norm, l2_normalize, short_conv
 from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import chunk_gated_delta_rule, conv_update
 from pallas_kernels.gated_delta_rule import gated_delta_decode, gated_delta_decode_packed
+
+# a prefill's q / k L2 norms inside the chunk kernels (`qk_l2norm`): no normalised copy of q and k is written (two
+# XLA passes a layer: qwen3_next's 8k prefill writes 2.4 GB less on the H200 compile, benchmarks/RESULTS.md session
+# 33). JHYBRID_GDN_KERNEL_QK_NORM=0 normalises them in XLA first, to the same rounding (a same-run baseline).
+KERNEL_QK_NORM = os.environ.get("JHYBRID_GDN_KERNEL_QK_NORM", "1") == "1"
 
 
 def gated_deltanet_layer(
@@ -54,9 +61,11 @@ def gated_deltanet_layer(
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
     )
-    # q and k L2-normalised in fp32 and fed as x.dtype, by the kernels as they load them (no normalised copy)
+    # q and k L2-normalised in fp32 and fed as x.dtype: by the kernels as they load them (no normalised copy)
+    if not KERNEL_QK_NORM:
+        q, k = l2_normalize(q).astype(x.dtype), l2_normalize(k).astype(x.dtype)
     o, ssm_state = chunk_gated_delta_rule(q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids,
-                                          qk_l2norm=True, **(kernels or {}))
+                                          qk_l2norm=KERNEL_QK_NORM, **(kernels or {}))
     o = gated_rms_norm(o.astype(x.dtype), z, p["norm"], cfg.rms_norm_eps)  # [T, HV, V]
     out = linear(o.reshape(num_tokens, hv * dv), p["out_proj"])
     return out, conv_state, ssm_state
