@@ -282,6 +282,7 @@ def step_kernels(name: str, rows: int, steps: int, hlo_dir: str | None, prefill:
     per = max(steps, 1)
     return dict(model=name, rows=rows, prefill=prefill, bucket=list(bucket), steps=steps, compile_s=seconds,
                 largest=largest_outputs(text) if prefill else [],
+                written_gb=written_by_kind(text) if prefill else {},
                 layers=cfg.num_layers, kernels=counts["total"] / per, kernels_max=most["total"] / per,
                 by_kind={k: v / per for k, v in counts["by_kind"].items()},
                 names=[(n, k, t / per) for n, k, t in counts["names"]])
@@ -291,7 +292,7 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2,
                 "s64": 8, "f64": 8}
 
 
-def largest_outputs(text: str, top: int = 12) -> list[tuple[str, float, str]]:
+def largest_outputs(text: str, top: int | None = 12) -> list[tuple[str, float, str]]:
     """The entry computation's fusions and custom calls that write the most bytes (their output shapes; a tuple's
     elements summed), with XLA's `op_name` of each: `(name, MB, op_name)`, largest first. Bytes written are a lower
     bound on a kernel's traffic, and show what a step materialises (e.g. zero-filled outputs)."""
@@ -305,7 +306,22 @@ def largest_outputs(text: str, top: int = 12) -> list[tuple[str, float, str]]:
                      for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(2)))
         op = re.search(r'op_name="([^"]*)"', line)
         out.append((m.group(1), nbytes / 1e6, op.group(1) if op else ""))
-    return sorted(out, key=lambda t: -t[1])[:top]
+    return sorted(out, key=lambda t: -t[1])[:top]  # (top None: all)
+
+
+def written_by_kind(text: str) -> dict[str, float]:
+    """GB that the entry computation's fusions and custom calls write (their outputs' bytes, a tuple's elements
+    summed), by `_kind`; largest first. A step's kernels outside the entry (loop bodies) are not counted."""
+    comps, _ = parse_hlo(text)
+    sizes = {name.lstrip("%"): mb for name, mb, _ in largest_outputs(text, top=None)}
+    entry = text[text.index("\nENTRY "):].split("\n}\n")[0]
+    out: collections.Counter = collections.Counter()
+    for line in entry.split("\n"):
+        m = _INSTRUCTION.match(line)
+        if m and m.group(1) in sizes:
+            op, rest = _opcode(m.group(2))
+            out[_kind(op, rest, comps)] += sizes[m.group(1)] / 1e3
+    return dict(out.most_common())
 
 
 def kernels_main(args) -> int:
@@ -322,6 +338,8 @@ def kernels_main(args) -> int:
                 f"{row['compile_s']:.1f} s")
             for kind, n in row["by_kind"].items():
                 log(f"  {n:8.1f}  {kind}")
+            if row["written_gb"]:
+                log("  written: " + ", ".join(f"{kind} {gb:.2f} GB" for kind, gb in row["written_gb"].items()))
             for fusion, mb, op in row["largest"]:
                 log(f"  {mb:10.1f} MB written  {fusion}  {op[-90:]}")
     if args.json:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.h200_aot import count_kernels, largest_outputs
+from benchmarks.h200_aot import count_kernels, largest_outputs, written_by_kind
 from benchmarks.head_dims import KERNELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,6 +98,13 @@ def test_largest_outputs_sums_a_tuples_elements_in_the_entry_only():
     assert [(name, round(mb * 1e6)) for name, mb, _ in got] == [("%g", 64), ("%r", 16)]
     two = HLO.replace("(f32[4,4]{1,0}, s8[0]{0}) custom-call", "(f32[4,4]{1,0}, bf16[8]{0}) custom-call")
     assert round(largest_outputs(two)[0][1] * 1e6) == 64 + 16
+
+
+def test_written_by_kind_sums_the_entrys_outputs_per_kind():
+    """The same entry's bytes written, by kind: the cuBLAS GEMM's 64 and the reduction fusion's 16 (the loop body's
+    and the command buffer's fusions are not the entry's). Checked to fail with the names' "%" left on one side."""
+    got = {kind: round(gb * 1e9) for kind, gb in written_by_kind(HLO).items()}
+    assert got == {"gemm (cuBLAS)": 64, "reduction fusion": 16}
 
 
 @pytest.mark.slow
