@@ -134,7 +134,7 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     dt_c = jnp.asarray(rng.uniform(0.01, 0.3, (130, 4)), jnp.float32)
     z_c = jnp.asarray(rng.normal(size=(130, 4 * d)), dtype)
     out["mamba2_chunk"] = (lambda *x, impl, interpret: chunk_mamba2(
-        *x, dims=(4, d, 2, d), out_dtype=dtype, impl=impl, interpret=interpret),
+        *x, dims=(4, d, 2, d), out_dtype=dtype, impl=impl, interpret=interpret, fused=True),
         (xbc_c, dt_c, -dt_c, heads4(-1, 1), cu, m_state[:4], chunk_slots, z_c))
     return out
 

@@ -85,18 +85,24 @@ def test_fused_gdn_decode_equals_reference_path(ckpt, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["minimax", "nemotron_h"])
-def test_scalar_decay_families_pallas_path_equals_reference_path(family):
+@pytest.mark.parametrize("family,mamba2_fused", [("minimax", False), ("nemotron_h", False), ("nemotron_h", True)])
+def test_scalar_decay_families_pallas_path_equals_reference_path(family, mamba2_fused, monkeypatch):
     """Lightning attention (MiniMax) and Mamba2 (NemotronH) layers through the simple-GLA Pallas kernels (chunked
     prefill in two chunks, then decode steps), interpreted, against the reference path: logits of every step,
-    fp32. Head dims are 16 so that the kernels apply (their tiles need powers of two >= 16). NemotronH's prefill
-    takes `chunk_mamba2` (the kernels reading the conv output in place). Checked to fail with the decay dropped
-    from the decode kernel (`fused_recurrent.py`) and from the chunk kernel's state update, and with the D skip
-    dropped from the Mamba2 chunks."""
+    fp32. Head dims are 16 so that the kernels apply (their tiles need powers of two >= 16). With `mamba2_fused`
+    NemotronH's prefill takes `chunk_mamba2`'s in-place kernels (`simple_gla.MAMBA2_FUSED_PREFILL`). Checked to
+    fail with the decay dropped from the decode kernel (`fused_recurrent.py`) and from the chunk kernel's state
+    update, and with the D skip dropped from the Mamba2 chunks (the fused case)."""
     import dataclasses
 
+    import jax
+
     from jhybrid.models.params import init_params
+    from pallas_kernels import simple_gla
     from tests.tp_worker import family_config
+
+    monkeypatch.setattr(simple_gla, "MAMBA2_FUSED_PREFILL", mamba2_fused)
+    jax.clear_caches()  # a trace of the other setting must not be reused
 
     cfg = family_config(family)
     if family == "minimax":  # lightning first: the last layer of a model barely decays (lightning_slopes)

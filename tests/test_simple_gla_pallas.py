@@ -200,7 +200,7 @@ def test_chunk_mamba2_reads_the_conv_output_in_place(case, gated):
     out_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
     want_y, want_state = chunk_mamba2(*args, dims=dims, out_dtype=out_dtype, impl="reference", chunk_size=16)
     got_y, got_state = chunk_mamba2(*args, dims=dims, out_dtype=out_dtype, impl="pallas", interpret=True,
-                                    chunk_size=16, block_v=16, single_block_v=16)
+                                    chunk_size=16, block_v=16, single_block_v=16, fused=True)
     assert got_y.dtype == (jnp.float32 if gated else out_dtype) and got_y.shape == (num_tokens, heads, head_dim)
     rtol = 1e-5 if out_dtype == jnp.float32 else 1e-2
     real = int(cu[-1])
@@ -218,7 +218,7 @@ def test_chunk_mamba2_lowers_for_h200():
     f32 = jnp.float32
     t = 136
     xbc = jax.ShapeDtypeStruct((t, heads * head_dim + 2 * groups * n), jnp.bfloat16)
-    fn = functools.partial(chunk_mamba2, dims=dims, out_dtype=jnp.bfloat16, impl="pallas")
+    fn = functools.partial(chunk_mamba2, dims=dims, out_dtype=jnp.bfloat16, impl="pallas", fused=True)
     lower_for_h200(fn, xbc, jnp.zeros((t, heads), f32), jnp.zeros((t, heads), f32), jnp.zeros(heads, f32),
                    jnp.array([0, 100, 101, 130], jnp.int32), jnp.zeros((4, heads, n, head_dim), f32),
                    jnp.array([1, 2, 0], jnp.int32),

@@ -140,9 +140,11 @@ def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: t
     return mamba2_decode_in_parts(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, **form, recurrence=recurrence)
 
 
-# a Mamba2 mixer's chunked prefill reading its conv output in place (`chunk_mamba2`): on by default;
-# JHYBRID_MAMBA2_FUSED_PREFILL=0 computes SiLU(x), B, C, v = x dt and the D skip in XLA around `chunk_simple_gla`
-MAMBA2_FUSED_PREFILL = os.environ.get("JHYBRID_MAMBA2_FUSED_PREFILL", "1") == "1"
+# a Mamba2 mixer's chunked prefill reading its conv output in place (`chunk_mamba2`). Off by default
+# (JHYBRID_MAMBA2_FUSED_PREFILL=1 turns it on): on the H200 it made NemotronH's 8k prefill 61.7 -> 96.4 ms, same
+# machine (benchmarks/RESULTS.md, session 33), though it writes 8.5 GB less; the likely cause is its loads at
+# column offsets known only at run time in the conv output's contiguous dimension (Triton cannot vectorise them)
+MAMBA2_FUSED_PREFILL = os.environ.get("JHYBRID_MAMBA2_FUSED_PREFILL", "0") == "1"
 
 
 def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *,
