@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.paged_attention.prefill import _LOG2E, _MASK_VALUE, _WHOLE, _next_pow2
+from pallas_kernels.paged_attention.prefill import _LOG2E, _MASK_VALUE, _WHOLE, _next_pow2, tiling
 
 
 def query_tiles(cu_seqlens: Int[Array, "B+1"], num_tokens: int, block_q: int) -> tuple[Array, Array, Array]:
@@ -128,14 +128,6 @@ def _prefix_kernel(
         plt.store(lse_ref.at[window], (m + jnp.log(l)).reshape(block_q, gp), mask=mask)
 
 
-def default_block_q(num_heads: int, num_kv_heads: int, page_dtype) -> int:
-    """Query tokens per tile: 128 query rows of bf16 pages (64 of 4-byte ones) over each token's GP heads, at
-    least 16 rows (a Triton dot's minimum)."""
-    gp = _next_pow2(num_heads // num_kv_heads)
-    rows = 64 if jnp.dtype(page_dtype).itemsize > 2 else 128
-    return max(1, rows // gp, -(-16 // gp))
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "block_q", "pages_per_block", "num_warps", "num_stages", "interpret"),
@@ -163,8 +155,9 @@ def paged_prefix_merge_pallas(
     `cu_seqlens[B]`) get zeros and -inf whatever o_self / lse_self hold there.
 
     q is cast to the pages' dtype for the dots (fp32 accumulation). D and BS must be powers of two. `block_q`
-    query tokens per tile (`default_block_q`; at least 16 query rows); each loop step reads `pages_per_block` pages
-    as one gathered `[NP*BS, D]` tile (default 4, 2 for 4-byte pages; at least 16 keys)."""
+    query tokens per tile and `pages_per_block` pages a loop step (one gathered `[NP*BS, D]` tile) default as the
+    prefill kernel's (`prefill.tiling`: 128 query rows and 4 pages for 2-byte pages, 64 and 2 for 4-byte ones),
+    with at least 16 keys a tile."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
     if o_self.shape != q.shape or lse_self.shape != q.shape[:2]:
@@ -172,11 +165,9 @@ def paged_prefix_merge_pallas(
                          f"{lse_self.shape=}")
     group = num_heads // num_kv_heads
     gp = _next_pow2(group)
-    wide = jnp.dtype(k_pages.dtype).itemsize > 2
-    # at least 16 query rows and 16 keys a tile (a Triton dot's minimum)
-    block_q = max(block_q or default_block_q(num_heads, num_kv_heads, k_pages.dtype), -(-16 // gp))
-    pages_per_block = max(min(pages_per_block or (2 if wide else 4), _next_pow2(block_tables.shape[1])),
-                          -(-16 // block_size))
+    block_q, pages_per_block, _ = tiling(q.shape, k_pages, block_tables.shape, block_q=block_q,
+                                         pages_per_block=pages_per_block)
+    pages_per_block = max(pages_per_block, -(-16 // block_size))  # at least 16 keys (a Triton dot's minimum)
     scale = head_dim**-0.5 if scale is None else scale
     tile_row, tile_start, tile_len = query_tiles(cu_seqlens, num_tokens, block_q)
     num_tiles = tile_row.shape[0]

@@ -83,9 +83,12 @@ def _mamba2_out(o, x, d, z, m2: Mamba2Inputs, out_dtype):
     return y.astype(jnp.float32) * _silu(z.astype(jnp.float32)) if m2.gated else y
 
 
-def _mamba2_x(v_ref, start, valid, j, v_slice, m2: Mamba2Inputs):
-    """SiLU(x) `[C, BV]` fp32 of head j's values `v_slice` from the conv output."""
-    return _silu(_load(v_ref, start, valid, pl.ds(j * m2.head_dim + v_slice.start, v_slice.size)))
+def _mamba2_columns(m2: Mamba2Inputs, j, group: int, v_slice):
+    """Where value head j reads its key group's B and C (`[N]` column windows of the conv output) and its values
+    `v_slice` (a `[BV]` window: of x in the conv output, of the gate z in the in_proj output)."""
+    b_cols = m2.b_offset + (j // group) * m2.state_dim
+    return (pl.ds(b_cols, m2.state_dim), pl.ds(b_cols + m2.num_groups * m2.state_dim, m2.state_dim),
+            pl.ds(j * m2.head_dim + v_slice.start, v_slice.size))
 
 
 def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group: int, dt, m2=None, dt_ref=None):
@@ -99,10 +102,10 @@ def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group: i
         k = _load(k_ref, start, valid, j // group, key, dtype=dt)
         v = _load(v_ref, start, valid, j, v_slice, dtype=dt)
         return q, k, v, jnp.cumsum(g), jnp.sum(g), None
-    n, b_cols = m2.state_dim, m2.b_offset + (j // group) * m2.state_dim
-    k = _silu(_load(k_ref, start, valid, pl.ds(b_cols, n))).astype(dt)
-    q = _silu(_load(q_ref, start, valid, pl.ds(b_cols + m2.num_groups * n, n))).astype(dt)
-    x = _mamba2_x(v_ref, start, valid, j, v_slice, m2)
+    b_cols, c_cols, x_cols = _mamba2_columns(m2, j, group, v_slice)
+    k = _silu(_load(k_ref, start, valid, b_cols)).astype(dt)
+    q = _silu(_load(q_ref, start, valid, c_cols)).astype(dt)
+    x = _silu(_load(v_ref, start, valid, x_cols))
     v = (x * _load(dt_ref, start, valid, j)[:, None]).astype(dt)
     return q, k, v, jnp.cumsum(g), jnp.sum(g), x
 
@@ -167,8 +170,7 @@ def _fused_kernel(
                                                       dt, mamba2, dt_ref)
             o = _intra_output(q, k, v, h.astype(dt), cum, scale=scale, dot=dot)
             if mamba2:  # the D skip (and the gate)
-                z = _load(z_ref, start, valid, pl.ds(j * mamba2.head_dim + v_slice.start, v_slice.size)) \
-                    if mamba2.gated else None
+                z = _load(z_ref, start, valid, _mamba2_columns(mamba2, j, group, v_slice)[2]) if mamba2.gated else None
                 o = _mamba2_out(o, x, d_ref[j], z, mamba2, out_dtype)
             plt.store(o_ref.at[pl.ds(start, chunk_size), j, v_slice], o.astype(o_ref.dtype), mask=valid[:, None])
             return _advance(h, k, v, cum, cum_last, dot=dot)
@@ -302,17 +304,15 @@ def _single_token_kernel(
         slot = slot_ids_ref[b]
         v_slice = pl.ds(i * block_v, block_v)
         if mamba2:  # token t's row of what `_chunk_inputs` reads
-            n, b_cols = mamba2.state_dim, mamba2.b_offset + (j // group) * mamba2.state_dim
-            k = _silu(k_ref[t, pl.ds(b_cols, n)].astype(jnp.float32))
-            q = _silu(q_ref[t, pl.ds(b_cols + mamba2.num_groups * n, n)].astype(jnp.float32))
-            x = _silu(v_ref[t, pl.ds(j * mamba2.head_dim + v_slice.start, v_slice.size)].astype(jnp.float32))
+            b_cols, c_cols, x_cols = _mamba2_columns(mamba2, j, group, v_slice)
+            k, q, x = (_silu(ref[t, cols].astype(jnp.float32))
+                       for ref, cols in ((k_ref, b_cols), (q_ref, c_cols), (v_ref, x_cols)))
             v = x * dt_ref[t, j]
         else:
             q, k, v = q_ref[t, j // group, :], k_ref[t, j // group, :], v_ref[t, j, v_slice]
         o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q, k, v, g_ref[t, j], scale)
         if mamba2:
-            columns = pl.ds(j * mamba2.head_dim + v_slice.start, v_slice.size)
-            o = _mamba2_out(o, x, d_ref[j], z_ref[t, columns] if mamba2.gated else None, mamba2, out_dtype)
+            o = _mamba2_out(o, x, d_ref[j], z_ref[t, x_cols] if mamba2.gated else None, mamba2, out_dtype)
         o_ref[t, j, v_slice] = o.astype(o_ref.dtype)
 
         @pl.when(slot != 0)
@@ -407,8 +407,8 @@ def chunk_mamba2_pallas(
     out_block_v: int = 64,
     out_num_warps: int = 4,
 ) -> tuple[Float[Array, "T Hm P"], Float[Array, "S Hm N P"]]:
-    """A Mamba2 mixer's chunked scan from its conv output, `chunk_mamba2_reference`'s result: `xbc [T, Cm]` the
-    conv output (with its bias, before the SiLU; columns x `[Hm P]` | B `[G N]` | C `[G N]`), `dt` the step
+    """A Mamba2 mixer's chunked scan from its conv output, `simple_gla.chunk_mamba2_in_parts`'s result: `xbc
+    [T, Cm]` the conv output (with its bias, before the SiLU; columns x `[Hm P]` | B `[G N]` | C `[G N]`), `dt` the step
     sizes, `g = dt A` the log decays, `d_skip` D, `dims = (Hm, P, G, N)`. The kernels read x, B and C where
     they sit in `xbc` (`Mamba2Inputs`), so no fp32 copy of B, C, `v = SiLU(x) dt` or the output is written;
     the output `y = o + D SiLU(x)` comes in `out_dtype`. Given `z` (`[T, >= Hm P]`, the gate at columns
@@ -422,13 +422,12 @@ def chunk_mamba2_pallas(
         raise ValueError(f"xbc [T, Cm] must hold x | B | C = {heads} x {head_dim} + 2 x {groups} x {state_dim} "
                          f"columns, got {xbc.shape}")
     m2 = Mamba2Inputs(head_dim, state_dim, heads * head_dim, groups, gated=z is not None)
-    del out_block_v, out_num_warps
     z = jnp.zeros((1, 1), jnp.float32) if z is None else z
     return _chunk(xbc, xbc, xbc, g, dt.astype(jnp.float32), d_skip.astype(jnp.float32), z, cu_seqlens, state,
                   slot_ids, dims=(groups, state_dim, heads, head_dim), mamba2=m2, out_dtype=out_dtype, scale=scale,
                   chunk_size=chunk_size, fused_output=True, block_v=block_v, num_warps=num_warps,
-                  num_stages=num_stages, out_block_v=64, out_num_warps=4, single_block_v=single_block_v,
-                  row_groups=row_groups, precision=precision, interpret=interpret)
+                  num_stages=num_stages, out_block_v=out_block_v, out_num_warps=out_num_warps,
+                  single_block_v=single_block_v, row_groups=row_groups, precision=precision, interpret=interpret)
 
 
 def _chunk(q, k, v, g, dt, d_skip, z, cu_seqlens, state, slot_ids, *, dims, mamba2, out_dtype, scale, chunk_size,
