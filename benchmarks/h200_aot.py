@@ -77,6 +77,42 @@ def log(*a):
     print(*a, flush=True)
 
 
+# ptxas's report of one compiled function (`ptxas -v`, logged by XLA's subprocess compilation at VLOG 3)
+_PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)\s*\n\s*(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                             r"(\d+) bytes spill loads\s*\n[^\n]*Used (\d+) registers")
+# what makes XLA print that report: set before jaxlib loads (`main` does it for `fit`), one compile at a time so
+# that the reports do not interleave
+PTXAS_ENV = {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPP_VMODULE": "subprocess_compilation=3"}
+PTXAS_XLA_FLAGS = "--xla_gpu_ptx_compiler_extra_flags=-v --xla_gpu_force_compilation_parallelism=1"
+
+
+def parse_ptxas(text: str) -> dict[str, dict[str, int]]:
+    """Per compiled function in a `ptxas -v` log: its registers a thread and spill bytes (stores, loads)."""
+    return {m[1]: dict(registers=int(m[5]), spill_stores=int(m[3]), spill_loads=int(m[4]))
+            for m in _PTXAS_FUNCTION.finditer(text)}
+
+
+@contextlib.contextmanager
+def captured_fd2():
+    """Inside, whatever the process writes to file descriptor 2 (XLA's C++ log included) goes to a temporary file
+    instead; yields a list that holds that text on exit."""
+    import tempfile
+
+    out: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield out
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            out.append(tmp.read().decode(errors="replace"))
+
+
 def gpu_choices():
     """`jax.default_backend()` reads "gpu" inside: the project's "auto" kernel and engine choices are the GPU's."""
     import jax
@@ -370,22 +406,78 @@ def fit_main(args) -> int:
             for name, d, dtype, fn, fargs in todo:
                 if True:
                     t0 = time.perf_counter()
-                    try:
-                        kernel = jax.jit(functools.partial(fn, impl="pallas", interpret=False))
-                        text = compile_for_h200(kernel, fargs, {}, sharding).as_text()
-                        status = "ok" if "triton" in text else "FAILED: no Triton kernel in the program"
-                    except Exception as e:  # noqa: BLE001  the reason is the result: every case is tried
-                        status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    with captured_fd2() as ptxas_log:
+                        try:
+                            kernel = jax.jit(functools.partial(fn, impl="pallas", interpret=False))
+                            text = compile_for_h200(kernel, fargs, {}, sharding).as_text()
+                            status = "ok" if "triton" in text else "FAILED: no Triton kernel in the program"
+                        except Exception as e:  # noqa: BLE001  the reason is the result: every case is tried
+                            status = f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
                     row = dict(kernel=name, head_dim=d, dtype=jnp.dtype(dtype).name, status=status,
-                               seconds=time.perf_counter() - t0)
+                               seconds=time.perf_counter() - t0, ptxas=_pallas_functions(ptxas_log[0]))
                     results.append(row)
-                    log(f"{name:18s} d={d:<4d} {row['dtype']:9s} {status}  ({row['seconds']:.1f} s)")
+                    log(f"{name:18s} d={d:<4d} {row['dtype']:9s} {status}  ({row['seconds']:.1f} s){_spills(row)}")
     failed = [r for r in results if r["status"] != "ok"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     log(f"\n{len(results) - len(failed)} of {len(results)} cases compiled for the H200")
     return 1 if failed else 0
+
+
+def _pallas_functions(log_text: str) -> dict[str, dict[str, int]]:
+    """`parse_ptxas` without XLA's own fusions (named `*_fusion*`)."""
+    return {k: v for k, v in parse_ptxas(log_text).items() if "fusion" not in k}
+
+
+def _spills(row) -> str:
+    """The most registers and spill bytes among a compile's Pallas kernels, as a log suffix."""
+    if not row["ptxas"]:
+        return ""
+    regs = max(r["registers"] for r in row["ptxas"].values())
+    spill = max(r["spill_stores"] for r in row["ptxas"].values())
+    return f"  regs {regs}" + (f", SPILLS {spill} B" if spill else "")
+
+
+def spills_main(args) -> int:
+    """Registers and spill bytes (ptxas) of Mamba2's chunked-prefill kernels at the `benchmarks.floors` NemotronH
+    layer (Hm 64, P 64, G 8, N 128, one 8,192-token row): the parts' simple-GLA kernel, and the form that reads
+    the conv output in place, at each tuning of `--tunings`."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.simple_gla.chunk import chunk_mamba2_pallas, chunk_simple_gla_pallas
+
+    t, h, p, g, n = args.tokens, 64, 64, 8, 128
+    f32, i32 = jnp.float32, jnp.int32
+    sd = jax.ShapeDtypeStruct
+    common = (sd((2,), i32), sd((4, h, n, p), f32), sd((1,), i32))  # cu_seqlens, state, slot_ids
+    gates = sd((t, h), f32)
+    cases = [("parts", json.loads(x)) for x in args.tunings.split(";")] + [
+        ("in_place", json.loads(x)) for x in args.tunings.split(";")]
+    rows = []
+    with h200() as sharding:
+        for form, tuning in cases:
+            if form == "parts":
+                fn = functools.partial(chunk_simple_gla_pallas, **tuning)
+                fargs = (sd((t, g, n), f32), sd((t, g, n), f32), sd((t, h, p), f32), gates, *common)
+            else:
+                fn = functools.partial(chunk_mamba2_pallas, dims=(h, p, g, n), out_dtype=jnp.bfloat16, **tuning)
+                cu, state, slots = common
+                fargs = (sd((t, h * p + 2 * g * n), jnp.bfloat16), gates, gates, sd((h,), f32), cu, state, slots,
+                         sd((t, 2 * h * p + 2 * g * n + h), jnp.bfloat16))
+            with captured_fd2() as ptxas_log:
+                compile_for_h200(jax.jit(fn), fargs, {}, sharding)
+            for name, r in sorted(_pallas_functions(ptxas_log[0]).items()):
+                rows.append(dict(form=form, tuning=tuning, kernel=name, **r))
+                log(f"{form:9s} {json.dumps(tuning):40s} {name:45s} regs {r['registers']:3d}  spill stores "
+                    f"{r['spill_stores']:5d} B  loads {r['spill_loads']:5d} B")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -405,9 +497,19 @@ def main(argv=None) -> int:
     f = sub.add_parser("fit", help="every Pallas kernel at every head dim compiled for the H200")
     f.add_argument("--dims", default="16,32,64,128,256")
     f.add_argument("--json")
+    sp = sub.add_parser("spills", help="registers and spills (ptxas) of Mamba2's chunked-prefill kernels per tuning")
+    sp.add_argument("--tokens", type=int, default=8192)
+    sp.add_argument("--tunings", default='{};{"num_warps": 8};{"num_warps": 8, "block_v": 16}',
+                    help="';'-separated JSON dicts of kernel keyword arguments")
+    sp.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.command in ("fit", "spills"):  # ptxas's reports (`parse_ptxas`); jaxlib is not loaded yet
+        os.environ.update(PTXAS_ENV)
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {PTXAS_XLA_FLAGS}".strip()
     if args.command == "fit":
         return fit_main(args)
+    if args.command == "spills":
+        return spills_main(args)
     apply_sets(ap, args.set)
     return kernels_main(args)
 

@@ -362,6 +362,74 @@ def bench_gdn_chunk_ab(quick):
 # ---------------------------------------------------------------- paged decode attention
 
 
+def _paged_read_kernel(tables_ref, k_ref, v_ref, o_ref, *, pages_per_block, pages_per_split, per_page):
+    """The decode kernel's reads alone: program (t, h, s) walks split s of row t's pages as `_decode_kernel`
+    does (a gathered `[NP * BS, D]` tile, or page by page) and sums them; no dot, no softmax."""
+    from jax.experimental import pallas as pl
+
+    t, s = pl.program_id(0), pl.program_id(2)
+    head_dim = k_ref.shape[-1]
+
+    def body(it, acc):
+        first = s * pages_per_split + it * pages_per_block
+        if per_page:
+            for i in range(pages_per_block):
+                page = tables_ref[t, first + i]
+                acc = acc + k_ref[page].astype(jnp.float32) + v_ref[page].astype(jnp.float32)
+            return acc
+        pages = tables_ref[t, pl.ds(first, pages_per_block)]
+        k = k_ref[pages].reshape(-1, head_dim).astype(jnp.float32)
+        v = v_ref[pages].reshape(-1, head_dim).astype(jnp.float32)
+        return acc + (k + v).reshape(pages_per_block, -1, head_dim).sum(0)
+
+    acc = jnp.zeros((k_ref.shape[1], head_dim), jnp.float32)
+    o_ref[...] = jax.lax.fori_loop(0, pages_per_split // pages_per_block, body, acc).sum(0)
+
+
+def paged_read(k_pages, v_pages, tables, *, pages_per_block, num_splits, num_warps, num_stages, per_page):
+    """`_paged_read_kernel` over every row's pages (`tables [B, M]`, M a multiple of NS * NP): per row, head and
+    split, the `[D]` sum of its keys and values."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plt
+
+    num_pages, block_size, num_kv_heads, head_dim = k_pages.shape
+    batch, max_pages = tables.shape
+    pages_spec = pl.BlockSpec((num_pages, block_size, None, head_dim), lambda t, h, s: (0, 0, h, 0))
+    kernel = functools.partial(_paged_read_kernel, pages_per_block=pages_per_block,
+                               pages_per_split=max_pages // num_splits, per_page=per_page)
+    return pl.pallas_call(
+        kernel, grid=(batch, num_kv_heads, num_splits),
+        in_specs=[pl.no_block_spec, pages_spec, pages_spec],
+        out_specs=pl.BlockSpec((None, None, None, head_dim), lambda t, h, s: (t, h, s, 0)),
+        out_shape=jax.ShapeDtypeStruct((batch, num_kv_heads, num_splits, head_dim), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="paged_read_probe")(tables, k_pages, v_pages)
+
+
+def paged_read_rates(k_pages, v_pages, tables, cfg, kv_bytes):
+    """TB/s of the decode kernel's reads without its math, at the decode kernel's best `cfg`, over the benchmark's
+    scattered pages and over the same pages in order (each row's pages contiguous); and of a jnp sum of the whole
+    cache (one contiguous read, no pages). Each read sum is checked against numpy's first."""
+    npb, ns, nw, st, pp = cfg
+    rates = {}
+    ordered = jnp.arange(1, 1 + tables.size, dtype=jnp.int32).reshape(tables.shape)
+    for name, tab in (("scattered pages", tables), ("pages in order", ordered)):
+        fn = jax.jit(functools.partial(paged_read, pages_per_block=npb, num_splits=ns, num_warps=nw, num_stages=st,
+                                       per_page=pp))
+        got = np.asarray(fn(k_pages, v_pages, tab)).sum(axis=(2,))  # [B, KVH, D]
+        row = np.asarray(tab)[0]
+        want = (np.asarray(k_pages[row], np.float32) + np.asarray(v_pages[row], np.float32)).sum(axis=(0, 1))
+        if not np.allclose(got[0], want, rtol=1e-3, atol=1e-1):
+            print(f"  paged read probe ({name}) FAILED its check", flush=True)
+            continue
+        ms = time_jax(fn, (k_pages, v_pages, tab), reps=20)[0]
+        rates[name] = kv_bytes / (ms * 1e-3) / 1e12
+    whole = jax.jit(lambda k, v: k.astype(jnp.float32).sum() + v.astype(jnp.float32).sum())
+    ms = time_jax(whole, (k_pages, v_pages), reps=20)[0]
+    rates["jnp sum of the whole cache"] = (k_pages.nbytes + v_pages.nbytes) / (ms * 1e-3) / 1e12
+    return rates
+
+
 def bench_paged_decode(quick, copy_bw):
     B, ctx, H, KVH, D, BS = 64, 8192, 16, 2, 256, 16
     M = ctx // BS
@@ -407,6 +475,11 @@ def bench_paged_decode(quick, copy_bw):
     cfg, ours = best_config("paged_decode", make, configs, lambda: args)
     bw = kv_bytes / (ours[0] * 1e-3) / 1e12
     note = f"cfg={cfg}; KV read {bw:.2f} TB/s = {bw / copy_bw:.0%} of copy {copy_bw:.2f} TB/s"
+    try:  # what the same reads cost without the math: the kernel's gather pattern against plain reads
+        rates = paged_read_rates(k_pages, v_pages, tables, cfg, kv_bytes)
+        note += "; reads alone: " + ", ".join(f"{k} {v:.2f} TB/s ({v / copy_bw:.0%})" for k, v in rates.items())
+    except Exception as e:  # noqa: BLE001  the probe is an explanation, not the row
+        print(f"  paged read probe failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
     t_ref = time_jax(jax.jit(paged_attention_reference), args, reps=10)
     record("paged_decode", shape, ours, "jnp reference (XLA)", t_ref, err, rel, 2e-2, note)
     try:

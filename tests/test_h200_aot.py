@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.h200_aot import count_kernels, largest_outputs, written_by_kind
+from benchmarks.h200_aot import count_kernels, largest_outputs, parse_ptxas, written_by_kind
 from benchmarks.head_dims import KERNELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,6 +105,31 @@ def test_written_by_kind_sums_the_entrys_outputs_per_kind():
     and the command buffer's fusions are not the entry's). Checked to fail with the names' "%" left on one side."""
     got = {kind: round(gb * 1e9) for kind, gb in written_by_kind(HLO).items()}
     assert got == {"gemm (cuBLAS)": 64, "reduction fusion": 16}
+
+
+# `ptxas -v` as XLA logs it (lines of its own log prefix between; two functions, the second one spilling)
+PTXAS_LOG = """\
+I1205 11:00:01.7 subprocess_compilation.cc:313] ptxas /tmp/a -o /tmp/b -arch=sm_90a --warn-on-spills -v
+ptxas info    : Compiling entry function 'loop_convert_fusion' for 'sm_90a'
+ptxas info    : Function properties for loop_convert_fusion
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 10 registers, used 0 barriers
+I1205 11:00:04.5 subprocess_compilation.cc:349] ptxas warning : Registers are spilled to local memory in function \
+'mamba2_chunk_fused_c64_bv32_w4_s2', 1892 bytes spill stores, 1972 bytes spill loads
+ptxas info    : Compiling entry function 'mamba2_chunk_fused_c64_bv32_w4_s2' for 'sm_90a'
+ptxas info    : Function properties for mamba2_chunk_fused_c64_bv32_w4_s2
+    1608 bytes stack frame, 1892 bytes spill stores, 1972 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 1608 bytes cumulative stack size
+"""
+
+
+def test_parse_ptxas_reads_each_functions_registers_and_spills():
+    """Registers and spill bytes per function from ptxas's report (the warning line's figures are not a second
+    function). Checked to fail with the stores' and loads' groups swapped."""
+    assert parse_ptxas(PTXAS_LOG) == {
+        "loop_convert_fusion": dict(registers=10, spill_stores=0, spill_loads=0),
+        "mamba2_chunk_fused_c64_bv32_w4_s2": dict(registers=255, spill_stores=1892, spill_loads=1972),
+    }
 
 
 @pytest.mark.slow

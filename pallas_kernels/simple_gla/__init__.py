@@ -25,6 +25,7 @@ themselves (`chunk.chunk_mamba2_pallas`); else those parts in jnp around `chunk_
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import jax
@@ -145,6 +146,10 @@ def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: t
 # machine (benchmarks/RESULTS.md, session 33), though it writes 8.5 GB less; the likely cause is its loads at
 # column offsets known only at run time in the conv output's contiguous dimension (Triton cannot vectorise them)
 MAMBA2_FUSED_PREFILL = os.environ.get("JHYBRID_MAMBA2_FUSED_PREFILL", "0") == "1"
+# that form's kernel tuning where the caller gives none (`chunk_mamba2_pallas`'s keywords; JSON in
+# JHYBRID_MAMBA2_PREFILL_TUNING): ptxas spills 1,892 B a thread at its defaults (4 warps, 32 values a program) at
+# NemotronH's layer, 240 B at 8 warps and 16 values, the parts' kernel 296 B (`benchmarks.h200_aot spills`)
+MAMBA2_PREFILL_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_PREFILL_TUNING", '{"num_warps": 8, "block_v": 16}'))
 
 
 def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *,
@@ -182,6 +187,7 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     v = jax.ShapeDtypeStruct((1, heads, head_dim), xbc.dtype)
     if (fused and (mesh is None or mesh.size == 1) and tuning.get("fused_output", True)
             and _pick(impl, "chunk", q, v) == "pallas"):
+        tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
                                    chunk_size=chunk_size, interpret=interpret, **tuning)
     chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0, chunk_size=chunk_size,
