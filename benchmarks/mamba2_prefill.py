@@ -2,7 +2,8 @@
 its conv output to the gated norm's input, each way it can run on the GPU:
 
 - `parts`: `chunk_mamba2_in_parts` around the simple-GLA chunk kernel (XLA writes SiLU'd B / C, `v = x dt`, the
-  D skip and the gate as arrays of their own; the model's default);
+  D skip and the gate as arrays of their own; the model's default), in its fused form (the default) and its split
+  form (a sequential state pass, then every chunk's output in parallel);
 - `in_place T`: `chunk_mamba2_pallas` at tuning T (the kernels read x, B, C and z where they sit; keywords not in T
   take `simple_gla.MAMBA2_PREFILL_TUNING`, then the kernel's defaults).
 
@@ -109,14 +110,14 @@ def main():
     if a.interpret:  # tiny heads: the interpreter runs every program in Python
         H, P, G, N = 4, 16, 2, 16
     tunings = [json.loads(t) for t in a.tunings.split(";")]
-    ways = [("parts", False, {})] + [(f"in_place {json.dumps(t)}", True, t) for t in tunings]
+    ways = [("parts", False, {}), ("parts, split form", False, {"fused_output": False})] + [(f"in_place {json.dumps(t)}", True, t) for t in tunings]
     print(json.dumps(machine_info(a.commit)), flush=True)
     rows = run_case(f"T{a.tokens}", [a.tokens], ways, [])
-    timed = [r for r in rows if r.get("ms") and r["way"] != "parts"]
+    timed = [r for r in rows if r.get("ms") and r["way"].startswith("in_place")]
     if timed:
         best = min(timed, key=lambda r: r["ms"][0])
         ragged = [1] * 3 + [45] if a.interpret else [1] * 63 + [313]
-        run_case(f"ragged {len(ragged) - 1}+{ragged[-1]}", ragged, [ways[0], (best["way"], True, best["tuning"])], rows)
+        run_case(f"ragged {len(ragged) - 1}+{ragged[-1]}", ragged, [*ways[:2], (best["way"], True, best["tuning"])], rows)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(machine_info=machine_info(a.commit), rows=rows), f, indent=1)
