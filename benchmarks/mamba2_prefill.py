@@ -117,7 +117,8 @@ def main():
     if timed:
         best = min(timed, key=lambda r: r["ms"][0])
         ragged = [1] * 3 + [45] if a.interpret else [1] * 63 + [313]
-        run_case(f"ragged {len(ragged) - 1}+{ragged[-1]}", ragged, [*ways[:2], (best["way"], True, best["tuning"])], rows)
+        best_way = (best["way"], True, best["tuning"])
+        run_case(f"ragged {len(ragged) - 1}+{ragged[-1]}", ragged, [*ways[:2], best_way], rows)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(machine_info=machine_info(a.commit), rows=rows), f, indent=1)
