@@ -102,7 +102,8 @@ def main():
                     '{"num_warps": 8, "block_v": 16, "num_stages": 1}',
                     help="';'-separated JSON dicts of the in-place kernels' keyword arguments")
     ap.add_argument("--json")
-    ap.add_argument("--interpret", action="store_true", help="the Pallas interpreter, tiny heads (a CPU smoke test; small --tokens)")
+    ap.add_argument("--interpret", action="store_true",
+                    help="the Pallas interpreter, tiny heads (a CPU smoke test; small --tokens)")
     ap.add_argument("--commit", default=os.environ.get("JHYBRID_COMMIT"))
     a = ap.parse_args()
     global INTERPRET, H, P, G, N
@@ -110,7 +111,8 @@ def main():
     if a.interpret:  # tiny heads: the interpreter runs every program in Python
         H, P, G, N = 4, 16, 2, 16
     tunings = [json.loads(t) for t in a.tunings.split(";")]
-    ways = [("parts", False, {}), ("parts, split form", False, {"fused_output": False})] + [(f"in_place {json.dumps(t)}", True, t) for t in tunings]
+    ways = [("parts", False, {}), ("parts, split form", False, {"fused_output": False})]
+    ways += [(f"in_place {json.dumps(t)}", True, t) for t in tunings]
     print(json.dumps(machine_info(a.commit)), flush=True)
     rows = run_case(f"T{a.tokens}", [a.tokens], ways, [])
     timed = [r for r in rows if r.get("ms") and r["way"].startswith("in_place")]
