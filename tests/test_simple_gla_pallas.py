@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels import simple_gla
 from pallas_kernels.simple_gla import (
     chunk_mamba2,
     chunk_simple_gla,
@@ -224,6 +225,25 @@ def test_chunk_mamba2_lowers_for_h200():
                    jnp.array([0, 100, 101, 130], jnp.int32), jnp.zeros((4, heads, n, head_dim), f32),
                    jnp.array([1, 2, 0], jnp.int32),
                    kernels=[r"mamba2_chunk_fused_c64_bv16_w8_s2", r"mamba2_chunk_single_bv32_w4"])
+
+
+@pytest.mark.parametrize("split_from, kernels", [
+    (0, [r"sgla_chunk_fused_c64_bv32_w4_s2", r"sgla_chunk_single_bv32_w4"]),
+    (136, [r"sgla_chunk_state_c64_bv32_w4_s2", r"sgla_chunk_output_c64_bv64_w4", r"sgla_chunk_single_bv32_w4"]),
+    (137, [r"sgla_chunk_fused_c64_bv32_w4_s2", r"sgla_chunk_single_bv32_w4"]),
+])
+def test_chunk_mamba2_parts_take_the_split_form_from_a_step_size(monkeypatch, split_from, kernels):
+    """The parts' chunk kernel runs its split form in steps of at least `MAMBA2_SPLIT_FROM_TOKENS` tokens (here a
+    136-token step), the fused form below it and when it is 0. Checked to fail with the threshold ignored."""
+    monkeypatch.setattr(simple_gla, "MAMBA2_SPLIT_FROM_TOKENS", split_from)
+    heads, head_dim, groups, n = dims = (64, 64, 8, 128)
+    f32 = jnp.float32
+    t = 136
+    xbc = jax.ShapeDtypeStruct((t, heads * head_dim + 2 * groups * n), jnp.bfloat16)
+    fn = functools.partial(chunk_mamba2, dims=dims, out_dtype=jnp.bfloat16, impl="pallas", fused=False)
+    lower_for_h200(fn, xbc, jnp.zeros((t, heads), f32), jnp.zeros((t, heads), f32), jnp.zeros(heads, f32),
+                   jnp.array([0, 100, 101, 130], jnp.int32), jnp.zeros((4, heads, n, head_dim), f32),
+                   jnp.array([1, 2, 0], jnp.int32), kernels=kernels)
 
 
 def test_mesh_dispatch_lowers_per_shard():

@@ -152,6 +152,13 @@ MAMBA2_FUSED_PREFILL = os.environ.get("JHYBRID_MAMBA2_FUSED_PREFILL", "0") == "1
 MAMBA2_PREFILL_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_PREFILL_TUNING", '{"num_warps": 8, "block_v": 16}'))
 
 
+# steps of at least this many tokens run the parts' chunk kernel in its split form (a sequential state pass, then
+# every chunk's output in parallel) where the caller does not choose: on the H200 it won a Nemotron-3-Nano-shaped
+# 8k prompt by 16% and lost a serving-shaped step 2x (benchmarks/RESULTS.md, session 16). 0 (the default) never;
+# JHYBRID_MAMBA2_SPLIT_FROM_TOKENS=4096 for a same-run A/B (`benchmarks.mamba2_prefill`, `benchmarks.floors`)
+MAMBA2_SPLIT_FROM_TOKENS = int(os.environ.get("JHYBRID_MAMBA2_SPLIT_FROM_TOKENS", "0"))
+
+
 def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *,
                           dims: tuple[int, int, int, int], out_dtype, chunk):
     """`chunk_mamba2`'s result from its parts in jnp around `chunk(q, k, v, g, cu_seqlens, state, slot_ids)` (a
@@ -190,6 +197,8 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
         tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
                                    chunk_size=chunk_size, interpret=interpret, **tuning)
+    if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= xbc.shape[0]:
+        tuning = dict(tuning, fused_output=False)
     chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0, chunk_size=chunk_size,
                               mesh=mesh, **tuning)
     return chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
