@@ -214,8 +214,8 @@ def test_chunk_mamba2_reads_the_conv_output_in_place(case, gated):
 
 def test_chunk_mamba2_lowers_for_h200():
     """The in-place Mamba2 form at NemotronH's head shapes (Hm 64, P 64, G 8, N 128; bf16 conv output): the fused
-    pass and the one-token rows' kernel, and nothing else; the pass at `MAMBA2_PREFILL_TUNING`'s 8 warps and 16
-    values a program, where none is given (checked to fail with that default not applied: the kernel's own 4 / 32)."""
+    pass and the one-token rows' kernel, and nothing else; the pass at `MAMBA2_PREFILL_TUNING`'s 8 warps where none
+    is given (checked to fail with that default not applied: the kernel's own 4)."""
     heads, head_dim, groups, n = dims = (64, 64, 8, 128)
     f32 = jnp.float32
     t = 136
@@ -224,7 +224,7 @@ def test_chunk_mamba2_lowers_for_h200():
     lower_for_h200(fn, xbc, jnp.zeros((t, heads), f32), jnp.zeros((t, heads), f32), jnp.zeros(heads, f32),
                    jnp.array([0, 100, 101, 130], jnp.int32), jnp.zeros((4, heads, n, head_dim), f32),
                    jnp.array([1, 2, 0], jnp.int32),
-                   kernels=[r"mamba2_chunk_fused_c64_bv16_w8_s2", r"mamba2_chunk_single_bv32_w4"])
+                   kernels=[r"mamba2_chunk_fused_c64_bv32_w8_s2", r"mamba2_chunk_single_bv32_w4"])
 
 
 @pytest.mark.parametrize("split_from, kernels", [

@@ -142,21 +142,21 @@ def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: t
 
 
 # a Mamba2 mixer's chunked prefill reading its conv output in place (`chunk_mamba2`). Off by default
-# (JHYBRID_MAMBA2_FUSED_PREFILL=1 turns it on): on the H200 it made NemotronH's 8k prefill 61.7 -> 96.4 ms, same
-# machine (benchmarks/RESULTS.md, session 33), though it writes 8.5 GB less; the likely cause is its loads at
-# column offsets known only at run time in the conv output's contiguous dimension (Triton cannot vectorise them)
+# (JHYBRID_MAMBA2_FUSED_PREFILL=1 turns it on): it writes 8.5 GB less per NemotronH 8k prefill but its kernel is
+# slower than the parts' (RESULTS, sessions 33-34: on an H100 the model's 8k prefill 67.2 -> 84.2 ms)
 MAMBA2_FUSED_PREFILL = os.environ.get("JHYBRID_MAMBA2_FUSED_PREFILL", "0") == "1"
 # that form's kernel tuning where the caller gives none (`chunk_mamba2_pallas`'s keywords; JSON in
-# JHYBRID_MAMBA2_PREFILL_TUNING): ptxas spills 1,892 B a thread at its defaults (4 warps, 32 values a program) at
-# NemotronH's layer, 240 B at 8 warps and 16 values, the parts' kernel 296 B (`benchmarks.h200_aot spills`)
-MAMBA2_PREFILL_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_PREFILL_TUNING", '{"num_warps": 8, "block_v": 16}'))
+# JHYBRID_MAMBA2_PREFILL_TUNING): the fastest of five on an H100 at NemotronH's 8k layer, 1.696 ms against 3.003 at
+# the kernel's defaults (4 warps), still slower than the parts (1.314 fused, 1.114 split; RESULTS, session 34)
+MAMBA2_PREFILL_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_PREFILL_TUNING", '{"num_warps": 8, "block_v": 32}'))
 
 
 # steps of at least this many tokens run the parts' chunk kernel in its split form (a sequential state pass, then
-# every chunk's output in parallel) where the caller does not choose: on the H200 it won a Nemotron-3-Nano-shaped
-# 8k prompt by 16% and lost a serving-shaped step 2x (benchmarks/RESULTS.md, session 16). 0 (the default) never;
-# JHYBRID_MAMBA2_SPLIT_FROM_TOKENS=4096 for a same-run A/B (`benchmarks.mamba2_prefill`, `benchmarks.floors`)
-MAMBA2_SPLIT_FROM_TOKENS = int(os.environ.get("JHYBRID_MAMBA2_SPLIT_FROM_TOKENS", "0"))
+# every chunk's output in parallel) where the caller does not choose. On an H100 (benchmarks/RESULTS.md, session 34):
+# the NemotronH layer's 8k scan 1.314 -> 1.114 ms, the model's 8k prefill 67.2 -> 62.4 ms, same machine; a
+# serving-shaped step (63 one-token rows and a 313-token prompt) 0.222 ms fused against 0.237 split, so shorter
+# steps keep the fused form. JHYBRID_MAMBA2_SPLIT_FROM_TOKENS=0 never splits
+MAMBA2_SPLIT_FROM_TOKENS = int(os.environ.get("JHYBRID_MAMBA2_SPLIT_FROM_TOKENS", "4096"))
 
 
 def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *,
