@@ -440,9 +440,9 @@ def _spills(row) -> str:
 
 
 def spills_main(args) -> int:
-    """Registers and spill bytes (ptxas) of Mamba2's chunked-prefill kernels at the `benchmarks.floors` NemotronH
-    layer (Hm 64, P 64, G 8, N 128, one 8,192-token row): the parts' simple-GLA kernel, and the form that reads
-    the conv output in place, at each tuning of `--tunings`."""
+    """Registers and spill bytes (ptxas) of Mamba2's chunked-prefill kernels at a layer of `--dims` (default the
+    `benchmarks.floors` NemotronH layer: Hm 64, P 64, G 8, N 128; one row of `--tokens`): the parts' simple-GLA
+    kernel, and the form that reads the conv output in place, at each tuning of `--tunings`."""
     import functools
 
     import jax
@@ -450,7 +450,7 @@ def spills_main(args) -> int:
 
     from pallas_kernels.simple_gla.chunk import chunk_mamba2_pallas, chunk_simple_gla_pallas
 
-    t, h, p, g, n = args.tokens, 64, 64, 8, 128
+    t, (h, p, g, n) = args.tokens, (int(x) for x in args.dims.split(","))
     f32, i32 = jnp.float32, jnp.int32
     sd = jax.ShapeDtypeStruct
     common = (sd((2,), i32), sd((4, h, n, p), f32), sd((1,), i32))  # cu_seqlens, state, slot_ids
@@ -499,6 +499,8 @@ def main(argv=None) -> int:
     f.add_argument("--json")
     sp = sub.add_parser("spills", help="registers and spills (ptxas) of Mamba2's chunked-prefill kernels per tuning")
     sp.add_argument("--tokens", type=int, default=8192)
+    sp.add_argument("--dims", default="64,64,8,128", help="Mamba2 heads, head dim, groups, state size (Nemotron-H-56B: "
+                    "256,64,8,256)")
     sp.add_argument("--tunings", default='{};{"num_warps": 8};{"num_warps": 8, "block_v": 16}',
                     help="';'-separated JSON dicts of kernel keyword arguments")
     sp.add_argument("--json")
