@@ -1,5 +1,5 @@
-"""A Mamba2 mixer's chunked prefill scan at the `benchmarks.floors` NemotronH layer (Hm 64, P 64, G 8, N 128), from
-its conv output to the gated norm's input, each way it can run on the GPU:
+"""A Mamba2 mixer's chunked prefill scan at the `benchmarks.floors` NemotronH layer (Hm 64, P 64, G 8, N 128; `--dims`
+for others), from its conv output to the gated norm's input, each way it can run on the GPU:
 
 - `parts`: `chunk_mamba2_in_parts` around the simple-GLA chunk kernel (XLA writes SiLU'd B / C, `v = x dt`, the
   D skip and the gate as arrays of their own; the model's default), in its fused form (the default) and its split
@@ -7,7 +7,8 @@ its conv output to the gated norm's input, each way it can run on the GPU:
 - `in_place T`: `chunk_mamba2_pallas` at tuning T (the kernels read x, B, C and z where they sit; keywords not in T
   take `simple_gla.MAMBA2_PREFILL_TUNING`, then the kernel's defaults).
 
-    PYTHONPATH=. python3 -m benchmarks.mamba2_prefill [--tokens 8192] [--tunings '{};{"num_warps": 8}'] [--json F]
+    PYTHONPATH=. python3 -m benchmarks.mamba2_prefill [--tokens 8192] [--dims 64,64,8,128] [--tunings '{...};{...}']
+        [--parts-tunings '{"fused_output": false, "out_num_warps": 8};...'] [--json F]
 
 Each way is first checked against the fp32 reference (`chunk_mamba2_in_parts` around the jnp chunked scan at
 HIGHEST precision); a way over the tolerance is reported FAILED and not timed. Timed: median (p20-p80) ms of one
@@ -97,10 +98,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--dims", default="64,64,8,128",
+                    help="Mamba2 heads, head dim, groups, state size (Nemotron-H-56B: 256,64,8,256)")
     ap.add_argument("--tunings", default='{"num_warps": 4, "block_v": 32};{"num_warps": 8, "block_v": 32};'
                     '{"num_warps": 8, "block_v": 16};{"num_warps": 4, "block_v": 16};'
                     '{"num_warps": 8, "block_v": 16, "num_stages": 1}',
                     help="';'-separated JSON dicts of the in-place kernels' keyword arguments")
+    ap.add_argument("--parts-tunings", default='{"fused_output": true};{"fused_output": false}',
+                    help="';'-separated JSON dicts of the parts' chunk kernel's keyword arguments (`fused_output`: "
+                    "its form; `out_block_v`, `out_num_warps`: the split form's output kernel)")
     ap.add_argument("--json")
     ap.add_argument("--interpret", action="store_true",
                     help="the Pallas interpreter, tiny heads (a CPU smoke test; small --tokens)")
@@ -108,10 +114,11 @@ def main():
     a = ap.parse_args()
     global INTERPRET, H, P, G, N
     INTERPRET = a.interpret
+    H, P, G, N = (int(x) for x in a.dims.split(","))
     if a.interpret:  # tiny heads: the interpreter runs every program in Python
         H, P, G, N = 4, 16, 2, 16
     tunings = [json.loads(t) for t in a.tunings.split(";")]
-    ways = [("parts", False, {}), ("parts, split form", False, {"fused_output": False})]
+    ways = [(f"parts {json.dumps(t)}", False, t) for t in (json.loads(x) for x in a.parts_tunings.split(";"))]
     ways += [(f"in_place {json.dumps(t)}", True, t) for t in tunings]
     print(json.dumps(machine_info(a.commit)), flush=True)
     rows = run_case(f"T{a.tokens}", [a.tokens], ways, [])
@@ -120,7 +127,8 @@ def main():
         best = min(timed, key=lambda r: r["ms"][0])
         ragged = [1] * 3 + [45] if a.interpret else [1] * 63 + [313]
         best_way = (best["way"], True, best["tuning"])
-        run_case(f"ragged {len(ragged) - 1}+{ragged[-1]}", ragged, [*ways[:2], best_way], rows)
+        parts = [w for w in ways if not w[1]]
+        run_case(f"ragged {len(ragged) - 1}+{ragged[-1]}", ragged, [*parts, best_way], rows)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(machine_info=machine_info(a.commit), rows=rows), f, indent=1)
