@@ -212,19 +212,24 @@ def test_chunk_mamba2_reads_the_conv_output_in_place(case, gated):
     np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
 
 
-def test_chunk_mamba2_lowers_for_h200():
-    """The in-place Mamba2 form at NemotronH's head shapes (Hm 64, P 64, G 8, N 128; bf16 conv output): the fused
-    pass and the one-token rows' kernel, and nothing else; the pass at `MAMBA2_PREFILL_TUNING`'s 8 warps where none
-    is given (checked to fail with that default not applied: the kernel's own 4)."""
+def _lower_mamba2_step(fused: bool, kernels: list[str]) -> None:
+    """`chunk_mamba2` lowered for the H200 at NemotronH's head shapes (Hm 64, P 64, G 8, N 128; bf16 conv output) in
+    a 136-token step (rows of 100, 1 and 29 tokens); it must launch exactly `kernels`."""
     heads, head_dim, groups, n = dims = (64, 64, 8, 128)
     f32 = jnp.float32
     t = 136
     xbc = jax.ShapeDtypeStruct((t, heads * head_dim + 2 * groups * n), jnp.bfloat16)
-    fn = functools.partial(chunk_mamba2, dims=dims, out_dtype=jnp.bfloat16, impl="pallas", fused=True)
+    fn = functools.partial(chunk_mamba2, dims=dims, out_dtype=jnp.bfloat16, impl="pallas", fused=fused)
     lower_for_h200(fn, xbc, jnp.zeros((t, heads), f32), jnp.zeros((t, heads), f32), jnp.zeros(heads, f32),
                    jnp.array([0, 100, 101, 130], jnp.int32), jnp.zeros((4, heads, n, head_dim), f32),
-                   jnp.array([1, 2, 0], jnp.int32),
-                   kernels=[r"mamba2_chunk_fused_c64_bv32_w8_s2", r"mamba2_chunk_single_bv32_w4"])
+                   jnp.array([1, 2, 0], jnp.int32), kernels=kernels)
+
+
+def test_chunk_mamba2_lowers_for_h200():
+    """The in-place Mamba2 form: the fused pass and the one-token rows' kernel, and nothing else; the pass at
+    `MAMBA2_PREFILL_TUNING`'s 8 warps where none is given (checked to fail with that default not applied: the
+    kernel's own 4)."""
+    _lower_mamba2_step(True, [r"mamba2_chunk_fused_c64_bv32_w8_s2", r"mamba2_chunk_single_bv32_w4"])
 
 
 @pytest.mark.parametrize("split_from, kernels", [
@@ -236,14 +241,7 @@ def test_chunk_mamba2_parts_take_the_split_form_from_a_step_size(monkeypatch, sp
     """The parts' chunk kernel runs its split form in steps of at least `MAMBA2_SPLIT_FROM_TOKENS` tokens (here a
     136-token step), the fused form below it and when it is 0. Checked to fail with the threshold ignored."""
     monkeypatch.setattr(simple_gla, "MAMBA2_SPLIT_FROM_TOKENS", split_from)
-    heads, head_dim, groups, n = dims = (64, 64, 8, 128)
-    f32 = jnp.float32
-    t = 136
-    xbc = jax.ShapeDtypeStruct((t, heads * head_dim + 2 * groups * n), jnp.bfloat16)
-    fn = functools.partial(chunk_mamba2, dims=dims, out_dtype=jnp.bfloat16, impl="pallas", fused=False)
-    lower_for_h200(fn, xbc, jnp.zeros((t, heads), f32), jnp.zeros((t, heads), f32), jnp.zeros(heads, f32),
-                   jnp.array([0, 100, 101, 130], jnp.int32), jnp.zeros((4, heads, n, head_dim), f32),
-                   jnp.array([1, 2, 0], jnp.int32), kernels=kernels)
+    _lower_mamba2_step(False, kernels)
 
 
 def test_mesh_dispatch_lowers_per_shard():
