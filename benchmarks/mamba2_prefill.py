@@ -100,9 +100,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--dims", default="64,64,8,128",
                     help="Mamba2 heads, head dim, groups, state size (Nemotron-H-56B: 256,64,8,256)")
-    ap.add_argument("--tunings", default='{"num_warps": 4, "block_v": 32};{"num_warps": 8, "block_v": 32};'
-                    '{"num_warps": 8, "block_v": 16};{"num_warps": 4, "block_v": 16};'
-                    '{"num_warps": 8, "block_v": 16, "num_stages": 1}',
+    ap.add_argument("--tunings", default='{"fused_output": true};{"fused_output": false};'
+                    '{"fused_output": false, "out_num_warps": 4};{"fused_output": false, "out_block_v": 32}',
                     help="';'-separated JSON dicts of the in-place kernels' keyword arguments")
     ap.add_argument("--parts-tunings", default='{"fused_output": true};{"fused_output": false}',
                     help="';'-separated JSON dicts of the parts' chunk kernel's keyword arguments (`fused_output`: "

@@ -174,15 +174,18 @@ MAMBA2_CHUNK_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fused_output", [True, False], ids=["fused", "split"])
 @pytest.mark.parametrize("gated", [False, True], ids=["y", "gated"])
 @pytest.mark.parametrize("case", range(len(MAMBA2_CHUNK_CASES)))
-def test_chunk_mamba2_reads_the_conv_output_in_place(case, gated):
+def test_chunk_mamba2_reads_the_conv_output_in_place(case, gated, fused_output):
     """`chunk_mamba2` with the kernels reading x, B and C in the conv output (SiLU, `v = x dt` and the D skip
     inside them) against its parts in jnp around the reference scan: every real token's `y = o + D x` in the
     output dtype, or with the gate (`z`, read from a wider array) `y SiLU(z)` in fp32 (padding tokens exactly
-    zero), the rows' final states, free slots untouched. (Checked to fail with B and C swapped in
-    `_chunk_inputs`, with the D skip dropped from the one-token rows, with the step size left out of v in the
-    chunks, and with the gate read one head over in the chunks.)"""
+    zero), the rows' final states, free slots untouched; in both forms of the chunk kernels (one pass, or the state
+    pass then the parallel output kernel). (Checked to fail with B and C swapped in `_chunk_inputs`, with the D
+    skip dropped from the one-token rows, with the step size left out of v in the chunks, and with the gate read one
+    head over in the chunks; the split form with the step size left out of the state pass's v, and with the D skip
+    dropped from its output kernel.)"""
     lengths, slots, dims, dtype = MAMBA2_CHUNK_CASES[case]
     heads, head_dim, groups, n = dims
     rng = np.random.default_rng(10 + case)
@@ -201,7 +204,8 @@ def test_chunk_mamba2_reads_the_conv_output_in_place(case, gated):
     out_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
     want_y, want_state = chunk_mamba2(*args, dims=dims, out_dtype=out_dtype, impl="reference", chunk_size=16)
     got_y, got_state = chunk_mamba2(*args, dims=dims, out_dtype=out_dtype, impl="pallas", interpret=True,
-                                    chunk_size=16, block_v=16, single_block_v=16, fused=True)
+                                    chunk_size=16, block_v=16, single_block_v=16, out_block_v=16, fused=True,
+                                    fused_output=fused_output)
     assert got_y.dtype == (jnp.float32 if gated else out_dtype) and got_y.shape == (num_tokens, heads, head_dim)
     rtol = 1e-5 if out_dtype == jnp.float32 else 1e-2
     real = int(cu[-1])
@@ -236,12 +240,17 @@ def test_chunk_mamba2_lowers_for_h200():
     (0, [r"sgla_chunk_fused_c64_bv32_w4_s2", r"sgla_chunk_single_bv32_w4"]),
     (136, [r"sgla_chunk_state_c64_bv32_w4_s2", r"sgla_chunk_output_c64_bv64_w4", r"sgla_chunk_single_bv32_w4"]),
     (137, [r"sgla_chunk_fused_c64_bv32_w4_s2", r"sgla_chunk_single_bv32_w4"]),
+    ("in place 136", [r"mamba2_chunk_state_c64_bv32_w8_s2", r"mamba2_chunk_output_c64_bv64_w8",
+                      r"mamba2_chunk_single_bv32_w4"]),
+    ("in place 137", [r"mamba2_chunk_fused_c64_bv32_w8_s2", r"mamba2_chunk_single_bv32_w4"]),
 ])
-def test_chunk_mamba2_parts_take_the_split_form_from_a_step_size(monkeypatch, split_from, kernels):
-    """The parts' chunk kernel runs its split form in steps of at least `MAMBA2_SPLIT_FROM_TOKENS` tokens (here a
-    136-token step), the fused form below it and when it is 0. Checked to fail with the threshold ignored."""
-    monkeypatch.setattr(simple_gla, "MAMBA2_SPLIT_FROM_TOKENS", split_from)
-    _lower_mamba2_step(False, kernels)
+def test_chunk_mamba2_takes_the_split_form_from_a_step_size(monkeypatch, split_from, kernels):
+    """The chunk kernels run their split form in steps of at least `MAMBA2_SPLIT_FROM_TOKENS` tokens (here a
+    136-token step), the one-pass form below it and when it is 0: the parts' kernel, and the in-place form's.
+    Checked to fail with the threshold ignored."""
+    in_place = isinstance(split_from, str)
+    monkeypatch.setattr(simple_gla, "MAMBA2_SPLIT_FROM_TOKENS", int(str(split_from).split()[-1]))
+    _lower_mamba2_step(in_place, kernels)
 
 
 def test_mesh_dispatch_lowers_per_shard():

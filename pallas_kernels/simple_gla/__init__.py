@@ -146,9 +146,12 @@ def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: t
 # slower than the parts' (RESULTS, sessions 33-34: on an H100 the model's 8k prefill 67.2 -> 84.2 ms)
 MAMBA2_FUSED_PREFILL = os.environ.get("JHYBRID_MAMBA2_FUSED_PREFILL", "0") == "1"
 # that form's kernel tuning where the caller gives none (`chunk_mamba2_pallas`'s keywords; JSON in
-# JHYBRID_MAMBA2_PREFILL_TUNING): the fastest of five on an H100 at NemotronH's 8k layer, 1.696 ms against 3.003 at
-# the kernel's defaults (4 warps), still slower than the parts (1.314 fused, 1.114 split; RESULTS, session 34)
-MAMBA2_PREFILL_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_PREFILL_TUNING", '{"num_warps": 8, "block_v": 32}'))
+# JHYBRID_MAMBA2_PREFILL_TUNING): its one-pass form at 8 warps was the fastest of five on an H100 at NemotronH's 8k
+# layer, 1.696 ms against 3.003 at the kernel's defaults (4 warps), still slower than the parts (1.314 one-pass,
+# 1.114 split; RESULTS, session 34); its split form's output kernel spills 632 B a thread at 4 warps, none at 8
+# (ptxas, `benchmarks.h200_aot spills`; not yet timed)
+MAMBA2_PREFILL_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_PREFILL_TUNING",
+                                                  '{"num_warps": 8, "block_v": 32, "out_num_warps": 8}'))
 
 
 # steps of at least this many tokens run the parts' chunk kernel in its split form (a sequential state pass, then
@@ -184,21 +187,20 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
                  fused: bool | None = None, **tuning):
     """A Mamba2 mixer's chunked scan from its conv output (`chunk_mamba2_pallas` says what each argument is):
     (`y = o + D SiLU(x)` `[T, Hm, P]` in `out_dtype`, or given the gate `z` the gated norm's input in fp32; the
-    state). `fused` (default `MAMBA2_FUSED_PREFILL`): the
-    kernels reading `xbc` in place where the scan's impl is "pallas" (so "auto" on a GPU), no mesh splits the
-    heads and the fused form is asked for; else `chunk_mamba2_in_parts` with `chunk_simple_gla` (its `impl`,
-    `mesh`, `tuning`)."""
+    state). `fused` (default `MAMBA2_FUSED_PREFILL`): the kernels reading `xbc` in place where the scan's impl is
+    "pallas" (so "auto" on a GPU) and no mesh splits the heads; else `chunk_mamba2_in_parts` with
+    `chunk_simple_gla` (its `impl`, `mesh`, `tuning`). Either way the kernels' split form (`fused_output=False`)
+    runs steps of `MAMBA2_SPLIT_FROM_TOKENS` tokens or more unless `tuning` names the form."""
     fused = MAMBA2_FUSED_PREFILL if fused is None else fused
     heads, head_dim, groups, state_dim = dims
     q = jax.ShapeDtypeStruct((1, groups, state_dim), xbc.dtype)
     v = jax.ShapeDtypeStruct((1, heads, head_dim), xbc.dtype)
-    if (fused and (mesh is None or mesh.size == 1) and tuning.get("fused_output", True)
-            and _pick(impl, "chunk", q, v) == "pallas"):
+    if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= xbc.shape[0]:
+        tuning = dict(tuning, fused_output=False)
+    if fused and (mesh is None or mesh.size == 1) and _pick(impl, "chunk", q, v) == "pallas":
         tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
                                    chunk_size=chunk_size, interpret=interpret, **tuning)
-    if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= xbc.shape[0]:
-        tuning = dict(tuning, fused_output=False)
     chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0, chunk_size=chunk_size,
                               mesh=mesh, **tuning)
     return chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,

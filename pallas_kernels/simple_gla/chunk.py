@@ -91,23 +91,30 @@ def _mamba2_columns(m2: Mamba2Inputs, j, group: int, v_slice):
             pl.ds(j * m2.head_dim + v_slice.start, v_slice.size))
 
 
-def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group: int, dt, m2=None, dt_ref=None):
-    """q, k `[C, K]` and v `[C, BV]` (dot dtype `dt`), the in-chunk cumulative g `[C]` and its last value; with
-    `m2` (`Mamba2Inputs`: q_ref = k_ref = v_ref the conv output, `dt_ref [T, HV]` the step sizes) also SiLU(x)
-    `[C, BV]` fp32, the D skip's input (else None)."""
+def _chunk_keys_values(k_ref, v_ref, g_ref, start, valid, j, v_slice, group: int, dt, m2=None, dt_ref=None):
+    """k `[C, K]` and v `[C, BV]` (dot dtype `dt`), the in-chunk cumulative g `[C]` and its last value; with `m2`
+    (`Mamba2Inputs`: k_ref = v_ref the conv output, `dt_ref [T, HV]` the step sizes) also SiLU(x) `[C, BV]` fp32,
+    the D skip's input (else None)."""
     g = _load(g_ref, start, valid, j)  # [C], zeros past the end keep G flat there
     if m2 is None:
-        key = pl.ds(0, q_ref.shape[-1])
-        q = _load(q_ref, start, valid, j // group, key, dtype=dt)
-        k = _load(k_ref, start, valid, j // group, key, dtype=dt)
+        k = _load(k_ref, start, valid, j // group, pl.ds(0, k_ref.shape[-1]), dtype=dt)
         v = _load(v_ref, start, valid, j, v_slice, dtype=dt)
-        return q, k, v, jnp.cumsum(g), jnp.sum(g), None
-    b_cols, c_cols, x_cols = _mamba2_columns(m2, j, group, v_slice)
+        return k, v, jnp.cumsum(g), jnp.sum(g), None
+    b_cols, _, x_cols = _mamba2_columns(m2, j, group, v_slice)
     k = _silu(_load(k_ref, start, valid, b_cols)).astype(dt)
-    q = _silu(_load(q_ref, start, valid, c_cols)).astype(dt)
     x = _silu(_load(v_ref, start, valid, x_cols))
     v = (x * _load(dt_ref, start, valid, j)[:, None]).astype(dt)
-    return q, k, v, jnp.cumsum(g), jnp.sum(g), x
+    return k, v, jnp.cumsum(g), jnp.sum(g), x
+
+
+def _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group: int, dt, m2=None, dt_ref=None):
+    """q `[C, K]` (dot dtype `dt`; with `m2`, C read from the conv output and SiLU'd), then
+    `_chunk_keys_values`'s k, v, cumulative g, its last value and SiLU(x)."""
+    if m2 is None:
+        q = _load(q_ref, start, valid, j // group, pl.ds(0, q_ref.shape[-1]), dtype=dt)
+    else:
+        q = _silu(_load(q_ref, start, valid, _mamba2_columns(m2, j, group, v_slice)[1])).astype(dt)
+    return (q, *_chunk_keys_values(k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt, m2, dt_ref))
 
 
 def _intra_output(q, k, v, h, cum, *, scale: float, dot):
@@ -194,6 +201,7 @@ def _state_kernel(
     k_ref,  # [T, H, K] (whole)
     v_ref,  # [T, HV, V] (whole)
     g_ref,  # [T, HV] (whole)
+    dt_ref,  # [T, HV] (whole) Mamba2's step sizes (`mamba2`), else unused
     state_in_ref,  # [S, HV, K, V] (whole, aliased with state_ref)
     h_ref,  # [N, HV, K, V] (whole) the state entering each chunk
     state_ref,  # [S, HV, K, V] (whole)
@@ -203,14 +211,15 @@ def _state_kernel(
     block_v: int,
     precision,
     row_groups: int,
+    mamba2: Mamba2Inputs | None,
 ):
-    """The sequential pass alone: per chunk, store the state entering it, then advance it."""
+    """The sequential pass alone: per chunk, store the state entering it, then advance it. With `mamba2`,
+    k_ref = v_ref is the conv output (`Mamba2Inputs`)."""
     j, i = pl.program_id(1), pl.program_id(2)
     v_slice = pl.ds(i * block_v, block_v)
-    key = pl.ds(0, k_ref.shape[-1])
     lane = jnp.arange(chunk_size)
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-    dt = v_ref.dtype
+    dt = jnp.float32 if mamba2 else v_ref.dtype
 
     def row(b):
         slot = slot_ids_ref[b]
@@ -220,10 +229,9 @@ def _state_kernel(
             start = seq_start + c * chunk_size
             valid = lane < seq_end - start
             h_ref[first_chunk + c, j, :, v_slice] = h.astype(h_ref.dtype)
-            k = _load(k_ref, start, valid, j // group, key, dtype=dt)  # [C, K]
-            v = _load(v_ref, start, valid, j, v_slice, dtype=dt)  # [C, BV]
-            g = _load(g_ref, start, valid, j)  # [C]
-            return _advance(h, k, v, jnp.cumsum(g), jnp.sum(g), dot=dot)
+            k, v, cum, cum_last, _ = _chunk_keys_values(k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt,
+                                                        mamba2, dt_ref)
+            return _advance(h, k, v, cum, cum_last, dot=dot)
 
         h = jnp.where(slot == 0, 0.0, state_in_ref[slot, j, :, v_slice].astype(jnp.float32))  # [K, BV]
         h = jax.lax.fori_loop(0, (seq_end - seq_start + chunk_size - 1) // chunk_size, body, h)
@@ -242,6 +250,9 @@ def _output_kernel(
     k_ref,  # [T, H, K] (whole)
     v_ref,  # [T, HV, V] (whole)
     g_ref,  # [T, HV] (whole)
+    dt_ref,  # [T, HV] (whole) Mamba2's step sizes (`mamba2`), else unused
+    d_ref,  # [HV] Mamba2's D (`mamba2`), else unused
+    z_ref,  # [T, >= HV V] (whole) Mamba2's gate (`mamba2.gated`), else unused
     h_ref,  # [K, BV] the state entering chunk n
     o_ref,  # [T, HV, V] (whole; tokens of no multi-token row are `_single_token_kernel`'s)
     *,
@@ -250,8 +261,10 @@ def _output_kernel(
     block_v: int,
     scale: float,
     precision,
+    mamba2: Mamba2Inputs | None,
+    out_dtype,
 ):
-    """All chunks in parallel: each chunk's output from the state entering it."""
+    """All chunks in parallel: each chunk's output from the state entering it. `mamba2` as `_fused_kernel`'s."""
     n, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = chunk_len_ref[n]
 
@@ -260,10 +273,14 @@ def _output_kernel(
         start = chunk_start_ref[n]
         valid = jnp.arange(chunk_size) < length
         v_slice = pl.ds(i * block_v, block_v)
-        dt = v_ref.dtype
+        dt = jnp.float32 if mamba2 else v_ref.dtype
         dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-        q, k, v, cum, _, _ = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt)
+        q, k, v, cum, _, x = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt, mamba2,
+                                           dt_ref)
         o = _intra_output(q, k, v, h_ref[...].astype(dt), cum, scale=scale, dot=dot)
+        if mamba2:  # the D skip (and the gate)
+            z = _load(z_ref, start, valid, _mamba2_columns(mamba2, j, group, v_slice)[2]) if mamba2.gated else None
+            o = _mamba2_out(o, x, d_ref[j], z, mamba2, out_dtype)
         plt.store(o_ref.at[pl.ds(start, chunk_size), j, v_slice], o.astype(o_ref.dtype), mask=valid[:, None])
 
 
@@ -413,11 +430,9 @@ def chunk_mamba2_pallas(
     they sit in `xbc` (`Mamba2Inputs`), so no fp32 copy of B, C, `v = SiLU(x) dt` or the output is written;
     the output `y = o + D SiLU(x)` comes in `out_dtype`. Given `z` (`[T, >= Hm P]`, the gate at columns
     `[0, Hm P)`, e.g. the in_proj output itself), the output is instead the gated norm's input `y SiLU(z)` in fp32
-    (y rounded to `out_dtype` first), as `mamba2_decode(gated=True)`'s. Only the fused form (`fused_output=True`);
-    the other arguments as `chunk_simple_gla_pallas`'s."""
+    (y rounded to `out_dtype` first), as `mamba2_decode(gated=True)`'s. Both forms (`fused_output`); the other
+    arguments as `chunk_simple_gla_pallas`'s."""
     heads, head_dim, groups, state_dim = dims
-    if not fused_output:
-        raise ValueError("chunk_mamba2_pallas has the fused form only (fused_output=True)")
     if xbc.shape[1] != heads * head_dim + 2 * groups * state_dim:
         raise ValueError(f"xbc [T, Cm] must hold x | B | C = {heads} x {head_dim} + 2 x {groups} x {state_dim} "
                          f"columns, got {xbc.shape}")
@@ -425,7 +440,7 @@ def chunk_mamba2_pallas(
     z = jnp.zeros((1, 1), jnp.float32) if z is None else z
     return _chunk(xbc, xbc, xbc, g, dt.astype(jnp.float32), d_skip.astype(jnp.float32), z, cu_seqlens, state,
                   slot_ids, dims=(groups, state_dim, heads, head_dim), mamba2=m2, out_dtype=out_dtype, scale=scale,
-                  chunk_size=chunk_size, fused_output=True, block_v=block_v, num_warps=num_warps,
+                  chunk_size=chunk_size, fused_output=fused_output, block_v=block_v, num_warps=num_warps,
                   num_stages=num_stages, out_block_v=out_block_v, out_num_warps=out_num_warps,
                   single_block_v=single_block_v, row_groups=row_groups, precision=precision, interpret=interpret)
 
@@ -467,20 +482,23 @@ def _chunk(q, k, v, g, dt, d_skip, z, cu_seqlens, state, slot_ids, *, dims, mamb
                          name=f"{'mamba2' if mamba2 else 'sgla'}_chunk_fused_{tag}")(
             layout.num_multi, layout.multi_rows, slots, cu, q, k, v, g, dt, d_skip, z, state)
     else:
+        prefix = "mamba2" if mamba2 else "sgla"
         kernel = functools.partial(_state_kernel, chunk_size=c, group=group, block_v=block_v,
-                                   precision=dot_precision, row_groups=groups)
-        h_shape = jax.ShapeDtypeStruct((layout.num_chunks, num_value_heads, key_dim, value_dim), v.dtype)
-        h, state = _call(kernel, seq_grid, 9, [h_shape, state_shape], {8: 1}, num_warps=num_warps,
-                         num_stages=num_stages, interpret=interpret, name=f"sgla_chunk_state_{tag}")(
-            layout.num_multi, layout.multi_rows, layout.row_chunks, slots, cu, k, v, g, state)
+                                   precision=dot_precision, row_groups=groups, mamba2=mamba2)
+        # per-chunk states in the dot dtype (Mamba2's in-place form: fp32, as the parts' fp32 v)
+        h_dtype = jnp.float32 if mamba2 else v.dtype
+        h_shape = jax.ShapeDtypeStruct((layout.num_chunks, num_value_heads, key_dim, value_dim), h_dtype)
+        h, state = _call(kernel, seq_grid, 10, [h_shape, state_shape], {9: 1}, num_warps=num_warps,
+                         num_stages=num_stages, interpret=interpret, name=f"{prefix}_chunk_state_{tag}")(
+            layout.num_multi, layout.multi_rows, layout.row_chunks, slots, cu, k, v, g, dt, state)
         kernel = functools.partial(_output_kernel, chunk_size=c, group=group, block_v=out_block_v, scale=scale,
-                                   precision=dot_precision)
+                                   precision=dot_precision, mamba2=mamba2, out_dtype=out_dtype)
         h_spec = pl.BlockSpec((None, None, key_dim, out_block_v), lambda n, j, i: (n, j, 0, i))
-        (o,) = _call(kernel, (layout.num_chunks, num_value_heads, value_dim // out_block_v), 7, [o_shape], {},
+        (o,) = _call(kernel, (layout.num_chunks, num_value_heads, value_dim // out_block_v), 10, [o_shape], {},
                      num_warps=out_num_warps, num_stages=2, interpret=interpret,
-                     in_specs=[_WHOLE] * 6 + [h_spec],
-                     name=f"sgla_chunk_output_c{c}_bv{out_block_v}_w{out_num_warps}")(
-            layout.chunk_start, layout.chunk_len, q, k, v, g, h)
+                     in_specs=[_WHOLE] * 9 + [h_spec],
+                     name=f"{prefix}_chunk_output_c{c}_bv{out_block_v}_w{out_num_warps}")(
+            layout.chunk_start, layout.chunk_len, q, k, v, g, dt, d_skip, z, h)
     kernel = functools.partial(_single_token_kernel, group=group, block_v=single_block_v, scale=scale,
                                num_tokens=num_tokens, tail_tokens=c, mamba2=mamba2, out_dtype=out_dtype)
     single_grid = (batch + padding_programs(num_tokens, c), num_value_heads, value_dim // single_block_v)
