@@ -471,8 +471,24 @@ def bench_paged_decode(quick, copy_bw):
     configs = [(4, 16, 4, 3, False)] if quick else [
         (4, 8, 4, 2, True), (4, 8, 4, 3, True), (4, 8, 4, 4, True), (2, 8, 4, 3, True), (4, 16, 4, 2, True),
         (4, 8, 8, 2, True), (4, 4, 4, 2, True), (2, 16, 4, 2, True), (8, 8, 4, 2, True), (4, 8, 2, 2, True),
+        # gathered tiles (the quick default first), more splits, more stages, more warps
+        (4, 16, 4, 3, False), (2, 16, 4, 3, False), (4, 32, 4, 3, False), (2, 32, 4, 2, False),
+        (4, 16, 8, 3, False), (8, 16, 4, 2, False), (4, 16, 4, 4, False),
     ]
     cfg, ours = best_config("paged_decode", make, configs, lambda: args)
+    if not quick:  # each configuration's reads alone beside its decode time: which load structure streams best
+        for c in configs:
+            timed = [r["ms"] for r in SWEEPS if r["op"] == "paged_decode" and r["cfg"] == c and r["ms"]]
+            try:
+                fn = jax.jit(functools.partial(paged_read, pages_per_block=c[0], num_splits=c[1], num_warps=c[2],
+                                               num_stages=c[3], per_page=c[4]))
+                read_ms = time_jax(fn, (k_pages, v_pages, tables), reps=10)[0]
+            except Exception as e:  # noqa: BLE001  a configuration that does not compile is a result
+                print(f"  paged read {c}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            dec = f"decode {kv_bytes / (timed[0][0] * 1e-3) / 1e12:.2f} TB/s" if timed else "decode failed"
+            print(f"  paged read {c}: {dec}; reads alone {kv_bytes / (read_ms * 1e-3) / 1e12:.2f} TB/s", flush=True)
+            SWEEPS.append(dict(op="paged_read", cfg=c, ms=read_ms))
     bw = kv_bytes / (ours[0] * 1e-3) / 1e12
     note = f"cfg={cfg}; KV read {bw:.2f} TB/s = {bw / copy_bw:.0%} of copy {copy_bw:.2f} TB/s"
     try:  # what the same reads cost without the math: the kernel's gather pattern against plain reads
