@@ -406,16 +406,22 @@ def paged_read(k_pages, v_pages, tables, *, pages_per_block, num_splits, num_war
         name="paged_read_probe")(tables, k_pages, v_pages)
 
 
+def paged_read_fn(cfg):
+    """`paged_read` jitted at a decode configuration `(pages_per_block, num_splits, num_warps, num_stages,
+    per_page)`."""
+    npb, ns, nw, st, pp = cfg
+    return jax.jit(functools.partial(paged_read, pages_per_block=npb, num_splits=ns, num_warps=nw, num_stages=st,
+                                     per_page=pp))
+
+
 def paged_read_rates(k_pages, v_pages, tables, cfg, kv_bytes):
     """TB/s of the decode kernel's reads without its math, at the decode kernel's best `cfg`, over the benchmark's
     scattered pages and over the same pages in order (each row's pages contiguous); and of a jnp sum of the whole
     cache (one contiguous read, no pages). Each read sum is checked against numpy's first."""
-    npb, ns, nw, st, pp = cfg
     rates = {}
+    fn = paged_read_fn(cfg)
     ordered = jnp.arange(1, 1 + tables.size, dtype=jnp.int32).reshape(tables.shape)
     for name, tab in (("scattered pages", tables), ("pages in order", ordered)):
-        fn = jax.jit(functools.partial(paged_read, pages_per_block=npb, num_splits=ns, num_warps=nw, num_stages=st,
-                                       per_page=pp))
         got = np.asarray(fn(k_pages, v_pages, tab)).sum(axis=(2,))  # [B, KVH, D]
         row = np.asarray(tab)[0]
         want = (np.asarray(k_pages[row], np.float32) + np.asarray(v_pages[row], np.float32)).sum(axis=(0, 1))
@@ -480,9 +486,7 @@ def bench_paged_decode(quick, copy_bw):
         for c in configs:
             timed = [r["ms"] for r in SWEEPS if r["op"] == "paged_decode" and r["cfg"] == c and r["ms"]]
             try:
-                fn = jax.jit(functools.partial(paged_read, pages_per_block=c[0], num_splits=c[1], num_warps=c[2],
-                                               num_stages=c[3], per_page=c[4]))
-                read_ms = time_jax(fn, (k_pages, v_pages, tables), reps=10)[0]
+                read_ms = time_jax(paged_read_fn(c), (k_pages, v_pages, tables), reps=10)[0]
             except Exception as e:  # noqa: BLE001  a configuration that does not compile is a result
                 print(f"  paged read {c}: FAILED {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue
