@@ -14,7 +14,8 @@ one sequence, a decode token is timed three ways:
 
 Beside them the bytes floor of `floors` (weights a token reads + the fp32 state read and written + the KV, at
 the same run's read bandwidth). With `--trace`, the loop is traced once more and its kernels are summed by name
-per token (kernel time, launches per token, the top kernels). `loop` against `call` is the host's share of a
+per token (kernel time, launches per token, the top kernels) and by kind (`kernel_kind`: matmul, pallas, xla,
+copy), the matmul kernels' time beside the weights a token reads. `loop` against `call` is the host's share of a
 step that a device-side multi-step decode would remove; `loop` against the floor is the device's own excess.
 
 `--variant` (repeatable) times `call` and `loop` again in the same process with module switches set (the programs
@@ -92,8 +93,32 @@ def kernel_sums(folder: str, per: int, top: int) -> dict:
         if e.get("ph") == "X" and e.get("pid") in gpu:
             total[e["name"]] += e.get("dur", 0)
             count[e["name"]] += 1
+    kinds = collections.defaultdict(lambda: [0.0, 0.0])
+    for name, us in total.items():
+        kinds[kernel_kind(name)][0] += us / per / 1e3
+        kinds[kernel_kind(name)][1] += count[name] / per
     return dict(kernel_ms=sum(total.values()) / per / 1e3, launches=sum(count.values()) / per,
+                kinds={k: dict(ms=v[0], launches=v[1]) for k, v in sorted(kinds.items())},
                 top=[(k, v / per / 1e3, count[k] / per) for k, v in total.most_common(top)])
+
+
+_MATMUL = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "grouped_matmul", "matmul")
+
+
+def kernel_kind(name: str) -> str:
+    """What a device kernel of the trace is, from its name: `matmul` (XLA's GEMM fusions, cuBLAS / cuBLASLt
+    kernels, jhybrid's grouped MoE and GEMV kernels), `copy` (memcpy / memset), `xla` (XLA's other fusions:
+    norms, gates, residuals, slices, sampling), or `pallas` (every other name: jhybrid's recurrence, conv and
+    attention kernels, which are named after their tiling)."""
+    low = name.lower()
+    if any(m in low for m in _MATMUL):
+        return "matmul"
+    if low.startswith("memcpy") or low.startswith("memset") or "memcpy" in low:
+        return "copy"
+    if "fusion" in low or low.startswith(("loop_", "input_", "wrapped_", "copy", "transpose", "reduce",
+                                          "concatenate", "dynamic", "slice", "select", "scatter", "gather")):
+        return "xla"
+    return "pallas"
 
 
 _SHAPE = re.compile(r"\b(bf16|f16|f32|s32|u32|s8|u8|pred|f8e4m3fn)\[([0-9,]*)\]")
@@ -169,7 +194,7 @@ def one_model(name: str, args) -> dict:
     experts = counts["experts"] * (counts["top_k"] / counts["num_experts"] if counts["num_experts"] else 1)
     floor_bytes = counts["dense"] + experts + 2 * counts["state"] + counts["kv_per_token"] * (prompt + args.steps)
     floor = floor_bytes / bw * 1e3
-    row = dict(model=name, floor_ms=floor, read_tbps=bw / 1e12)
+    row = dict(model=name, floor_ms=floor, read_tbps=bw / 1e12, weight_bytes=counts["dense"] + experts)
 
     # call: one program call per token, inputs on the device (the token is not fed back: same work per step)
     batch = _decode_inputs(runner, table, slot, position, token)
@@ -342,7 +367,14 @@ def main(argv=None) -> int:
         r = rows[-1]
         if "loop_kernels" in r:
             k = r["loop_kernels"]
-            log(f"[{name}] loop kernels per token: {k['kernel_ms']:.3f} ms in {k['launches']:.0f} launches")
+            log(f"[{name}] loop kernels per token: {k['kernel_ms']:.3f} ms in {k['launches']:.0f} launches "
+                f"(loop {r['loop_ms']:.3f} ms: {r['loop_ms'] - k['kernel_ms']:.3f} ms between kernels)")
+            for kind, v in k["kinds"].items():
+                extra = ""
+                if kind == "matmul":  # the weights a token reads, over the matmul kernels' time
+                    extra = (f"  ({r['weight_bytes'] / 1e6:,.0f} MB of weights: {r['weight_bytes'] / v['ms'] / 1e9:.2f}"
+                             f" TB/s; at the read rate {r['weight_bytes'] / (r['read_tbps'] * 1e12) * 1e3:.3f} ms)")
+                log(f"  {kind:<7} {v['ms']:8.4f} ms  x{v['launches']:6.1f}{extra}")
             for kname, ms, c, *nbytes in k["top"]:
                 extra = ""
                 if nbytes and nbytes[0]:

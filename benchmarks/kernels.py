@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import os
 import subprocess
@@ -417,7 +418,8 @@ def paged_read_fn(cfg):
 def paged_read_rates(k_pages, v_pages, tables, cfg, kv_bytes):
     """TB/s of the decode kernel's reads without its math, at the decode kernel's best `cfg`, over the benchmark's
     scattered pages and over the same pages in order (each row's pages contiguous); and of a jnp sum of the whole
-    cache (one contiguous read, no pages). Each read sum is checked against numpy's first."""
+    cache (one contiguous read, no pages) and a torch sum of as many bytes. Each read sum is checked against
+    numpy's first."""
     rates = {}
     fn = paged_read_fn(cfg)
     ordered = jnp.arange(1, 1 + tables.size, dtype=jnp.int32).reshape(tables.shape)
@@ -433,7 +435,22 @@ def paged_read_rates(k_pages, v_pages, tables, cfg, kv_bytes):
     whole = jax.jit(lambda k, v: k.astype(jnp.float32).sum() + v.astype(jnp.float32).sum())
     ms = time_jax(whole, (k_pages, v_pages), reps=20)[0]
     rates["jnp sum of the whole cache"] = (k_pages.nbytes + v_pages.nbytes) / (ms * 1e-3) / 1e12
+    if torch is not None:  # the same bytes through torch's reduction kernel: a plain read that is not XLA's
+        tx = torch.empty(k_pages.size + v_pages.size, dtype=torch.bfloat16, device="cuda").normal_()
+        ms = time_torch(lambda: tx.sum(dtype=torch.float32))[0]
+        rates["torch sum of as many bytes"] = tx.numel() * 2 / (ms * 1e-3) / 1e12
+        del tx
     return rates
+
+
+def _engine_paged_decode() -> tuple:
+    """The configuration the engine runs: `paged_attention_decode_pallas`'s defaults (pages_per_block, num_splits,
+    num_warps, num_stages, per_page), read from its signature so that `--quick` times what users get."""
+    params = inspect.signature(paged_attention_decode_pallas).parameters
+    return tuple(params[k].default for k in ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page"))
+
+
+ENGINE_PAGED_DECODE = _engine_paged_decode()
 
 
 def bench_paged_decode(quick, copy_bw):
@@ -474,13 +491,16 @@ def bench_paged_decode(quick, copy_bw):
         return jax.jit(functools.partial(paged_attention_decode_pallas, pages_per_block=npb, num_splits=ns,
                                          num_warps=nw, num_stages=st, per_page=pp))
 
-    configs = [(4, 16, 4, 3, False)] if quick else [
+    configs = [ENGINE_PAGED_DECODE] if quick else [ENGINE_PAGED_DECODE,
         (4, 8, 4, 2, True), (4, 8, 4, 3, True), (4, 8, 4, 4, True), (2, 8, 4, 3, True), (4, 16, 4, 2, True),
         (4, 8, 8, 2, True), (4, 4, 4, 2, True), (2, 16, 4, 2, True), (8, 8, 4, 2, True), (4, 8, 2, 2, True),
         # gathered tiles (the quick default first), more splits, more stages, more warps
         (4, 16, 4, 3, False), (2, 16, 4, 3, False), (4, 32, 4, 3, False), (2, 32, 4, 2, False),
         (4, 16, 8, 3, False), (8, 16, 4, 2, False), (4, 16, 4, 4, False),
+        # fewer splits: longer loops per program, fewer programs (the H200's 2,048 programs at 16 splits)
+        (4, 8, 4, 3, False), (8, 8, 4, 3, False), (8, 8, 8, 3, False),
     ]
+    configs = list(dict.fromkeys(configs))  # the engine's own configuration once
     cfg, ours = best_config("paged_decode", make, configs, lambda: args)
     if not quick:  # each configuration's reads alone beside its decode time: which load structure streams best
         for c in configs:
@@ -740,6 +760,8 @@ def main():
 
                 traceback.print_exc()
                 print(f"{name} FAILED: {type(e).__name__}: {e}", flush=True)
+            if a.json:  # after each part: a run cut short by a time limit keeps the rows it measured
+                write_json(a.json, info)
     print()
     print("machine: " + " ".join(f"{k}={v}" for k, v in info.items() if k != "copy"))
     print(f"copy bandwidth: " + ", ".join(f"{k}={v:.2f}" for k, v in bwinfo.items() if k.endswith("tbps")) + " TB/s")
@@ -755,8 +777,12 @@ def main():
         if r["note"]:
             print(f"  {r['op']} vs {r['baseline']}: {r['note']}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(machine_info=info, results=RESULTS, sweeps=SWEEPS), f, indent=1, default=str)
+        write_json(a.json, info)
+
+
+def write_json(path: str, info: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(dict(machine_info=info, results=RESULTS, sweeps=SWEEPS), f, indent=1, default=str)
 
 
 if __name__ == "__main__":
