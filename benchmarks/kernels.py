@@ -251,6 +251,7 @@ def bench_gdn_chunk(quick):
         chunk_stage_times(args)
 
 
+AB_ONLY: set[str] = set()  # `--ab`: the CHUNK_AB variants to run (empty: all)
 CHUNK_AB = {  # name: chunk_gated_delta_rule_pallas options (the default first)
     "default": {},
     "split output": dict(fused_output=False),
@@ -259,6 +260,12 @@ CHUNK_AB = {  # name: chunk_gated_delta_rule_pallas options (the default first)
     "wy input": dict(wy_precision="input"),
     "bv32": dict(block_v=32),
     "s4": dict(num_stages=4),
+    # longer chunks: half the sequential pass's steps (512 -> 256 at T32k), each with twice the work. In the H200
+    # compile (`h200_aot`), 3 stages at 128 ask for 341 KB of shared memory (227 KB fit) and the WY kernel spills
+    # 5.6 KB a thread at 4 warps (556 B at 8)
+    "c128": dict(chunk_size=128, num_stages=2, wy_num_warps=8),
+    "c128_split": dict(chunk_size=128, fused_output=False, num_stages=2, wy_num_warps=8),
+    "c32": dict(chunk_size=32),
 }
 
 
@@ -338,6 +345,8 @@ def bench_gdn_chunk_ab(quick):
               f"{fla[1][1]:.2e}", flush=True)
     best = None
     for name, kw in CHUNK_AB.items():
+        if AB_ONLY and name not in AB_ONLY:
+            continue
         try:
             e_r = check_chunk(f"gdn chunk ragged {name}", rq, **kw)
             err = check_chunk(f"gdn chunk {name}", args, **kw)
@@ -359,7 +368,8 @@ def bench_gdn_chunk_ab(quick):
                    f"best A/B variant: {name} {CHUNK_AB[name]}; fla rel err {fla[1][1]:.2e}")
         else:
             record("gdn_chunk", shape, t, "none", None, err[0], err[1], 2e-2, f"best A/B variant: {name}")
-    chunk_stage_times(args)
+    if not quick:
+        chunk_stage_times(args)
 
 
 # ---------------------------------------------------------------- paged decode attention
@@ -737,7 +747,10 @@ def main():
     parser.add_argument("--quick", action="store_true", help="one config per kernel, no sweeps")
     parser.add_argument("--commit", default=os.environ.get("JHYBRID_COMMIT"))
     parser.add_argument("--only", default="copy,decode,paged,chunk,probe,prefill,suffix")
+    parser.add_argument("--ab", default="", help="chunk_ab: the CHUNK_AB variants to run, comma-separated (default "
+                        "all); with --quick, no stage timings")
     a = parser.parse_args()
+    AB_ONLY.update(filter(None, a.ab.split(",")))
     commit = a.commit
     if commit is None:
         try:
