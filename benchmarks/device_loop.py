@@ -14,8 +14,8 @@ one sequence, a decode token is timed three ways:
 
 Beside them the bytes floor of `floors` (weights a token reads + the fp32 state read and written + the KV, at
 the same run's read bandwidth). With `--trace`, the loop is traced once more and its kernels are summed by name
-per token (kernel time, launches per token, the top kernels) and by kind (`kernel_kind`: matmul, pallas, xla,
-copy), the matmul kernels' time beside the weights a token reads. `loop` against `call` is the host's share of a
+per token (kernel time, launches per token, the top kernels) and by kind (`kernel_kind`: matmul, pallas, cudnn,
+xla, copy), the matmul kernels' time beside the weights a token reads. `loop` against `call` is the host's share of a
 step that a device-side multi-step decode would remove; `loop` against the floor is the device's own excess.
 
 `--variant` (repeatable) times `call` and `loop` again in the same process with module switches set (the programs
@@ -102,23 +102,26 @@ def kernel_sums(folder: str, per: int, top: int) -> dict:
                 top=[(k, v / per / 1e3, count[k] / per) for k, v in total.most_common(top)])
 
 
-_MATMUL = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "grouped_matmul", "matmul")
+_MATMUL = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "grouped_matmul", "fp8_matmul", "decode_linear")
+# the names jhybrid's Pallas kernels are given (`pallas_call(..., name=...)` in pallas_kernels/)
+_PALLAS = ("gdn_", "sgla_", "mamba2_", "lightning_", "paged_", "conv_update", "top_k_top_p")
 
 
 def kernel_kind(name: str) -> str:
     """What a device kernel of the trace is, from its name: `matmul` (XLA's GEMM fusions, cuBLAS / cuBLASLt
-    kernels, jhybrid's grouped MoE and GEMV kernels), `copy` (memcpy / memset), `xla` (XLA's other fusions:
-    norms, gates, residuals, slices, sampling), or `pallas` (every other name: jhybrid's recurrence, conv and
-    attention kernels, which are named after their tiling)."""
+    kernels, jhybrid's grouped MoE, FP8 and GEMV kernels), `pallas` (jhybrid's recurrence, conv, attention and
+    sampling kernels), `cudnn` (cuDNN's attention), `copy` (memcpy / memset), or `xla` (every other name: XLA's
+    fusions for norms, gates, residual adds, split-K reductions, sorts and sampling)."""
     low = name.lower()
     if any(m in low for m in _MATMUL):
         return "matmul"
-    if low.startswith("memcpy") or low.startswith("memset") or "memcpy" in low:
+    if low.startswith(_PALLAS):
+        return "pallas"
+    if "cudnn" in low or "sdpa" in low or "flash" in low:
+        return "cudnn"
+    if "memcpy" in low or "memset" in low:
         return "copy"
-    if "fusion" in low or low.startswith(("loop_", "input_", "wrapped_", "copy", "transpose", "reduce",
-                                          "concatenate", "dynamic", "slice", "select", "scatter", "gather")):
-        return "xla"
-    return "pallas"
+    return "xla"
 
 
 _SHAPE = re.compile(r"\b(bf16|f16|f32|s32|u32|s8|u8|pred|f8e4m3fn)\[([0-9,]*)\]")

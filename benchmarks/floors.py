@@ -2,7 +2,7 @@
 measured against, then the kernel rows of `benchmarks.kernels --quick`, all on one GPU in one call.
 
     PYTHONPATH=. python3 -m benchmarks.floors [--json out.json] [--only qwen3_next,nemotron_h,minimax] [--skip-kernels]
-        [--decode-only | --prefill-only]
+        [--decode-only | --prefill-only] [--device-loop]
     PYTHONPATH=. python -m benchmarks.floors --tiny --skip-kernels      # CPU smoke test (tiny shapes, no floors)
 
 Models (random bf16 weights made on the device, `benchmarks.decode_step.random_params`):
@@ -263,6 +263,23 @@ def table(models: list[dict], kernels: list[dict]) -> list[str]:
     return lines
 
 
+def loop_table(loops: list[dict]) -> list[str]:
+    """The batch-1 token of `benchmarks.device_loop` (no host between steps) per model: its floor, the loop, and
+    the loop's kernels by kind, the matmuls beside the time of their weights at the read rate."""
+    if not loops:
+        return []
+    kinds = ("matmul", "pallas", "cudnn", "xla", "copy")
+    lines = ["", f"{'batch-1 token in one program (ms)':<36} {'floor':>7} {'loop':>7} {'weights':>8} "
+             + " ".join(f"{k:>14}" for k in kinds), "-" * 139]
+    for r in loops:
+        by = r["loop_kernels"]["kinds"]
+        weights = r["weight_bytes"] / (r["read_tbps"] * 1e12) * 1e3
+        cells = " ".join(f"{by.get(k, {}).get('ms', 0.0):>7.3f} (x{by.get(k, {}).get('launches', 0.0):>3.0f})"
+                         for k in kinds)
+        lines.append(f"{r['model']:<36} {r['floor_ms']:>7.3f} {r['loop_ms']:>7.3f} {weights:>8.3f} {cells}")
+    return lines
+
+
 # `benchmarks.kernels`' parts with a row in issue 20's table (not the prefix-hit suffix probe)
 KERNEL_PARTS = "copy,decode,paged,chunk,probe,prefill"
 
@@ -280,6 +297,9 @@ def main(argv=None) -> int:
                     "batch-1 rows' decode steps per program; batch 256 runs single steps whatever it is; default: "
                     "`jhybrid.LLM`'s, which runs these 64-token rows as single steps: its multi-step programs "
                     "compile only for rows with 512 tokens or more to go)")
+    ap.add_argument("--device-loop", action="store_true", help="then `benchmarks.device_loop --trace` in one more "
+                    "subprocess: each model's batch-1 token in one program of 32 steps, its kernels summed by kind "
+                    "(matmul, pallas, cudnn, xla, copy) beside the weights' time at the read rate")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -323,13 +343,29 @@ def main(argv=None) -> int:
                     kernels = json.load(f).get("results", [])
             if rc != 0:
                 failed.append(f"kernels: {rc}")
+        loops = []
+        if a.device_loop:
+            out = os.path.join(tmp, "device_loop.json")
+            cmd = [sys.executable, "-m", "benchmarks.device_loop", "--no-engine", "--steps", "32", "--models", a.only,
+                   "--trace", os.path.join(scratch, "trace"), "--json", out] + (["--tiny"] if a.tiny else [])
+            log("== device loop")
+            try:
+                rc = subprocess.run(cmd, timeout=a.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            if os.path.exists(out):
+                with open(out) as f:
+                    loops = [r for r in json.load(f) if "loop_kernels" in r]
+            if rc != 0:
+                failed.append(f"device loop: {rc}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     info = dict(commit=commit or "?", device=models[0]["device"] if models else "?", tiny=a.tiny)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(machine_info=info, models=models, kernels=kernels, failed=failed), f, indent=1)
+            json.dump(dict(machine_info=info, models=models, kernels=kernels, device_loop=loops, failed=failed), f,
+                      indent=1)
     log(f"\nmachine: {info['device']} | commit {info['commit']}")
-    for line in table(models, kernels):
+    for line in table(models, kernels) + loop_table(loops):
         log(line)
     for f in failed:
         log(f"FAILED {f}")
