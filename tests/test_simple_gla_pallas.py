@@ -216,6 +216,62 @@ def test_chunk_mamba2_reads_the_conv_output_in_place(case, gated, fused_output):
     np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
 
 
+def _pallas_operand_dtypes(fn, *args) -> list:
+    """The dtypes of every operand of every `pallas_call` in `fn`'s jaxpr (nested jaxprs included)."""
+    from jax.extend.core import jaxprs_in_params
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                found.extend(v.aval.dtype for v in eqn.invars)
+            for sub in jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("fused_output", [True, False], ids=["fused", "split"])
+def test_chunk_mamba2_scan_in_bf16(fused_output):
+    """`scan_dtype="bfloat16"` (`MAMBA2_SCAN_DTYPE`): the parts' Pallas scan takes B, C and v in bf16, in both forms
+    of the chunk kernel, and stays within bf16 rounding of the fp32 reference: every real token's gated output and
+    the rows' final states (rtol 2e-2; free slots untouched). The jnp scans ignore it (bit-identical to fp32).
+    Checked to fail with the cast left out of `chunk_mamba2_in_parts` (no bf16 operand reaches the kernel), and with
+    the jnp scans given bf16 operands too."""
+    lengths, slots, dims, _ = MAMBA2_CHUNK_CASES[0]
+    heads, head_dim, groups, n = dims
+    rng = np.random.default_rng(21)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + 3
+    xbc = jnp.asarray(rng.normal(size=(num_tokens, heads * head_dim + 2 * groups * n)), jnp.bfloat16)
+    dt = jnp.asarray(rng.uniform(0.01, 0.3, (num_tokens, heads)), jnp.float32)
+    g = dt * -jnp.asarray(rng.uniform(0.5, 4.0, heads), jnp.float32)
+    d_skip = jnp.asarray(rng.normal(size=heads), jnp.float32)
+    state = rng.normal(size=(max(slots) + 2, heads, n, head_dim)).astype(np.float32)
+    slots = np.asarray(slots, np.int32)
+    free = _poison(state, slots)
+    z = jnp.asarray(rng.normal(size=(num_tokens, heads * head_dim)), jnp.bfloat16)
+    args = (xbc, dt, g, d_skip, jnp.asarray(cu), jnp.asarray(state), jnp.asarray(slots), z)
+    want_y, want_state = chunk_mamba2(*args, dims=dims, out_dtype=jnp.bfloat16, impl="reference", chunk_size=16)
+    ref_bf16 = chunk_mamba2(*args, dims=dims, out_dtype=jnp.bfloat16, impl="reference", chunk_size=16,
+                            scan_dtype="bfloat16")
+    np.testing.assert_array_equal(np.asarray(ref_bf16[0]), np.asarray(want_y))
+    fn = functools.partial(chunk_mamba2, dims=dims, out_dtype=jnp.bfloat16, impl="pallas", interpret=True,
+                           chunk_size=16, block_v=16, single_block_v=16, out_block_v=16, fused=False,
+                           fused_output=fused_output, scan_dtype="bfloat16")
+    assert jnp.dtype(jnp.bfloat16) in _pallas_operand_dtypes(fn, *args), "the kernel must take bf16 operands"
+    got_y, got_state = fn(*args)
+    real = int(cu[-1])
+    assert_close("mamba2 bf16 scan output", got_y[:real], want_y[:real], 2e-2)
+    live = slots[(slots != 0) & (np.asarray(lengths) > 0)]
+    assert_close("mamba2 bf16 scan final state", np.asarray(got_state)[live], np.asarray(want_state)[live], 2e-2)
+    np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
+    with pytest.raises(ValueError, match="scan_dtype"):
+        chunk_mamba2(*args, dims=dims, out_dtype=jnp.bfloat16, impl="reference", scan_dtype="float16")
+
+
 def _lower_mamba2_step(fused: bool, kernels: list[str]) -> None:
     """`chunk_mamba2` lowered for the H200 at NemotronH's head shapes (Hm 64, P 64, G 8, N 128; bf16 conv output) in
     a 136-token step (rows of 100, 1 and 29 tokens); it must launch exactly `kernels`."""

@@ -162,11 +162,20 @@ MAMBA2_PREFILL_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_PREFILL_TUNING
 MAMBA2_SPLIT_FROM_TOKENS = int(os.environ.get("JHYBRID_MAMBA2_SPLIT_FROM_TOKENS", "4096"))
 
 
+# the dtype of the parts' scan operands (B, C and v = x dt) where the scan is the Pallas kernel: "float32" (the
+# default) or "bfloat16" (JHYBRID_MAMBA2_SCAN_DTYPE). The kernel's dots, its per-chunk states (split form) and its
+# output take v's dtype; its state stays fp32. bf16 halves what XLA writes for B, C and v and what the kernel reads
+# and writes (per 8k NemotronH layer the split form's per-chunk states alone are 281 MB in fp32, RESULTS, session
+# 34). Not yet timed on a GPU: off
+MAMBA2_SCAN_DTYPE = os.environ.get("JHYBRID_MAMBA2_SCAN_DTYPE", "float32")
+
+
 def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *,
-                          dims: tuple[int, int, int, int], out_dtype, chunk):
+                          dims: tuple[int, int, int, int], out_dtype, chunk, scan_dtype=jnp.float32):
     """`chunk_mamba2`'s result from its parts in jnp around `chunk(q, k, v, g, cu_seqlens, state, slot_ids)` (a
-    chunked simple-GLA scan): SiLU over the conv output, x / B / C split from it, `v = x dt`, the scan, the D skip
-    `y = o + D x`, y in `out_dtype`; given the gate `z`, `y SiLU(z)` in fp32."""
+    chunked simple-GLA scan): SiLU over the conv output, x / B / C split from it, `v = x dt` (B, C and v in
+    `scan_dtype`), the scan, the D skip `y = o + D x` in fp32, y in `out_dtype`; given the gate `z`, `y SiLU(z)` in
+    fp32."""
     heads, head_dim, groups, state_dim = dims
     num_tokens = xbc.shape[0]
     x = jax.nn.silu(xbc.astype(jnp.float32))
@@ -174,7 +183,9 @@ def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=Non
     xs = x[:, :inner].reshape(num_tokens, heads, head_dim)
     b = x[:, inner:inner + groups * state_dim].reshape(num_tokens, groups, state_dim)  # the keys
     c = x[:, inner + groups * state_dim:].reshape(num_tokens, groups, state_dim)  # the queries
-    y, state = chunk(c, b, xs * dt.astype(jnp.float32)[..., None], g, cu_seqlens, state, slot_ids)
+    v = xs * dt.astype(jnp.float32)[..., None]
+    y, state = chunk(c.astype(scan_dtype), b.astype(scan_dtype), v.astype(scan_dtype), g, cu_seqlens, state, slot_ids)
+    y = y.astype(jnp.float32)
     y = (y + xs * d_skip.astype(jnp.float32)[:, None]).astype(out_dtype)
     if z is not None:
         gate = z[:, :inner].reshape(num_tokens, heads, head_dim).astype(jnp.float32)
@@ -184,13 +195,14 @@ def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=Non
 
 def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dims: tuple[int, int, int, int],
                  out_dtype, impl: str = "auto", interpret: bool = False, chunk_size: int = 64, mesh=None,
-                 fused: bool | None = None, **tuning):
+                 fused: bool | None = None, scan_dtype: str | None = None, **tuning):
     """A Mamba2 mixer's chunked scan from its conv output (`chunk_mamba2_pallas` says what each argument is):
     (`y = o + D SiLU(x)` `[T, Hm, P]` in `out_dtype`, or given the gate `z` the gated norm's input in fp32; the
     state). `fused` (default `MAMBA2_FUSED_PREFILL`): the kernels reading `xbc` in place where the scan's impl is
     "pallas" (so "auto" on a GPU) and no mesh splits the heads; else `chunk_mamba2_in_parts` with
-    `chunk_simple_gla` (its `impl`, `mesh`, `tuning`). Either way the kernels' split form (`fused_output=False`)
-    runs steps of `MAMBA2_SPLIT_FROM_TOKENS` tokens or more unless `tuning` names the form."""
+    `chunk_simple_gla` (its `impl`, `mesh`, `tuning`), whose scan operands are in `scan_dtype` (default
+    `MAMBA2_SCAN_DTYPE`) where that scan is the Pallas kernel. Either way the kernels' split form
+    (`fused_output=False`) runs steps of `MAMBA2_SPLIT_FROM_TOKENS` tokens or more unless `tuning` names the form."""
     fused = MAMBA2_FUSED_PREFILL if fused is None else fused
     heads, head_dim, groups, state_dim = dims
     q = jax.ShapeDtypeStruct((1, groups, state_dim), xbc.dtype)
@@ -203,8 +215,14 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
                                    chunk_size=chunk_size, interpret=interpret, **tuning)
     chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0, chunk_size=chunk_size,
                               mesh=mesh, **tuning)
+    scan_dtype = MAMBA2_SCAN_DTYPE if scan_dtype is None else scan_dtype
+    if scan_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"Mamba2 scan_dtype must be 'float32' or 'bfloat16', got {scan_dtype!r}")
+    scan_dtype = jnp.dtype(scan_dtype)
+    if _pick(impl, "chunk", q, v) != "pallas":  # the jnp scans keep fp32 operands (and the CPU's HF parity)
+        scan_dtype = jnp.dtype(jnp.float32)
     return chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
-                                 chunk=chunk)
+                                 chunk=chunk, scan_dtype=scan_dtype)
 
 
 # the lightning decode step as one kernel (`lightning_decode`): on (a MiniMax-shaped batch-1 token 0.892 -> 0.860 ms on
