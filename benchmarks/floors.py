@@ -280,6 +280,22 @@ def loop_table(loops: list[dict]) -> list[str]:
     return lines
 
 
+def run_part(label: str, cmd: list[str], out: str, timeout: float, failed: list[str]):
+    """Runs one part of the table in a subprocess of its own: the JSON it wrote to `out` (also when it failed or ran
+    out of time after writing some), or None; a failure or time-out is appended to `failed`."""
+    log(f"== {label}")
+    try:
+        rc = subprocess.run(cmd, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    if rc != 0:
+        failed.append(f"{label}: {rc}")
+    if not os.path.exists(out):
+        return None
+    with open(out) as f:
+        return json.load(f)
+
+
 # `benchmarks.kernels`' parts with a row in issue 20's table (not the prefix-hit suffix probe)
 KERNEL_PARTS = "copy,decode,paged,chunk,probe,prefill"
 
@@ -320,44 +336,19 @@ def main(argv=None) -> int:
             cmd += ["--decode-only"] if a.decode_only else []
             if a.num_scheduler_steps is not None:
                 cmd += ["--num-scheduler-steps", str(a.num_scheduler_steps)]
-            log(f"== {name}")
-            try:
-                rc = subprocess.run(cmd, timeout=a.timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            if os.path.exists(out):
-                with open(out) as f:
-                    models.append(json.load(f))  # a worker cut short keeps the rows it measured
-            if rc != 0:
-                failed.append(f"{name}: {rc}")
+            row = run_part(name, cmd, out, a.timeout, failed)
+            if row is not None:
+                models.append(row)  # a worker cut short keeps the rows it measured
         if not a.skip_kernels:
             out = os.path.join(tmp, "kernels.json")
-            log("== kernels")
-            try:
-                rc = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--quick", "--json", out,
-                                     "--only", KERNEL_PARTS], timeout=a.timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            if os.path.exists(out):
-                with open(out) as f:
-                    kernels = json.load(f).get("results", [])
-            if rc != 0:
-                failed.append(f"kernels: {rc}")
+            cmd = [sys.executable, "-m", "benchmarks.kernels", "--quick", "--json", out, "--only", KERNEL_PARTS]
+            kernels = (run_part("kernels", cmd, out, a.timeout, failed) or {}).get("results", [])
         loops = []
         if a.device_loop:
             out = os.path.join(tmp, "device_loop.json")
             cmd = [sys.executable, "-m", "benchmarks.device_loop", "--no-engine", "--steps", "32", "--models", a.only,
                    "--trace", os.path.join(scratch, "trace"), "--json", out] + (["--tiny"] if a.tiny else [])
-            log("== device loop")
-            try:
-                rc = subprocess.run(cmd, timeout=a.timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            if os.path.exists(out):
-                with open(out) as f:
-                    loops = [r for r in json.load(f) if "loop_kernels" in r]
-            if rc != 0:
-                failed.append(f"device loop: {rc}")
+            loops = [r for r in run_part("device loop", cmd, out, a.timeout, failed) or [] if "loop_kernels" in r]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     info = dict(commit=commit or "?", device=models[0]["device"] if models else "?", tiny=a.tiny)
     if a.json:

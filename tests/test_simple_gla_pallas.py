@@ -174,6 +174,27 @@ MAMBA2_CHUNK_CASES = [
 ]
 
 
+def _mamba2_chunk_inputs(lengths, slots, dims, dtype, seed, gate_width=None):
+    """`chunk_mamba2`'s arguments for rows of `lengths` in `slots` (3 padding tokens after them): (args, cu_seqlens,
+    the state as numpy, the slots, the free slots `_poison` filled). With `gate_width`, the gate `z` last: an array
+    that wide, whose first Hm P columns are the gate (the in_proj output)."""
+    heads, head_dim, groups, n = dims
+    rng = np.random.default_rng(seed)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    num_tokens = int(cu[-1]) + 3
+    xbc = jnp.asarray(rng.normal(size=(num_tokens, heads * head_dim + 2 * groups * n)), dtype)
+    dt = jnp.asarray(rng.uniform(0.01, 0.3, (num_tokens, heads)), jnp.float32)
+    g = dt * -jnp.asarray(rng.uniform(0.5, 4.0, heads), jnp.float32)
+    d_skip = jnp.asarray(rng.normal(size=heads), jnp.float32)
+    state = rng.normal(size=(max(slots) + 2, heads, n, head_dim)).astype(np.float32)
+    slots = np.asarray(slots, np.int32)
+    free = _poison(state, slots)
+    args = (xbc, dt, g, d_skip, jnp.asarray(cu), jnp.asarray(state), jnp.asarray(slots))
+    if gate_width is not None:
+        args += (jnp.asarray(rng.normal(size=(num_tokens, gate_width)), dtype),)
+    return args, cu, state, slots, free
+
+
 @pytest.mark.parametrize("fused_output", [True, False], ids=["fused", "split"])
 @pytest.mark.parametrize("gated", [False, True], ids=["y", "gated"])
 @pytest.mark.parametrize("case", range(len(MAMBA2_CHUNK_CASES)))
@@ -187,20 +208,10 @@ def test_chunk_mamba2_reads_the_conv_output_in_place(case, gated, fused_output):
     head over in the chunks; the split form with the step size left out of the state pass's v, and with the D skip
     dropped from its output kernel.)"""
     lengths, slots, dims, dtype = MAMBA2_CHUNK_CASES[case]
-    heads, head_dim, groups, n = dims
-    rng = np.random.default_rng(10 + case)
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    num_tokens = int(cu[-1]) + 3
-    xbc = jnp.asarray(rng.normal(size=(num_tokens, heads * head_dim + 2 * groups * n)), dtype)
-    dt = jnp.asarray(rng.uniform(0.01, 0.3, (num_tokens, heads)), jnp.float32)
-    g = dt * -jnp.asarray(rng.uniform(0.5, 4.0, heads), jnp.float32)
-    d_skip = jnp.asarray(rng.normal(size=heads), jnp.float32)
-    state = rng.normal(size=(max(slots) + 2, heads, n, head_dim)).astype(np.float32)
-    slots = np.asarray(slots, np.int32)
-    free = _poison(state, slots)
-    args = (xbc, dt, g, d_skip, jnp.asarray(cu), jnp.asarray(state), jnp.asarray(slots))
-    if gated:  # the gate in the first Hm P columns of a wider array (the in_proj output)
-        args += (jnp.asarray(rng.normal(size=(num_tokens, heads * head_dim + 7)), dtype),)
+    heads, head_dim, _, _ = dims
+    args, cu, state, slots, free = _mamba2_chunk_inputs(lengths, slots, dims, dtype, 10 + case,
+                                                        gate_width=heads * head_dim + 7 if gated else None)
+    num_tokens = args[0].shape[0]
     out_dtype = jnp.bfloat16 if dtype == jnp.bfloat16 else jnp.float32
     want_y, want_state = chunk_mamba2(*args, dims=dims, out_dtype=out_dtype, impl="reference", chunk_size=16)
     got_y, got_state = chunk_mamba2(*args, dims=dims, out_dtype=out_dtype, impl="pallas", interpret=True,
@@ -241,19 +252,8 @@ def test_chunk_mamba2_scan_in_bf16(fused_output):
     Checked to fail with the cast left out of `chunk_mamba2_in_parts` (no bf16 operand reaches the kernel), and with
     the jnp scans given bf16 operands too."""
     lengths, slots, dims, _ = MAMBA2_CHUNK_CASES[0]
-    heads, head_dim, groups, n = dims
-    rng = np.random.default_rng(21)
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    num_tokens = int(cu[-1]) + 3
-    xbc = jnp.asarray(rng.normal(size=(num_tokens, heads * head_dim + 2 * groups * n)), jnp.bfloat16)
-    dt = jnp.asarray(rng.uniform(0.01, 0.3, (num_tokens, heads)), jnp.float32)
-    g = dt * -jnp.asarray(rng.uniform(0.5, 4.0, heads), jnp.float32)
-    d_skip = jnp.asarray(rng.normal(size=heads), jnp.float32)
-    state = rng.normal(size=(max(slots) + 2, heads, n, head_dim)).astype(np.float32)
-    slots = np.asarray(slots, np.int32)
-    free = _poison(state, slots)
-    z = jnp.asarray(rng.normal(size=(num_tokens, heads * head_dim)), jnp.bfloat16)
-    args = (xbc, dt, g, d_skip, jnp.asarray(cu), jnp.asarray(state), jnp.asarray(slots), z)
+    args, cu, state, slots, free = _mamba2_chunk_inputs(lengths, slots, dims, jnp.bfloat16, 21,
+                                                        gate_width=dims[0] * dims[1])
     want_y, want_state = chunk_mamba2(*args, dims=dims, out_dtype=jnp.bfloat16, impl="reference", chunk_size=16)
     ref_bf16 = chunk_mamba2(*args, dims=dims, out_dtype=jnp.bfloat16, impl="reference", chunk_size=16,
                             scan_dtype="bfloat16")
