@@ -128,6 +128,17 @@ def best_config(name, fn_for_cfg, configs, args, carry=None, reps=20):
 # ---------------------------------------------------------------- GDN decode
 
 
+def _defaults(fn, names: tuple[str, ...]) -> tuple:
+    """The default values of `fn`'s keyword arguments `names`, read from its signature: the configuration that
+    callers who name none get, so that `--quick` times what users run."""
+    params = inspect.signature(fn).parameters
+    return tuple(params[k].default for k in names)
+
+
+# the GDN decode kernel's default tile (values a program, warps): session 2's H200 sweep picked it
+DEFAULT_GDN_DECODE = _defaults(fused_recurrent_gated_delta_rule_pallas, ("block_v", "num_warps"))
+
+
 def bench_gdn_decode(quick):
     B, H, HV, K, V = 256, 16, 16, 128, 128
     S = B + 1
@@ -150,8 +161,8 @@ def bench_gdn_decode(quick):
 
     carry = lambda out, a: (*a[:5], out[1], a[6])  # noqa: E731
     # (fla's kernel gives each program a [K, 8] tile and one warp: the small tiles first)
-    configs = [(64, 4)] if quick else [(8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4),
-                                       (128, 8)]
+    configs = [DEFAULT_GDN_DECODE] if quick else list(dict.fromkeys([
+        DEFAULT_GDN_DECODE, (8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8)]))
     fresh = lambda: (q, k, v, g, beta, state0 + 0.0, slots)  # noqa: E731
     cfg, ours = best_config("gdn_decode", make, configs, fresh, carry=carry)
 
@@ -455,14 +466,9 @@ def paged_read_rates(k_pages, v_pages, tables, cfg, kv_bytes):
     return rates
 
 
-def _engine_paged_decode() -> tuple:
-    """The configuration the engine runs: `paged_attention_decode_pallas`'s defaults (pages_per_block, num_splits,
-    num_warps, num_stages, per_page), read from its signature so that `--quick` times what users get."""
-    params = inspect.signature(paged_attention_decode_pallas).parameters
-    return tuple(params[k].default for k in ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page"))
-
-
-ENGINE_PAGED_DECODE = _engine_paged_decode()
+# the configuration the engine runs: the paged decode kernel's defaults
+ENGINE_PAGED_DECODE = _defaults(paged_attention_decode_pallas,
+                                ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page"))
 
 
 def bench_paged_decode(quick, copy_bw):
