@@ -1,6 +1,9 @@
 """Pallas (Triton lowering) kernel for one decode step of the gated delta rule over state slots.
 
-Grid `(B, HV, V // BV)`: program (b, j, i) owns the `[K, BV]` tile of value head j of row b's state slot.
+Grid `(V // BV, HV, B)`: program (i, j, b) owns the `[K, BV]` tile of value head j of row b's state slot. The
+value tile is the grid's first axis, the one CUDA launches fastest, so programs that run side by side read
+neighbouring columns of the same rows of one head's state (as fla's kernel orders them); with b first, they read
+one narrow column strip from a different slot each.
 It reads the tile from `state[slot_ids[b]]` (zeros when the slot is 0, the null slot), applies the decay
 and the delta-rule update for the row's single token, writes `o[b, j, i*BV:(i+1)*BV]` and stores the tile
 back into the same slot. The state is aliased input -> output, so under `jit` with a donated state it is
@@ -35,7 +38,7 @@ def _fused_recurrent_kernel(
     scale: float,
     block_v: int,
 ):
-    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ids_ref[b]
     v_slice = pl.ds(i * block_v, block_v)
     o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q_ref[...], k_ref[...], v_ref[...], g_ref[b, j],
@@ -88,18 +91,18 @@ def fused_recurrent_gated_delta_rule_pallas(
     kernel = functools.partial(_fused_recurrent_kernel, scale=scale, block_v=block_v)
     o, new_state = pl.pallas_call(
         kernel,
-        grid=(batch, num_value_heads, value_dim // block_v),
+        grid=(value_dim // block_v, num_value_heads, batch),
         in_specs=[
             _WHOLE,  # slot_ids
-            pl.BlockSpec((None, None, key_dim), lambda b, j, i: (b, j // group, 0)),  # q
-            pl.BlockSpec((None, None, key_dim), lambda b, j, i: (b, j // group, 0)),  # k
-            pl.BlockSpec((None, None, block_v), lambda b, j, i: (b, j, i)),  # v
+            pl.BlockSpec((None, None, key_dim), lambda i, j, b: (b, j // group, 0)),  # q
+            pl.BlockSpec((None, None, key_dim), lambda i, j, b: (b, j // group, 0)),  # k
+            pl.BlockSpec((None, None, block_v), lambda i, j, b: (b, j, i)),  # v
             _WHOLE,  # g
             _WHOLE,  # beta
             _WHOLE,  # state (read by slot inside the kernel)
         ],
         out_specs=[
-            pl.BlockSpec((None, None, block_v), lambda b, j, i: (b, j, i)),  # o
+            pl.BlockSpec((None, None, block_v), lambda i, j, b: (b, j, i)),  # o
             _WHOLE,  # state (written by slot inside the kernel)
         ],
         out_shape=[
