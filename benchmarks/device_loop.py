@@ -95,8 +95,9 @@ def kernel_sums(folder: str, per: int, top: int) -> dict:
             count[e["name"]] += 1
     kinds = collections.defaultdict(lambda: [0.0, 0.0])
     for name, us in total.items():
-        kinds[kernel_kind(name)][0] += us / per / 1e3
-        kinds[kernel_kind(name)][1] += count[name] / per
+        kind = kinds[kernel_kind(name)]
+        kind[0] += us / per / 1e3
+        kind[1] += count[name] / per
     return dict(kernel_ms=sum(total.values()) / per / 1e3, launches=sum(count.values()) / per,
                 kinds={k: dict(ms=v[0], launches=v[1]) for k, v in sorted(kinds.items())},
                 top=[(k, v / per / 1e3, count[k] / per) for k, v in total.most_common(top)])

@@ -512,7 +512,7 @@ def bench_paged_decode(quick, copy_bw):
     configs = [ENGINE_PAGED_DECODE] if quick else [ENGINE_PAGED_DECODE,
         (4, 8, 4, 2, True), (4, 8, 4, 3, True), (4, 8, 4, 4, True), (2, 8, 4, 3, True), (4, 16, 4, 2, True),
         (4, 8, 8, 2, True), (4, 4, 4, 2, True), (2, 16, 4, 2, True), (8, 8, 4, 2, True), (4, 8, 2, 2, True),
-        # gathered tiles (the quick default first), more splits, more stages, more warps
+        # gathered tiles (the --quick configuration until session 35 first), more splits, more stages, more warps
         (4, 16, 4, 3, False), (2, 16, 4, 3, False), (4, 32, 4, 3, False), (2, 32, 4, 2, False),
         (4, 16, 8, 3, False), (8, 16, 4, 2, False), (4, 16, 4, 4, False),
         # fewer splits: longer loops per program, fewer programs (the H200's 2,048 programs at 16 splits)
@@ -757,6 +757,8 @@ def main():
                         "all); with --quick, no stage timings")
     a = parser.parse_args()
     AB_ONLY.update(filter(None, a.ab.split(",")))
+    if AB_ONLY - set(CHUNK_AB):
+        parser.error(f"--ab: unknown variant(s) {sorted(AB_ONLY - set(CHUNK_AB))}; choose from {list(CHUNK_AB)}")
     commit = a.commit
     if commit is None:
         try:

@@ -185,8 +185,7 @@ def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=Non
     c = x[:, inner + groups * state_dim:].reshape(num_tokens, groups, state_dim)  # the queries
     v = xs * dt.astype(jnp.float32)[..., None]
     y, state = chunk(c.astype(scan_dtype), b.astype(scan_dtype), v.astype(scan_dtype), g, cu_seqlens, state, slot_ids)
-    y = y.astype(jnp.float32)
-    y = (y + xs * d_skip.astype(jnp.float32)[:, None]).astype(out_dtype)
+    y = (y.astype(jnp.float32) + xs * d_skip.astype(jnp.float32)[:, None]).astype(out_dtype)
     if z is not None:
         gate = z[:, :inner].reshape(num_tokens, heads, head_dim).astype(jnp.float32)
         y = y.astype(jnp.float32) * jax.nn.silu(gate)
@@ -204,23 +203,23 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     `MAMBA2_SCAN_DTYPE`) where that scan is the Pallas kernel. Either way the kernels' split form
     (`fused_output=False`) runs steps of `MAMBA2_SPLIT_FROM_TOKENS` tokens or more unless `tuning` names the form."""
     fused = MAMBA2_FUSED_PREFILL if fused is None else fused
+    scan_dtype = MAMBA2_SCAN_DTYPE if scan_dtype is None else scan_dtype
+    if scan_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"Mamba2 scan_dtype must be 'float32' or 'bfloat16', got {scan_dtype!r}")
     heads, head_dim, groups, state_dim = dims
     q = jax.ShapeDtypeStruct((1, groups, state_dim), xbc.dtype)
     v = jax.ShapeDtypeStruct((1, heads, head_dim), xbc.dtype)
+    pallas = _pick(impl, "chunk", q, v) == "pallas"
     if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= xbc.shape[0]:
         tuning = dict(tuning, fused_output=False)
-    if fused and (mesh is None or mesh.size == 1) and _pick(impl, "chunk", q, v) == "pallas":
+    if fused and (mesh is None or mesh.size == 1) and pallas:  # reads x, B, C in xbc's own dtype
         tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
                                    chunk_size=chunk_size, interpret=interpret, **tuning)
     chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0, chunk_size=chunk_size,
                               mesh=mesh, **tuning)
-    scan_dtype = MAMBA2_SCAN_DTYPE if scan_dtype is None else scan_dtype
-    if scan_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"Mamba2 scan_dtype must be 'float32' or 'bfloat16', got {scan_dtype!r}")
-    scan_dtype = jnp.dtype(scan_dtype)
-    if _pick(impl, "chunk", q, v) != "pallas":  # the jnp scans keep fp32 operands (and the CPU's HF parity)
-        scan_dtype = jnp.dtype(jnp.float32)
+    # the jnp scans keep fp32 operands (and the CPU's HF parity)
+    scan_dtype = jnp.dtype(scan_dtype if pallas else jnp.float32)
     return chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
                                  chunk=chunk, scan_dtype=scan_dtype)
 
