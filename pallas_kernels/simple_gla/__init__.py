@@ -162,12 +162,14 @@ MAMBA2_PREFILL_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_PREFILL_TUNING
 MAMBA2_SPLIT_FROM_TOKENS = int(os.environ.get("JHYBRID_MAMBA2_SPLIT_FROM_TOKENS", "4096"))
 
 
-# the dtype of the parts' scan operands (B, C and v = x dt) where the scan is the Pallas kernel: "float32" (the
-# default) or "bfloat16" (JHYBRID_MAMBA2_SCAN_DTYPE). The kernel's dots, its per-chunk states (split form) and its
-# output take v's dtype; its state stays fp32. bf16 halves what XLA writes for B, C and v and what the kernel reads
-# and writes (per 8k NemotronH layer the split form's per-chunk states alone are 281 MB in fp32, RESULTS, session
-# 34). Not yet timed on a GPU: off
-MAMBA2_SCAN_DTYPE = os.environ.get("JHYBRID_MAMBA2_SCAN_DTYPE", "float32")
+# the dtype of the parts' scan operands (B, C and v = x dt) where the scan is the Pallas kernel: "auto" (the
+# default: the conv output's dtype, so bf16 for a bf16 model and fp32 for an fp32 one), "float32" or "bfloat16"
+# (JHYBRID_MAMBA2_SCAN_DTYPE). The kernel's dots, its per-chunk states (split form) and its output take v's dtype;
+# its state stays fp32. As mamba_ssm's Triton SSD does (x, B, C in the input dtype, the passed chunk states in C's
+# dtype). bf16 halves what XLA writes for B, C and v and what the kernel reads and writes: on an H100, the NemotronH
+# layer's 8k scan 1.164 -> 0.586 ms and the model's 8k prefill 63.0 -> 54.5 ms (47% -> 56% of the matmul rate), the
+# logits' error against HF's fp32 model no larger than with the fp32 scan (benchmarks/RESULTS.md, session 36)
+MAMBA2_SCAN_DTYPE = os.environ.get("JHYBRID_MAMBA2_SCAN_DTYPE", "auto")
 
 
 def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *,
@@ -200,12 +202,14 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     state). `fused` (default `MAMBA2_FUSED_PREFILL`): the kernels reading `xbc` in place where the scan's impl is
     "pallas" (so "auto" on a GPU) and no mesh splits the heads; else `chunk_mamba2_in_parts` with
     `chunk_simple_gla` (its `impl`, `mesh`, `tuning`), whose scan operands are in `scan_dtype` (default
-    `MAMBA2_SCAN_DTYPE`) where that scan is the Pallas kernel. Either way the kernels' split form
+    `MAMBA2_SCAN_DTYPE`; "auto": `xbc`'s dtype) where that scan is the Pallas kernel. Either way the kernels' split form
     (`fused_output=False`) runs steps of `MAMBA2_SPLIT_FROM_TOKENS` tokens or more unless `tuning` names the form."""
     fused = MAMBA2_FUSED_PREFILL if fused is None else fused
     scan_dtype = MAMBA2_SCAN_DTYPE if scan_dtype is None else scan_dtype
-    if scan_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"Mamba2 scan_dtype must be 'float32' or 'bfloat16', got {scan_dtype!r}")
+    if scan_dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"Mamba2 scan_dtype must be 'auto', 'float32' or 'bfloat16', got {scan_dtype!r}")
+    if scan_dtype == "auto":
+        scan_dtype = "bfloat16" if xbc.dtype == jnp.bfloat16 else "float32"
     heads, head_dim, groups, state_dim = dims
     q = jax.ShapeDtypeStruct((1, groups, state_dim), xbc.dtype)
     v = jax.ShapeDtypeStruct((1, heads, head_dim), xbc.dtype)
