@@ -3,8 +3,8 @@ for others), from its conv output to the gated norm's input, each way it can run
 
 - `parts`: `chunk_mamba2_in_parts` around the simple-GLA chunk kernel (XLA writes SiLU'd B / C, `v = x dt`, the
   D skip and the gate as arrays of their own; the model's default), in its fused form (the default) and its split
-  form (a sequential state pass, then every chunk's output in parallel), each with B, C and v in fp32 (the default)
-  and in bf16 (`scan_dtype`, `simple_gla.MAMBA2_SCAN_DTYPE`);
+  form (a sequential state pass, then every chunk's output in parallel), each with B, C and v in fp32 and in bf16
+  (`scan_dtype`; the model's default, `simple_gla.MAMBA2_SCAN_DTYPE` "auto", takes the conv output's dtype: bf16);
 - `in_place T`: `chunk_mamba2_pallas` at tuning T (the kernels read x, B, C and z where they sit; keywords not in T
   take `simple_gla.MAMBA2_PREFILL_TUNING`, then the kernel's defaults).
 
@@ -104,8 +104,9 @@ def main():
     ap.add_argument("--tunings", default='{"fused_output": true};{"fused_output": false};'
                     '{"fused_output": false, "out_num_warps": 4};{"fused_output": false, "out_block_v": 32}',
                     help="';'-separated JSON dicts of the in-place kernels' keyword arguments")
-    ap.add_argument("--parts-tunings", default='{"fused_output": true};{"fused_output": false};'
-                    '{"fused_output": true, "scan_dtype": "bfloat16"};{"fused_output": false, "scan_dtype": "bfloat16"}',
+    ap.add_argument("--parts-tunings", default='{"fused_output": true, "scan_dtype": "float32"};'
+                    '{"fused_output": false, "scan_dtype": "float32"};{"fused_output": true, "scan_dtype": "bfloat16"};'
+                    '{"fused_output": false, "scan_dtype": "bfloat16"}',
                     help="';'-separated JSON dicts of the parts' chunk kernel's keyword arguments (`fused_output`: "
                     "its form; `out_block_v`, `out_num_warps`: the split form's output kernel; `scan_dtype`: "
                     "`chunk_mamba2`'s, the dtype of B, C and v)")

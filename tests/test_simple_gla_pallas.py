@@ -272,6 +272,22 @@ def test_chunk_mamba2_scan_in_bf16(fused_output):
         chunk_mamba2(*args, dims=dims, out_dtype=jnp.bfloat16, impl="reference", scan_dtype="float16")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
+def test_chunk_mamba2_scan_dtype_follows_the_activations(dtype, monkeypatch):
+    """The default `MAMBA2_SCAN_DTYPE` ("auto") gives the parts' Pallas scan B, C and v in the conv output's dtype:
+    bf16 operands for a bf16 model, none for an fp32 one. Checked to fail with "auto" resolved to fp32 always, and
+    to bf16 always."""
+    from pallas_kernels import simple_gla
+
+    monkeypatch.setattr(simple_gla, "MAMBA2_SCAN_DTYPE", "auto")
+    lengths, slots, dims, _ = MAMBA2_CHUNK_CASES[0]
+    args, *_ = _mamba2_chunk_inputs(lengths, slots, dims, dtype, 22)
+    fn = functools.partial(chunk_mamba2, dims=dims, out_dtype=dtype, impl="pallas", interpret=True, chunk_size=16,
+                           block_v=16, single_block_v=16, out_block_v=16, fused=False)
+    has_bf16 = jnp.dtype(jnp.bfloat16) in _pallas_operand_dtypes(fn, *args)
+    assert has_bf16 == (dtype == jnp.bfloat16)
+
+
 def _lower_mamba2_step(fused: bool, kernels: list[str]) -> None:
     """`chunk_mamba2` lowered for the H200 at NemotronH's head shapes (Hm 64, P 64, G 8, N 128; bf16 conv output) in
     a 136-token step (rows of 100, 1 and 29 tokens); it must launch exactly `kernels`."""
