@@ -167,7 +167,7 @@ MAMBA2_SPLIT_FROM_TOKENS = int(os.environ.get("JHYBRID_MAMBA2_SPLIT_FROM_TOKENS"
 # (JHYBRID_MAMBA2_SCAN_DTYPE). The kernel's dots, its per-chunk states (split form) and its output take v's dtype;
 # its state stays fp32. As mamba_ssm's Triton SSD does (x, B, C in the input dtype, the passed chunk states in C's
 # dtype). bf16 halves what XLA writes for B, C and v and what the kernel reads and writes: on an H100, the NemotronH
-# layer's 8k scan 1.164 -> 0.615 ms and the model's 8k prefill 62.8 -> 54.6 ms (medians of five); a bf16 model's
+# layer's 8k scan 1.164 -> 0.615 ms and the model's 8k prefill 62.8 -> 54.3 ms (medians of six); a bf16 model's
 # logits 1.92e-2 -> 1.98e-2 from HF's fp32 model, where HF's own bf16 model is at 1.91e-2 (benchmarks/RESULTS.md,
 # session 36)
 MAMBA2_SCAN_DTYPE = os.environ.get("JHYBRID_MAMBA2_SCAN_DTYPE", "auto")
