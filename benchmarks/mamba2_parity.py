@@ -64,11 +64,11 @@ def hf_logits(model, prompts: dict[str, np.ndarray]) -> dict[str, dict[str, np.n
 
     out = {name: {} for name in prompts}
     with torch.no_grad():
-        for dtype in (torch.float32, torch.bfloat16):
-            model.to(dtype)
+        for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            model.to(torch_dtype)
             for name, ids in prompts.items():
                 x = torch.tensor([ids.tolist()], device=model.device)
-                out[name][str(dtype).removeprefix("torch.")] = model(x).logits[0].float().cpu().numpy()
+                out[name][dtype] = model(x).logits[0].float().cpu().numpy()
     return out
 
 
@@ -132,12 +132,9 @@ def main() -> None:
     rows = []
     for name in prompts:
         want = ref[name]["float32"]
-        rows.append(dict(prompt=name, run="HF bf16", rel=rel(ref[name]["bfloat16"], want),
-                         top1=top1(ref[name]["bfloat16"], want)))
-        for dtype, scan in RUNS:
-            logits = got[dtype, scan][name]
-            rows.append(dict(prompt=name, run=f"jhybrid {dtype}, scan {scan}", rel=rel(logits, want),
-                             top1=top1(logits, want)))
+        runs = [("HF bf16", ref[name]["bfloat16"])]
+        runs += [(f"jhybrid {dtype}, scan {scan}", got[dtype, scan][name]) for dtype, scan in RUNS]
+        rows += [dict(prompt=name, run=run, rel=rel(logits, want), top1=top1(logits, want)) for run, logits in runs]
     log(f"\nmachine: {info.get('gpu')} | commit {info.get('commit')}")
     log(f"{'prompt':8s} {'run':32s} {'rel err vs HF fp32':>20s} {'top-1 match':>12s}")
     for r in rows:
