@@ -113,10 +113,13 @@ def engine_decode(cfg, params, batches, json_path):
     eng, res = llm.engine, {}
     sp = jhybrid.SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for b in batches:
+        compiled = eng.runner.compile_seconds
         for rep in range(2):  # the first compiles
             times = decode_step_times(eng, [[t % cfg.vocab_size for t in range(1, 513)]] * b, sp, f"{b}-{rep}")
         res[f"engine_decode_step_ms_b{b}"] = float(np.median(times[4:])) * 1e3
-        print(f"engine batch {b}: decode step {res[f'engine_decode_step_ms_b{b}']:.3f} ms", flush=True)
+        res[f"compile_s_b{b}"] = eng.runner.compile_seconds - compiled  # this batch's new programs (prefill too)
+        print(f"engine batch {b}: decode step {res[f'engine_decode_step_ms_b{b}']:.3f} ms (programs compiled for "
+              f"it: {res[f'compile_s_b{b}']:.1f} s)", flush=True)
     if json_path:
         with open(json_path, "w") as f:
             json.dump(res, f, indent=2)

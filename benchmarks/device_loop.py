@@ -1,7 +1,7 @@
 """Batch-1 decode with the host out of the loop: how much of a token's time is the device's (issue 20).
 
     PYTHONPATH=. python3 -m benchmarks.device_loop [--models qwen3_next,nemotron_h,minimax] [--steps 64]
-        [--trace DIR] [--json out.json] [--tiny] [--variant NAME:MODULE.SWITCH=VALUE[,...]]...
+        [--trace DIR] [--engine-steps 8] [--json out.json] [--tiny] [--variant NAME:MODULE.SWITCH=VALUE[,...]]...
 
 For each model of `benchmarks.floors` (random bf16 weights made on the device), after a 512-token prefill of
 one sequence, a decode token is timed three ways:
@@ -10,7 +10,9 @@ one sequence, a decode token is timed three ways:
   step costs when the host only dispatches it: the program's call, its CUDA-graph launch and the device);
 - `loop`: `--steps` decode steps inside one program (`lax.fori_loop`; each step's greedy token, position and
   KV slot computed on the device and fed to the next), so no host work sits between steps;
-- `engine`: `LLM.generate`'s steady decode step at batch 1 (`benchmarks.fp8.decode_steps`, as `floors`).
+- `engine`: `LLM.generate`'s steady decode step at batch 1 (`benchmarks.fp8.decode_steps`, as `floors`;
+  `--engine-steps N` decode steps a program). With `--trace`, one more engine round is traced (`engine_trace`):
+  the device's busy and idle time and its kernels per token, beside the loop's.
 
 Beside them the bytes floor of `floors` (weights a token reads + the fp32 state read and written + the KV, at
 the same run's read bandwidth). With `--trace`, the loop is traced once more and its kernels are summed by name
@@ -80,8 +82,9 @@ def make_loop(cfg, block_size: int, steps: int):
     return jax.jit(run, donate_argnums=(1,))
 
 
-def kernel_sums(folder: str, per: int, top: int) -> dict:
-    """Device kernels of the trace in `folder`, summed by name and divided by `per`."""
+def kernel_sums(folder: str, per: int, top: int, window: tuple[float, float] | None = None) -> dict:
+    """Device kernels of the trace in `folder` (those starting inside `window`, trace microseconds, if given),
+    summed by name and divided by `per`."""
     (trace,) = glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"), recursive=True)
     with gzip.open(trace) as f:
         events = json.load(f)["traceEvents"]
@@ -89,8 +92,9 @@ def kernel_sums(folder: str, per: int, top: int) -> dict:
             if e.get("ph") == "M" and e.get("name") == "process_name"}
     gpu = {pid for pid, n in pids.items() if "GPU" in n.upper() and "HOST" not in n.upper()} or set(pids)
     total, count = collections.Counter(), collections.Counter()
+    lo, hi = window or (-np.inf, np.inf)
     for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu:
+        if e.get("ph") == "X" and e.get("pid") in gpu and lo <= e["ts"] < hi:
             total[e["name"]] += e.get("dur", 0)
             count[e["name"]] += 1
     kinds = collections.defaultdict(lambda: [0.0, 0.0])
@@ -228,7 +232,7 @@ def one_model(name: str, args) -> dict:
     if args.variant:
         row["variants"] = variants(cfg, runner, batch, kw, name, args)
     del runner  # its state and KV pool
-    row["engine_ms"] = engine_step(cfg, params, args) if args.engine else None
+    row["engine_ms"], row["engine_trace"] = engine_step(cfg, params, args, name) if args.engine else (None, None)
     return row
 
 
@@ -332,15 +336,57 @@ def _time_loop(loop, runner, batch, steps: int, compiled: bool = False) -> float
     return float(np.median(times))
 
 
-def engine_step(cfg, params, args) -> float:
+def engine_step(cfg, params, args, name: str) -> tuple[float, dict | None]:
+    """The engine row: median ms of `LLM.generate`'s batch-1 decode steps per token (`--engine-steps` decode steps a
+    program) and, with `--trace`, `engine_trace`'s figures of one more round."""
     import jhybrid
     from benchmarks.fp8 import decode_steps
     from jhybrid.model_loader import LoadedModel
 
     prompt, new = (32, 8) if args.tiny else (512, 64)
-    llm = jhybrid.LLM(LoadedModel(cfg=cfg, params=params, tokenizer=None), dtype=None, max_num_seqs=1,
-                      max_model_len=prompt + 2 * new + 8, max_num_batched_tokens=64 if args.tiny else 2048)
-    return decode_steps(llm, 1, prompt, new)
+    llm = jhybrid.LLM(LoadedModel(cfg=cfg, params=params, tokenizer=None), dtype=None, max_num_seqs=args.engine_rows,
+                      max_model_len=prompt + 2 * new + 8, max_num_batched_tokens=64 if args.tiny else 2048,
+                      num_scheduler_steps=args.engine_steps)
+    ms = decode_steps(llm, 1, prompt, new)
+    trace = engine_trace(llm, os.path.join(args.trace, f"{name}-engine"), prompt, new, args.top) if args.trace else None
+    return ms, trace
+
+
+def engine_trace(llm, folder: str, prompt_len: int, new: int, top: int) -> dict:
+    """One more batch-1 round of the warmed engine under the profiler, its steps annotated as `trace_gaps` reads
+    them. Per token of the decode-only steps: the device's busy time (the union of its kernels), the span from the
+    first to the last of their kernels, the idle time in gaps, and the kernels summed by kind, as for the loop.
+    Busy against the loop's kernels is what the step program adds on the device; span against busy, the time the
+    device waited (for the host, or for a program's launch)."""
+    import jax
+
+    import jhybrid
+    from benchmarks.trace_gaps import gaps, load
+
+    eng = llm.engine
+    vocab = eng.model.cfg.vocab_size
+    sp = jhybrid.SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    seq = eng.add_request("engine-trace", [(5 * t + 3) % vocab for t in range(1, prompt_len + 1)], sp)
+    tokens, steps = 0, 0
+    with jax.profiler.trace(folder, create_perfetto_trace=True):
+        while eng.has_unfinished():
+            decode_only = all(s.num_uncomputed <= 1 for s in eng.scheduler.running) and not eng.scheduler.waiting
+            before = len(seq.token_ids)
+            with jax.profiler.TraceAnnotation("decode_only_step" if decode_only else "other_step"):
+                eng.step()
+            if decode_only:
+                tokens, steps = tokens + len(seq.token_ids) - before, steps + 1
+    eng.release("engine-trace")
+    events = load(folder)
+    marks = [e for e in events if e.get("ph") == "X" and e.get("name") == "decode_only_step"]
+    window = (min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks))
+    out = dict(tokens=tokens, steps=steps, kernels=kernel_sums(folder, tokens, top, window))
+    if jax.default_backend() == "gpu":  # (a CPU trace has no GPU events to take the union of)
+        g = gaps(events, min_us=5.0)
+        per = tokens / steps  # `gaps` figures are per step; a multi-step program's step reads several tokens
+        out.update(busy_ms=g["busy_ms_per_step"] / per, span_ms=g["span_ms_per_step"] / per,
+                   idle_ms_in_gaps=g["idle_ms_per_step_in_gaps"] / per, gaps=g["groups"][:top])
+    return out
 
 
 def main(argv=None) -> int:
@@ -350,6 +396,11 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, help="trace the loop once into DIR/<model> and print its kernels")
     ap.add_argument("--top", type=int, default=15, help="kernels printed per model with --trace")
     ap.add_argument("--no-engine", dest="engine", action="store_false", help="skip the LLM.generate row")
+    ap.add_argument("--engine-steps", type=int, default=None, help="the engine row's decode steps a program "
+                    "(`num_scheduler_steps`; default: the offline default, which runs these 64-token rows one step "
+                    "at a time); with --trace the engine's steps are traced too (busy, idle, kernels per token)")
+    ap.add_argument("--engine-rows", type=int, default=1, help="the engine row's max_num_seqs (floors' qwen3_next "
+                    "engine has 256: its batch-1 step runs the 4-row program)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--small-dots", action="store_true", help="first, the decode projections' dots alone at 1-4 rows")
     ap.add_argument("--hlo", default=None, help="write the loop program's optimized HLO to DIR/<model>.hlo.txt; with "
@@ -384,6 +435,19 @@ def main(argv=None) -> int:
                 if nbytes and nbytes[0]:
                     extra = f"  {nbytes[0] / 1e6:7.2f} MB  {nbytes[0] * c / ms / 1e9:6.2f} TB/s"
                 log(f"  {ms:8.4f} ms  x{c:5.1f}{extra}  {kname[:100]}")
+        if r.get("engine_trace"):
+            t, k = r["engine_trace"], r["engine_trace"]["kernels"]
+            busy = (f"device busy {t['busy_ms']:.3f} ms, span {t['span_ms']:.3f} ms, idle in gaps of 5 us or more "
+                    f"{t['idle_ms_in_gaps']:.3f} ms; " if "busy_ms" in t else "")
+            log(f"[{name}] engine per token ({t['tokens']} tokens in {t['steps']} decode steps): {busy}kernels "
+                f"{k['kernel_ms']:.3f} ms in {k['launches']:.0f} launches")
+            for kind, v in k["kinds"].items():
+                log(f"  {kind:<7} {v['ms']:8.4f} ms  x{v['launches']:6.1f}")
+            for kname, ms, c in k["top"]:
+                log(f"  {ms:8.4f} ms  x{c:5.1f}  {kname[:100]}")
+            for g in t.get("gaps", [])[:6]:
+                log(f"  gap {g['us_per_step']:8.1f} us/step x{g['count_per_step']:4.1f}  {g['before'][:40]} -> "
+                    f"{g['after'][:40]}  host: {[h for h, _ in g['host_at_resume'][:2]]}")
     log("\n| model | floor ms | call ms | loop ms | engine ms | call / floor | loop / floor | engine / floor |")
     log("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

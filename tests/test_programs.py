@@ -241,3 +241,37 @@ def test_graph_conditionals_switch_lists_every_default_kind_and_parses(monkeypat
     assert list(compiled(jnp.ones(3))) == [2.0, 2.0, 2.0]
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")  # the user's choice wins
     assert "xla_gpu_enable_command_buffer" not in runner.default_compiler_options("gpu")
+
+
+def test_few_row_decode_programs_keep_triton_gemms(model, monkeypatch):
+    # Decode programs of at most TRITON_GEMM_MAX_ROWS rows compile with Triton GEMM fusions on where the runner's
+    # options turned them off; prefill and larger decode programs, a user's XLA_FLAGS and the CPU keep theirs. Checked
+    # to fail with the rows' bound dropped (16 rows got them), with the decode check dropped (the prefill got them),
+    # and with `_compile` given the runner-wide options (the 4-row program compiled with cuBLAS).
+    from jhybrid.engine import runner as runner_module
+
+    off = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 4}
+    on = dict(off, xla_gpu_enable_triton_gemm=True)
+    monkeypatch.setattr(runner_module, "TRITON_GEMM_MAX_ROWS", 8)
+    options = runner_module.program_compiler_options
+    assert options(off, True, 4) == on and options(off, True, 8) == on
+    assert options(off, True, 16) == off and options(off, False, 4) == off
+    assert options({"xla_gpu_autotune_level": 4}, True, 4) == {"xla_gpu_autotune_level": 4}  # XLA_FLAGS named it
+    assert options(None, True, 4) is None  # the CPU's
+    assert off == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 4}  # not changed in place
+    monkeypatch.setattr(runner_module, "TRITON_GEMM_MAX_ROWS", 0)
+    assert options(off, True, 4) == off
+
+    monkeypatch.setattr(runner_module, "TRITON_GEMM_MAX_ROWS", 8)
+    runner = LLM(model, **ENGINE).engine.runner
+    monkeypatch.setattr(runner, "compiler_options", off)
+    seen = []
+
+    class Lowered:
+        def compile(self, compiler_options):
+            seen.append(compiler_options)
+            return "program"
+
+    for key in [(True, 4, 4), (False, 64, 4), (True, 16, 16), (True, 4, 4, False, 8, None)]:
+        runner._compile(Lowered(), None, key)
+    assert seen == [on, off, off, on]

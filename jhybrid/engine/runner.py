@@ -121,8 +121,9 @@ def default_compiler_options(backend: str) -> dict[str, str | bool | int] | None
     """XLA options for the step programs on `backend`. On the GPU: matmuls through cuBLAS, not Triton GEMM
     fusions (`xla_gpu_enable_triton_gemm=false`): the autotuner then only picks among cuBLAS algorithms, which cut
     the step programs' cold compilation by about a third on the H200 with the steps as fast (benchmarks/
-    RESULTS.md, "Session 18"). An `xla_gpu_enable_triton_gemm` in XLA_FLAGS is the user's choice and is kept;
-    so is an `xla_gpu_enable_command_buffer` there, over GRAPH_CONDITIONALS."""
+    RESULTS.md, "Session 18"), except decode programs of few rows (`program_compiler_options`). An
+    `xla_gpu_enable_triton_gemm` in XLA_FLAGS is the user's choice and is kept; so is an
+    `xla_gpu_enable_command_buffer` there, over GRAPH_CONDITIONALS."""
     if backend != "gpu":
         return None
     flags = os.environ.get("XLA_FLAGS", "")
@@ -132,6 +133,25 @@ def default_compiler_options(backend: str) -> dict[str, str | bool | int] | None
     if GRAPH_CONDITIONALS and "xla_gpu_enable_command_buffer" not in flags:
         options["xla_gpu_enable_command_buffer"] = _DEFAULT_GRAPH_KINDS + ",CONDITIONAL,WHILE"
     return options or None
+
+
+# Decode programs of at most this many rows keep XLA's Triton GEMM fusions (XLA's default) where
+# `default_compiler_options` turns them off for the rest. With cuBLAS, a few rows' projections ran as split-K GEMMs,
+# each with a reduction kernel and padding kernels of its own; Triton's GEMM fusions take in the padding and the
+# neighbouring elementwise work. The engine's batch-1 token (a 4-row program) took 13% less time on the H200
+# (qwen3_next, single steps), and in 8-step programs 21% (NemotronH) and 9% (MiniMax) less on the H200, 18%, 13% and
+# 9% on an H100. Single steps of 8, 16, 32 and 64 rows: 0%, -5%, -1%, +1% (benchmarks/RESULTS.md, "Session 37").
+# Few programs are this small, so their GEMM autotuning adds little to start-up. 0: every program with cuBLAS
+# (JHYBRID_TRITON_GEMM_ROWS).
+TRITON_GEMM_MAX_ROWS = int(os.environ.get("JHYBRID_TRITON_GEMM_ROWS", "16"))
+
+
+def program_compiler_options(options: dict | None, decode: bool, num_rows: int) -> dict | None:
+    """The XLA options of one step program: `options` (the runner's), with Triton GEMM fusions back on for a
+    decode program of at most `TRITON_GEMM_MAX_ROWS` rows where `options` turned them off."""
+    if options and options.get("xla_gpu_enable_triton_gemm") is False and decode and num_rows <= TRITON_GEMM_MAX_ROWS:
+        return {**options, "xla_gpu_enable_triton_gemm": True}
+    return options
 
 
 def _pow2(n: int, minimum: int) -> int:
@@ -682,7 +702,7 @@ class ModelRunner:
 
         def build():
             t0 = time.perf_counter()
-            self._programs[key] = self._compile(engine_step.lower(*args, **kwargs), cache_key)
+            self._programs[key] = self._compile(engine_step.lower(*args, **kwargs), cache_key, key)
             log.info("compiled the multi-step decode program of %d rows (%s) in the background in %.1f s", key[2],
                      key[-1].name if key[-1] is not None else "-", time.perf_counter() - t0)
 
@@ -984,7 +1004,8 @@ class ModelRunner:
         logits, sampling = forward_low.out_info[:2]
         mask = jax.ShapeDtypeStruct((num_rows, bitmask_width(self.cfg.vocab_size)), jnp.int32)
         sample_low = engine_sample.lower(logits, sampling, tables, history, mask, max_rows=self.max_rows)
-        programs = forward_low.compile(self.compiler_options), sample_low.compile(self.compiler_options)
+        options = program_compiler_options(self.compiler_options, True, num_rows)
+        programs = forward_low.compile(options), sample_low.compile(options)
         self.num_split_compiled += 1
         log.info("compiled the split programs of decode:%d:%d (structured output) in %.1f s", num_tokens, num_rows,
                  time.perf_counter() - t0)
@@ -1059,7 +1080,7 @@ class ModelRunner:
             return None
         (cfg, *args), kwargs = self._step_args(*key)
         arrays = {k: kwargs.pop(k) for k in ("plp_meta", "token_mask") if k in kwargs}  # the rest is static
-        static = (repr(cfg), repr(sorted(kwargs.items())), repr(sorted((self.compiler_options or {}).items())))
+        static = (repr(cfg), repr(sorted(kwargs.items())), repr(sorted((self._options(key) or {}).items())))
         return self.program_cache.key(static, (args, arrays))
 
     def _cached(self, key: tuple):
@@ -1067,8 +1088,12 @@ class ModelRunner:
         cache_key = self._cache_key(key)
         return (None if cache_key is None else self.program_cache.load(cache_key)), cache_key
 
-    def _compile(self, low, cache_key: str | None):
-        program = low.compile(self.compiler_options)
+    def _options(self, key: tuple) -> dict | None:
+        """The XLA options of the program of bucket `key` (`program_compiler_options`)."""
+        return program_compiler_options(self.compiler_options, key[0], key[2])
+
+    def _compile(self, low, cache_key: str | None, key: tuple):
+        program = low.compile(self._options(key))
         if cache_key is not None:
             self.program_cache.store(cache_key, program)
         return program
@@ -1085,7 +1110,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             program, cache_key = self._cached(key)
             if program is None:
-                program = self._compile(self._lower(*key), cache_key)
+                program = self._compile(self._lower(*key), cache_key, key)
             self._programs[key] = program
             self.num_compiled += 1
             self.compile_seconds += time.perf_counter() - t0
@@ -1127,7 +1152,7 @@ class ModelRunner:
 
         def build(key, low, cache_key):
             t1 = time.perf_counter()
-            program = self._compile(low, cache_key)
+            program = self._compile(low, cache_key, key)
             self.compile_times[key] = time.perf_counter() - t1
             return key, program
 
