@@ -487,3 +487,33 @@ def test_validation():
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
     assert SamplingParams(n=2, best_of=4, bad_words="x").bad_words == ("x",)
+
+
+def test_a_step_that_modifies_no_logits_copies_none():
+    """`sample` without a plan (the single-step programs) puts its logit-modifying parts (mask, allowed tokens, bans,
+    penalties) under one `lax.cond` whose result is the tokens: no conditional at the program's top level returns a
+    `[B, V]` array, since a cond whose skipped branch passes the logits through copies them whole (four copies of the
+    fp32 logits a greedy step before, 1.2 GB at 256 rows on the H200 compile: benchmarks/RESULTS.md, session 37).
+    The tokens themselves are checked by the tests above. Checked to fail with the four parts' own conds at the top
+    level again (four such conditionals)."""
+    rows, vocab, slots = 8, 512, 4
+    f32, i32 = jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32)
+    s = SamplingArrays(temperature=f32, top_k=i32, top_p=f32, seeds=i32, counters=i32, want_logprobs=i32,
+                       slot_ids=i32, flags=i32, min_p=f32, presence_penalty=f32, frequency_penalty=f32,
+                       repetition_penalty=f32, num_output=i32,
+                       recent=jax.ShapeDtypeStruct((rows, MAX_BAN_TOKENS - 1), jnp.int32))
+    tables = SlotTables(bias_ids=jax.ShapeDtypeStruct((slots, MAX_LOGIT_BIAS), jnp.int32),
+                        bias_values=jax.ShapeDtypeStruct((slots, MAX_LOGIT_BIAS), jnp.float32),
+                        bans=jax.ShapeDtypeStruct((slots, 4, MAX_BAN_TOKENS + 1), jnp.int32),
+                        allowed=jax.ShapeDtypeStruct((slots, vocab), jnp.bool_))
+    history = TokenHistory(output_counts=jax.ShapeDtypeStruct((slots, vocab), jnp.int32),
+                           prompt_mask=jax.ShapeDtypeStruct((slots, vocab), jnp.bool_))
+    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
+    mask = jax.ShapeDtypeStruct((rows, vocab // 32), jnp.int32)
+    text = jax.jit(sample).lower(logits, s, tables, history, mask).compile().as_text()
+    entry = text[text.index("\nENTRY"):]
+    entry = entry[: entry.index("\n}\n")]
+    conds = [line for line in entry.splitlines() if " conditional(" in line]
+    assert conds, "no conditional left: the test no longer sees the structure it checks"
+    wide = [line.split("conditional(")[0] for line in conds if f"[{rows},{vocab}]" in line.split("conditional(")[0]]
+    assert not wide, wide

@@ -303,8 +303,9 @@ def sample(
     Returns (tokens, logprob of each token, top-`MAX_LOGPROBS` logprobs and their ids). Logprobs are of the
     model's distribution (before bias, penalties, masks, temperature and filtering), as vLLM reports them by
     default; the top ones are computed only when some row wants them (zeros otherwise). Drawing, top-k / top-p
-    filtering, the allowed-token mask, bans and penalties run only when some row needs them (`lax.cond`), so an
-    all-greedy step pays for the bias and an argmax alone. `token_mask` (`[B, ceil(V/32)]` int32, bit t % 32 of
+    filtering, the allowed-token mask, bans and penalties run only when some row needs them (`lax.cond`; the
+    parts that modify the logits under one more cond, whose result is the tokens), so an all-greedy step pays for
+    the bias and an argmax alone. `token_mask` (`[B, ceil(V/32)]` int32, bit t % 32 of
     word t // 32 set: token t allowed) is the structured-output grammar bitmask, read by rows with FLAG_MASKED.
     """
     logits = logits.astype(jnp.float32)
@@ -336,15 +337,19 @@ def sample(
             return f(y) if part is None or getattr(plan, part) else y
         return jax.lax.cond(needed(), f, lambda y: y, y)
 
-    if token_mask is not None:
-        x = when(None, lambda: jnp.any(uses(FLAG_MASKED)), constrain, x)
-    x = when("allowed", lambda: jnp.any(uses(FLAG_ALLOWED)), restrict, x)
-    x = when("bans", lambda: jnp.any(uses(FLAG_BANS)), ban, x)
-    x = when("penalties", lambda: jnp.any(uses(FLAG_PENALTIES)), penalise, x)
-    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    masked = (lambda: jnp.any(uses(FLAG_MASKED))) if token_mask is not None else None
+
+    def modify(x):
+        """The mask, allowed tokens, bans and penalties, each where some row needs it."""
+        if masked is not None:
+            x = when(None, masked, constrain, x)
+        x = when("allowed", lambda: jnp.any(uses(FLAG_ALLOWED)), restrict, x)
+        x = when("bans", lambda: jnp.any(uses(FLAG_BANS)), ban, x)
+        return when("penalties", lambda: jnp.any(uses(FLAG_PENALTIES)), penalise, x)
+
     sampled = s.temperature > 0
 
-    def draw(x):
+    def draw(x, greedy_tokens):
         temp = jnp.where(sampled, s.temperature, 1.0)[:, None]
         scaled = x / temp
         # min_p: p < min_p * p_max  <=>  logit < max logit + log(min_p) (log 0 = -inf: nothing dropped)
@@ -360,10 +365,22 @@ def sample(
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(sampled, drawn, greedy_tokens)
 
+    def choose(x):
+        """Each row's token from its (modified) logits: the argmax, or a draw where the row samples."""
+        greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+        if plan is None:
+            return jax.lax.cond(jnp.any(sampled), draw, lambda x, g: g, x, greedy_tokens)
+        return draw(x, greedy_tokens) if plan.draw else greedy_tokens
+
     if plan is None:
-        tokens = jax.lax.cond(jnp.any(sampled), draw, lambda x: greedy_tokens, x)
+        # One cond around the parts that modify the logits, whose result is the tokens: a `lax.cond` whose skipped
+        # branch passes the `[B, V]` logits through unchanged copies them whole (XLA's copy insertion), which the
+        # four parts' conds did in every step that needed none of them: four copies of the fp32 logits, 1.2 GB at
+        # 256 rows of a 151,936-token vocabulary (benchmarks/RESULTS.md, "Session 37").
+        needed = [jnp.any(uses(FLAG_ALLOWED | FLAG_BANS | FLAG_PENALTIES))] + ([masked()] if masked else [])
+        tokens = jax.lax.cond(jnp.any(jnp.stack(needed)), lambda x: choose(modify(x)), choose, x)
     else:
-        tokens = draw(x) if plan.draw else greedy_tokens
+        tokens = choose(modify(x))
     token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
     def top(x):
