@@ -275,7 +275,7 @@ def test_background_compiles_run_plain_steps_until_the_program_is_ready(tiny, mo
     runner.burst_background = True
     gate, compile_step = threading.Event(), runner._compile
 
-    def gated(low, cache_key, key):  # the background compile waits for the first call to end (a compile slower than it)
+    def gated(low, cache_key, key):  # the background compile waits for the first call to end (a slower compile)
         if threading.current_thread().name.startswith(BURST_COMPILE_THREAD):
             gate.wait(120)
         return compile_step(low, cache_key, key)

@@ -1004,7 +1004,7 @@ class ModelRunner:
         logits, sampling = forward_low.out_info[:2]
         mask = jax.ShapeDtypeStruct((num_rows, bitmask_width(self.cfg.vocab_size)), jnp.int32)
         sample_low = engine_sample.lower(logits, sampling, tables, history, mask, max_rows=self.max_rows)
-        options = program_compiler_options(self.compiler_options, True, num_rows)
+        options = self._options((True, num_tokens, num_rows))
         programs = forward_low.compile(options), sample_low.compile(options)
         self.num_split_compiled += 1
         log.info("compiled the split programs of decode:%d:%d (structured output) in %.1f s", num_tokens, num_rows,

@@ -337,12 +337,10 @@ def sample(
             return f(y) if part is None or getattr(plan, part) else y
         return jax.lax.cond(needed(), f, lambda y: y, y)
 
-    masked = (lambda: jnp.any(uses(FLAG_MASKED))) if token_mask is not None else None
-
     def modify(x):
         """The mask, allowed tokens, bans and penalties, each where some row needs it."""
-        if masked is not None:
-            x = when(None, masked, constrain, x)
+        if token_mask is not None:
+            x = when(None, lambda: jnp.any(uses(FLAG_MASKED)), constrain, x)
         x = when("allowed", lambda: jnp.any(uses(FLAG_ALLOWED)), restrict, x)
         x = when("bans", lambda: jnp.any(uses(FLAG_BANS)), ban, x)
         return when("penalties", lambda: jnp.any(uses(FLAG_PENALTIES)), penalise, x)
@@ -377,8 +375,8 @@ def sample(
         # branch passes the `[B, V]` logits through unchanged copies them whole (XLA's copy insertion), which the
         # four parts' conds did in every step that needed none of them: four copies of the fp32 logits, 1.2 GB at
         # 256 rows of a 151,936-token vocabulary (benchmarks/RESULTS.md, "Session 37").
-        needed = [jnp.any(uses(FLAG_ALLOWED | FLAG_BANS | FLAG_PENALTIES))] + ([masked()] if masked else [])
-        tokens = jax.lax.cond(jnp.any(jnp.stack(needed)), lambda x: choose(modify(x)), choose, x)
+        parts = FLAG_ALLOWED | FLAG_BANS | FLAG_PENALTIES | (FLAG_MASKED if token_mask is not None else 0)
+        tokens = jax.lax.cond(jnp.any(uses(parts)), lambda x: choose(modify(x)), choose, x)
     else:
         tokens = choose(modify(x))
     token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
