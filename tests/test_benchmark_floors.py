@@ -58,3 +58,23 @@ def test_device_loop_sorts_kernels_by_kind():
     assert len(starts) >= 15, starts
     for start in starts:
         assert kernel_kind(start + "x") in ("pallas", "matmul"), start
+
+
+def test_gdn_decode_probe_checks_every_kernel_it_times(tmp_path):
+    """`benchmarks.gdn_decode_probe` at a small shape in interpret mode: every recurrence it times (the persistent
+    forms included, with more programs than tiles in some) matches the jnp reference, so the GPU run's timings are
+    of correct kernels. Checked to fail with the probe's persistent kernel reading the key head of value head j as
+    head j (wrong under GQA)."""
+    import json
+
+    from benchmarks import gdn_decode_probe
+
+    out = tmp_path / "probe.json"
+    gdn_decode_probe.main(["--interpret", "--rows", "3", "--heads", "2,4", "--dims", "16,32", "--only",
+                           "persistent,packed", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    names = [r["name"] for r in rows]
+    assert any(n.startswith("persistent") for n in names) and any("programs=" in n for n in names), names
+    assert any(n.startswith("in parts") for n in names), names
+    for r in rows:
+        assert r["rel_err"] is not None and r["rel_err"] < 1e-2, r

@@ -185,8 +185,10 @@ def test_fused_decode_pallas_matches_reference(batch, h, hv, dk, dv, dtype):
 def test_fused_decode_reads_the_packed_arrays(batch, h, hv, dk, dv, dtype):
     """`gated_delta_decode_packed`: the layer's packed arrays (the conv's q | k | v output, NaN columns after it,
     and the in_proj output q | k | v | z | b | a) in the fused kernel, read in place, against the reference on the
-    parts packed; the unfused dispatch of the same packed arrays too. Checked to fail with the kernel's a and b
-    columns swapped, and with its k read at q's offset."""
+    parts packed; the unfused dispatch of the same packed arrays too, and the persistent form (`programs`: fewer
+    programs than (row, head) pairs, unevenly shared). Row 1 is padding (the null slot 0): it stores nothing. Checked
+    to fail with the kernel's a and b columns swapped, with its k read at q's offset, and with the persistent form
+    computing on the prefetched tile (the next pair's) instead of the current one."""
     from pallas_kernels.gated_delta_rule import gated_delta_decode_packed, gated_delta_decode_reference
 
     rng = np.random.default_rng(dk + dv)
@@ -198,20 +200,22 @@ def test_fused_decode_reads_the_packed_arrays(batch, h, hv, dk, dv, dtype):
     dt_bias = jnp.asarray(rng.normal(size=hv), jnp.float32)
     norm_w = jnp.asarray(rng.uniform(0.5, 1.5, dv), dtype)
     state = jnp.asarray(rng.normal(size=(num_slots, hv, dk, dv)), jnp.float32)
-    slots = jnp.asarray(rng.permutation(np.arange(1, num_slots))[:batch], jnp.int32)
+    slots = jnp.asarray(rng.permutation(np.arange(1, num_slots))[:batch], jnp.int32).at[1].set(0)
+    live = np.asarray(slots)[np.asarray(slots) != 0]
     flat = lambda x: x.reshape(batch, -1)  # noqa: E731
     qkv = jnp.concatenate([flat(q), flat(k), flat(v), jnp.full((batch, 16), jnp.nan, dtype)], axis=1)
     proj = jnp.concatenate([flat(q), flat(k), flat(v), flat(z), b, a], axis=1)
     want_o, want_state = gated_delta_decode_reference(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slots, eps=1e-6)
     rtol = 1e-5 if dtype == jnp.float32 else 1e-2
-    for fused in (True, False):
+    for fused, tuning in ((True, {}), (True, dict(programs=5)), (False, {})):
         got_o, got_state = gated_delta_decode_packed(qkv, proj, a_log, dt_bias, norm_w, state, slots,
                                                      dims=(h, dk, hv, dv), eps=1e-6, impl="pallas", interpret=True,
-                                                     fused=fused)
-        assert_close(f"packed decode output ({fused=})", np.asarray(got_o, np.float32), np.asarray(want_o, np.float32),
+                                                     fused=fused, **tuning)
+        what = f"({fused=}, {tuning})"
+        assert_close(f"packed decode output {what}", np.asarray(got_o, np.float32), np.asarray(want_o, np.float32),
                      rtol)
-        assert_close(f"packed decode state ({fused=})", np.asarray(got_state)[np.asarray(slots)],
-                     np.asarray(want_state)[np.asarray(slots)], 1e-5)
+        assert_close(f"packed decode state {what}", np.asarray(got_state)[live], np.asarray(want_state)[live], 1e-5)
+        np.testing.assert_array_equal(np.asarray(got_state)[0], np.asarray(state)[0], err_msg=f"null slot {what}")
 
 
 def test_fused_decode_lowers_for_h200():

@@ -71,17 +71,18 @@ def decode_in_parts(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, *
     return _gated_norm(o.astype(v.dtype), z, norm_w, eps), state
 
 
-def _step(slot_ids_ref, q, k, v, a, b, z, a_log_ref, dt_bias_ref, w_ref, state_in_ref, o_ref, state_ref, *,
-          scale: float, eps: float):
-    """Program (row, head)'s decode step from its loaded inputs (q, k: the head's key head; a, b: scalars)."""
-    row, head = pl.program_id(0), pl.program_id(1)
-    slot = slot_ids_ref[row]
+def _decode_head(slot, head, q, k, v, a, b, z, h, a_log_ref, dt_bias_ref, w_ref, *, out_dtype, scale: float,
+                 eps: float):
+    """One (row, value head)'s decode step from its loaded inputs (q, k: the head's key head; a, b: scalars; h: the
+    `[K, V]` state tile of the row's `slot`): (the normed, gated output [V] in `out_dtype`, the new tile in fp32)."""
     q = _l2_normalize(q, q.dtype)
     k = _l2_normalize(k, k.dtype)
     g, beta = _gates(a, b, a_log_ref[head], dt_bias_ref[head])
-    o, h = recurrent_step(state_in_ref[slot, head], slot, q, k, v, g, beta, scale)
-    o_ref[...] = _gated_norm(o.astype(o_ref.dtype)[None, :], z[None, :], w_ref[...][None, :], eps)[0]
+    o, h = recurrent_step(h, slot, q, k, v, g, beta, scale)
+    return _gated_norm(o.astype(out_dtype)[None, :], z[None, :], w_ref[...][None, :], eps)[0], h
 
+
+def _store_tile(state_ref, slot, head, h):
     @pl.when(slot != 0)  # padding rows (the null slot) keep no state
     def _():
         state_ref[slot, head] = h.astype(state_ref.dtype)
@@ -90,22 +91,61 @@ def _step(slot_ids_ref, q, k, v, a, b, z, a_log_ref, dt_bias_ref, w_ref, state_i
 def _kernel(slot_ids_ref, q_ref, k_ref, v_ref, a_ref, b_ref, z_ref, a_log_ref, dt_bias_ref, w_ref, state_in_ref,
             o_ref, state_ref, *, scale: float, eps: float):
     row, head = pl.program_id(0), pl.program_id(1)
-    _step(slot_ids_ref, q_ref[...], k_ref[...], v_ref[...], a_ref[row, head], b_ref[row, head], z_ref[...],
-          a_log_ref, dt_bias_ref, w_ref, state_in_ref, o_ref, state_ref, scale=scale, eps=eps)
+    slot = slot_ids_ref[row]
+    o_ref[...], h = _decode_head(slot, head, q_ref[...], k_ref[...], v_ref[...], a_ref[row, head], b_ref[row, head],
+                                 z_ref[...], state_in_ref[slot, head], a_log_ref, dt_bias_ref, w_ref,
+                                 out_dtype=o_ref.dtype, scale=scale, eps=eps)
+    _store_tile(state_ref, slot, head, h)
+
+
+def _packed_inputs(qkv_ref, proj_ref, row, head, dims: tuple[int, int, int, int]):
+    """(q, k, v, a, b, z) of (row, value head) read in place from the packed arrays (`split_packed_decode`'s
+    layout)."""
+    hk, dk, hv, dv = dims
+    kh = head // (hv // hk)
+    conv = 2 * hk * dk + hv * dv  # the conv's channels: q, k, v
+    at = lambda start, size: pl.ds(pl.multiple_of(start, 16), size)  # noqa: E731  (16-aligned: vector loads)
+    return (qkv_ref[row, at(kh * dk, dk)], qkv_ref[row, at(hk * dk + kh * dk, dk)],
+            qkv_ref[row, at(2 * hk * dk + head * dv, dv)], proj_ref[row, conv + hv * dv + hv + head],
+            proj_ref[row, conv + hv * dv + head], proj_ref[row, at(conv + head * dv, dv)])
 
 
 def _packed_kernel(slot_ids_ref, qkv_ref, proj_ref, a_log_ref, dt_bias_ref, w_ref, state_in_ref, o_ref, state_ref, *,
                    dims: tuple[int, int, int, int], scale: float, eps: float):
-    """`_kernel` reading its inputs in place from the packed arrays (`split_packed_decode`'s layout)."""
-    hk, dk, hv, dv = dims
+    """`_kernel` reading its inputs in place from the packed arrays."""
     row, head = pl.program_id(0), pl.program_id(1)
-    kh = head // (hv // hk)
-    conv = 2 * hk * dk + hv * dv  # the conv's channels: q, k, v
-    at = lambda start, size: pl.ds(pl.multiple_of(start, 16), size)  # noqa: E731  (16-aligned: vector loads)
-    _step(slot_ids_ref, qkv_ref[row, at(kh * dk, dk)], qkv_ref[row, at(hk * dk + kh * dk, dk)],
-          qkv_ref[row, at(2 * hk * dk + head * dv, dv)], proj_ref[row, conv + hv * dv + hv + head],
-          proj_ref[row, conv + hv * dv + head], proj_ref[row, at(conv + head * dv, dv)], a_log_ref, dt_bias_ref,
-          w_ref, state_in_ref, o_ref, state_ref, scale=scale, eps=eps)
+    slot = slot_ids_ref[row]
+    o_ref[...], h = _decode_head(slot, head, *_packed_inputs(qkv_ref, proj_ref, row, head, dims),
+                                 state_in_ref[slot, head], a_log_ref, dt_bias_ref, w_ref, out_dtype=o_ref.dtype,
+                                 scale=scale, eps=eps)
+    _store_tile(state_ref, slot, head, h)
+
+
+def _persistent_packed_kernel(slot_ids_ref, qkv_ref, proj_ref, a_log_ref, dt_bias_ref, w_ref, state_in_ref, o_ref,
+                              state_ref, *, dims: tuple[int, int, int, int], programs: int, scale: float, eps: float):
+    """`_packed_kernel` with a fixed number of programs: program p takes the (row, head) pairs p, p + programs, ...
+    in turn, and loads the next pair's state tile before it computes the current one, so that each program keeps a
+    tile's loads in flight while it computes and stores (a register double buffer)."""
+    hv = dims[2]
+    total = o_ref.shape[0] * hv
+    pid = pl.program_id(0)
+
+    def tile(t):  # pair t's state tile (t clamped into range: the last prefetch of a program goes unused)
+        t = jnp.minimum(t, total - 1)
+        return state_in_ref[slot_ids_ref[t // hv], t % hv]
+
+    def body(n, h):
+        t = pid + n * programs
+        h_next = tile(t + programs)  # pairs are distinct slots (or the null slot, never stored): no hazard
+        row, head = t // hv, t % hv
+        slot = slot_ids_ref[row]
+        o_ref[row, head, :], h = _decode_head(slot, head, *_packed_inputs(qkv_ref, proj_ref, row, head, dims), h,
+                                              a_log_ref, dt_bias_ref, w_ref, out_dtype=o_ref.dtype, scale=scale,
+                                              eps=eps)
+        _store_tile(state_ref, slot, head, h)
+        return h_next
+
+    jax.lax.fori_loop(0, (total - pid + programs - 1) // programs, body, tile(pid))
 
 
 def split_packed_decode(qkv: Float[Array, "B X"], proj: Float[Array, "B P"], dims: tuple[int, int, int, int]):
@@ -130,16 +170,18 @@ def packed_supported(dims: tuple[int, int, int, int]) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))
 
 
-@functools.partial(jax.jit, static_argnames=("dims", "eps", "scale", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dims", "eps", "scale", "num_warps", "num_stages", "programs",
+                                             "interpret"))
 def gated_delta_decode_packed_pallas(
     qkv: Float[Array, "B X"], proj: Float[Array, "B P"], a_log: Float[Array, "HV"], dt_bias: Float[Array, "HV"],
     norm_w: Float[Array, "V"], state: Float[Array, "S HV K V"], slot_ids: Int[Array, "B"], *,
     dims: tuple[int, int, int, int], eps: float, scale: float | None = None, num_warps: int = 4, num_stages: int = 1,
-    interpret: bool = False,
+    programs: int | None = None, interpret: bool = False,
 ) -> tuple[Float[Array, "B HV V"], Float[Array, "S HV K V"]]:
     """`gated_delta_decode_pallas` on `split_packed_decode(qkv, proj, dims)`, reading the packed arrays in place:
     no slice of them is written to memory first (XLA runs each slice feeding a custom call as a kernel of its
-    own: five a layer)."""
+    own: five a layer). `programs`: that many programs (at most one per (row, head) pair) walk the pairs with the
+    next state tile loaded ahead (`_persistent_packed_kernel`); None: one program per pair."""
     hk, dk, hv, dv = dims
     if not packed_supported(dims):
         raise ValueError(f"the packed decode kernel needs K and V powers of two from 16, got {dims=}")
@@ -147,17 +189,23 @@ def gated_delta_decode_packed_pallas(
         raise ValueError(f"packed shapes {qkv.shape}, {proj.shape} do not hold {dims=}")
     batch = qkv.shape[0]
     scale = dk**-0.5 if scale is None else scale
-    kernel = functools.partial(_packed_kernel, dims=dims, scale=scale, eps=eps)
+    if programs is None:
+        kernel = functools.partial(_packed_kernel, dims=dims, scale=scale, eps=eps)
+        grid, o_spec, name = (batch, hv), pl.BlockSpec((None, None, dv), lambda r, j: (r, j, 0)), ""
+    else:
+        programs = max(1, min(programs, batch * hv))
+        kernel = functools.partial(_persistent_packed_kernel, dims=dims, programs=programs, scale=scale, eps=eps)
+        grid, o_spec, name = (programs,), _WHOLE, f"_p{programs}"
     return pl.pallas_call(
         kernel,
-        grid=(batch, hv),
-        in_specs=[_WHOLE, _WHOLE, _WHOLE, _WHOLE, _WHOLE, pl.BlockSpec((dv,), lambda r, j: (0,)), _WHOLE],
-        out_specs=[pl.BlockSpec((None, None, dv), lambda r, j: (r, j, 0)), _WHOLE],
+        grid=grid,
+        in_specs=[_WHOLE, _WHOLE, _WHOLE, _WHOLE, _WHOLE, pl.BlockSpec((dv,), lambda *_: (0,)), _WHOLE],
+        out_specs=[o_spec, _WHOLE],
         out_shape=[jax.ShapeDtypeStruct((batch, hv, dv), qkv.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={6: 1},
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"gdn_fused_decode_packed_w{num_warps}",
+        name=f"gdn_fused_decode_packed{name}_w{num_warps}",
     )(slot_ids.astype(jnp.int32), qkv, proj, a_log, dt_bias, norm_w, state)
 
 
