@@ -238,6 +238,9 @@ def test_fused_decode_lowers_for_h200():
             jnp.zeros((32,), jnp.float32), jnp.zeros((128,), jnp.bfloat16), jnp.zeros((9, 32, 128, 128), jnp.float32),
             jnp.arange(8, dtype=jnp.int32)]
     lower_for_h200(packed, *args, kernels=["gdn_fused_decode_packed_w4"])
+    # its persistent form, one program per SM
+    lower_for_h200(functools.partial(packed, programs=132, num_warps=8), *args,
+                   kernels=["gdn_fused_decode_packed_p132_w8"])
 
 
 # ---------------------------------------------------------------- short convolution: decode
