@@ -21,6 +21,7 @@ from jhybrid import LLM, SamplingParams
 from jhybrid.engine.sampling import (
     FLAG_ALLOWED,
     FLAG_BANS,
+    FLAG_BIAS,
     FLAG_PENALTIES,
     INT32_MAX,
     MAX_BAN_TOKENS,
@@ -71,7 +72,7 @@ def _case(vocab=64, seed=0):
     top = np.argsort(-logits, axis=-1)  # each row's tokens, most likely first
     rows = []  # (slot, flags, bias, allowed, bans [(word, until)], recent, num_output, presence, frequency, repetition)
     rows.append((1, FLAG_PENALTIES, {}, None, [], [], 0, 0.7, 0.4, 1.6))
-    rows.append((2, FLAG_ALLOWED, {int(top[1, 5]): 0.3}, sorted({int(t) for t in top[1, 3:9]}), [], [], 0, 0.0, 0.0, 1.0))
+    rows.append((2, FLAG_ALLOWED | FLAG_BIAS, {int(top[1, 5]): 0.3}, sorted({int(t) for t in top[1, 3:9]}), [], [], 0, 0.0, 0.0, 1.0))
     r = 2  # bans: a single token; a two-token word whose prefix ends the output; one whose prefix does not;
     # a stop id until 4 (output 2: banned) and one until 2 (not banned)
     recent = [-2] * (MAX_BAN_TOKENS - 3) + [int(top[r, 9]), int(top[r, 8])]
@@ -79,7 +80,7 @@ def _case(vocab=64, seed=0):
                                           ([int(top[r, 7]), int(top[r, 2])], INT32_MAX), ([int(top[r, 3])], 4),
                                           ([int(top[r, 4])], 2)], recent, 2, 0.0, 0.0, 1.0))
     r = 3  # everything at once
-    rows.append((4, FLAG_PENALTIES | FLAG_ALLOWED | FLAG_BANS, {int(top[r, 2]): 1.5, int(top[r, 0]): -0.5},
+    rows.append((4, FLAG_PENALTIES | FLAG_ALLOWED | FLAG_BANS | FLAG_BIAS, {int(top[r, 2]): 1.5, int(top[r, 0]): -0.5},
                  sorted({int(t) for t in top[r, :12]}), [([int(top[r, 1])], INT32_MAX)], [-2] * (MAX_BAN_TOKENS - 1),
                  5, -0.5, 0.9, 0.7))
     rows.append((5, 0, {}, None, [], [], 0, 0.0, 0.0, 1.0))  # garbage in its slot's tables: flags 0 ignore it
@@ -489,14 +490,10 @@ def test_validation():
     assert SamplingParams(n=2, best_of=4, bad_words="x").bad_words == ("x",)
 
 
-def test_a_step_that_modifies_no_logits_copies_none():
-    """`sample` without a plan (the single-step programs) puts its logit-modifying parts (mask, allowed tokens, bans,
-    penalties) under one `lax.cond` whose result is the tokens: no conditional at the program's top level returns a
-    `[B, V]` array, since a cond whose skipped branch passes the logits through copies them whole (four copies of the
-    fp32 logits a greedy step before, 1.2 GB at 256 rows on the H200 compile: benchmarks/RESULTS.md, session 37).
-    The tokens themselves are checked by the tests above. Checked to fail with the four parts' own conds at the top
-    level again (four such conditionals)."""
-    rows, vocab, slots = 8, 512, 4
+def _sample_program_entry(rows: int, vocab: int, dtype, with_mask: bool) -> str:
+    """The entry computation of `sample` (no plan) compiled for this machine at `rows` x `vocab` logits of `dtype`
+    (with a grammar mask or without), as optimised HLO text."""
+    slots = 4
     f32, i32 = jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32)
     s = SamplingArrays(temperature=f32, top_k=i32, top_p=f32, seeds=i32, counters=i32, want_logprobs=i32,
                        slot_ids=i32, flags=i32, min_p=f32, presence_penalty=f32, frequency_penalty=f32,
@@ -508,12 +505,40 @@ def test_a_step_that_modifies_no_logits_copies_none():
                         allowed=jax.ShapeDtypeStruct((slots, vocab), jnp.bool_))
     history = TokenHistory(output_counts=jax.ShapeDtypeStruct((slots, vocab), jnp.int32),
                            prompt_mask=jax.ShapeDtypeStruct((slots, vocab), jnp.bool_))
-    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32)
-    mask = jax.ShapeDtypeStruct((rows, vocab // 32), jnp.int32)
-    text = jax.jit(sample).lower(logits, s, tables, history, mask).compile().as_text()
+    args = [jax.ShapeDtypeStruct((rows, vocab), dtype), s, tables, history]
+    if with_mask:
+        args.append(jax.ShapeDtypeStruct((rows, vocab // 32), jnp.int32))
+    text = jax.jit(sample).lower(*args).compile().as_text()
     entry = text[text.index("\nENTRY"):]
-    entry = entry[: entry.index("\n}\n")]
+    return entry[: entry.index("\n}\n")]
+
+
+def test_a_step_that_modifies_no_logits_copies_none():
+    """`sample` without a plan (the single-step programs) puts its logit-modifying parts (mask, allowed tokens, bans,
+    penalties) under one `lax.cond` whose result is the tokens: no conditional at the program's top level returns a
+    `[B, V]` array, since a cond whose skipped branch passes the logits through copies them whole (four copies of the
+    fp32 logits a greedy step before, 1.2 GB at 256 rows on the H200 compile: benchmarks/RESULTS.md, session 37).
+    The tokens themselves are checked by the tests above. Checked to fail with the four parts' own conds at the top
+    level again (four such conditionals)."""
+    rows, vocab = 8, 512
+    entry = _sample_program_entry(rows, vocab, jnp.float32, with_mask=True)
     conds = [line for line in entry.splitlines() if " conditional(" in line]
     assert conds, "no conditional left: the test no longer sees the structure it checks"
     wide = [line.split("conditional(")[0] for line in conds if f"[{rows},{vocab}]" in line.split("conditional(")[0]]
     assert not wide, wide
+
+
+def test_a_step_without_bias_writes_no_logits_array():
+    """Without a plan, `sample` of the model's bf16 logits takes the sampled tokens' logprobs from each row's
+    normaliser (no `[B, V]` log_softmax), and adds the logit bias only under the cond of the logit-modifying parts
+    (`FLAG_BIAS`), so on this machine's compile no instruction at the program's top level makes a `[B, V]` array:
+    before, a cast, its copy, the bias's scatter and log_softmax's subtraction did (on the H200 compile at 256
+    rows: 0.70 -> 0.23 GB of `[B, V]` outputs, the cast alone left: benchmarks/RESULTS.md, session 38). The tokens
+    and logprobs themselves are checked by the tests above and in test_logprobs.py. Checked to fail with the bias
+    added before the cond again, and with the logprobs taken from a whole-row log_softmax again."""
+    rows, vocab = 8, 512
+    entry = _sample_program_entry(rows, vocab, jnp.bfloat16, with_mask=False)
+    made = [line.strip()[:160] for line in entry.splitlines()
+            if " = " in line and f"[{rows},{vocab}]" in line.split(" = ")[1].split("(")[0]
+            and " parameter(" not in line]
+    assert not made, made

@@ -30,6 +30,7 @@ MAX_BANS = 128  # banned token sequences per request: bad words (each with and w
 MAX_BAN_TOKENS = 8  # tokens of one bad word (its last token is banned after the others)
 FLAG_PENALTIES, FLAG_BANS, FLAG_ALLOWED = 1, 2, 4  # `SamplingArrays.flags`: what a row uses
 FLAG_MASKED = 8  # the row reads its row of the step's grammar bitmask (structured output)
+FLAG_BIAS = 16  # the row has a logit bias (its slot's bias rows; a slot without one holds zeros)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -304,18 +305,27 @@ def sample(
     model's distribution (before bias, penalties, masks, temperature and filtering), as vLLM reports them by
     default; the top ones are computed only when some row wants them (zeros otherwise). Drawing, top-k / top-p
     filtering, the allowed-token mask, bans and penalties run only when some row needs them (`lax.cond`; the
-    parts that modify the logits under one more cond, whose result is the tokens), so an all-greedy step pays for
-    the bias and an argmax alone. `token_mask` (`[B, ceil(V/32)]` int32, bit t % 32 of
+    parts that modify the logits, the logit bias among them, under one more cond, whose result is the tokens), so an
+    all-greedy step pays for an argmax and each row's normaliser alone. `token_mask` (`[B, ceil(V/32)]` int32, bit t % 32 of
     word t // 32 set: token t allowed) is the structured-output grammar bitmask, read by rows with FLAG_MASKED.
     """
-    logits = logits.astype(jnp.float32)
-    num_rows = logits.shape[0]
-    logp = jax.nn.log_softmax(logits, axis=-1)
+    raw, num_rows = logits, logits.shape[0]  # raw: the model's logits in its dtype (bf16), cast where read
+
+    def fp32(y):
+        return y.astype(jnp.float32)
+
+    # The sampled tokens' logprobs need only each row's normaliser, not a `[B, V]` log_softmax, which a step would
+    # write and read again whether or not a row wants logprobs (benchmarks/RESULTS.md, "Session 38"). The same
+    # operations as log_softmax's (the max of the cast values is the cast of the max).
+    row_max = fp32(jnp.max(raw, axis=-1))
+    log_norm = jnp.log(jnp.sum(jnp.exp(fp32(raw) - row_max[:, None]), axis=-1))
     rows = jnp.arange(num_rows)[:, None]
-    x = logits.at[rows, tables.bias_ids[s.slot_ids]].add(tables.bias_values[s.slot_ids])
 
     def uses(flag):
         return (s.flags & flag) != 0
+
+    def add_bias(y):
+        return y.at[rows, tables.bias_ids[s.slot_ids]].add(tables.bias_values[s.slot_ids])
 
     def restrict(y):
         return jnp.where(tables.allowed[s.slot_ids] | ~uses(FLAG_ALLOWED)[:, None], y, -jnp.inf)
@@ -363,35 +373,38 @@ def sample(
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(sampled, drawn, greedy_tokens)
 
-    def choose(x):
-        """Each row's token from its (modified) logits: the argmax, or a draw where the row samples."""
-        greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    def choose(y):
+        """Each row's token from its (modified) logits `y`: the argmax (of the model's dtype when unmodified: the
+        cast changes no order), or a draw where the row samples (in fp32)."""
+        greedy_tokens = jnp.argmax(y, axis=-1).astype(jnp.int32)
         if plan is None:
-            return jax.lax.cond(jnp.any(sampled), draw, lambda x, g: g, x, greedy_tokens)
-        return draw(x, greedy_tokens) if plan.draw else greedy_tokens
+            return jax.lax.cond(jnp.any(sampled), lambda y, g: draw(fp32(y), g), lambda y, g: g, y, greedy_tokens)
+        return draw(fp32(y), greedy_tokens) if plan.draw else greedy_tokens
 
     if plan is None:
         # One cond around the parts that modify the logits, whose result is the tokens: a `lax.cond` whose skipped
         # branch passes the `[B, V]` logits through unchanged copies them whole (XLA's copy insertion), which the
         # four parts' conds did in every step that needed none of them: four copies of the fp32 logits, 1.2 GB at
-        # 256 rows of a 151,936-token vocabulary (benchmarks/RESULTS.md, "Session 37").
-        parts = FLAG_ALLOWED | FLAG_BANS | FLAG_PENALTIES | (FLAG_MASKED if token_mask is not None else 0)
-        tokens = jax.lax.cond(jnp.any(uses(parts)), lambda x: choose(modify(x)), choose, x)
-    else:
-        tokens = choose(modify(x))
-    token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+        # 256 rows of a 151,936-token vocabulary (benchmarks/RESULTS.md, "Session 37"). The bias is one of the
+        # parts: a step that adds none writes the fp32 logits once (XLA's cast, hoisted out of the conds), where the
+        # bias's scatter into them made XLA write a second copy for the normaliser's reads (session 38).
+        parts = FLAG_BIAS | FLAG_ALLOWED | FLAG_BANS | FLAG_PENALTIES | (FLAG_MASKED if token_mask is not None else 0)
+        tokens = jax.lax.cond(jnp.any(uses(parts)), lambda r: choose(modify(add_bias(fp32(r)))), choose, raw)
+    else:  # (the multi-step programs, at few rows, add the bias whatever the rows)
+        tokens = choose(modify(add_bias(fp32(raw))))
+    token_logp = (fp32(jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]) - row_max) - log_norm
 
-    def top(x):
-        lp, ids = top_k_exact(x, MAX_LOGPROBS)
+    def top(raw):
+        lp, ids = top_k_exact(jax.nn.log_softmax(fp32(raw), axis=-1), MAX_LOGPROBS)
         return lp, ids.astype(jnp.int32)
 
     def no_top(x):
         return jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32)
 
     if plan is None:
-        top_lp, top_ids = jax.lax.cond(jnp.any(s.want_logprobs > 0), top, no_top, logp)
+        top_lp, top_ids = jax.lax.cond(jnp.any(s.want_logprobs > 0), top, no_top, raw)
     else:
-        top_lp, top_ids = (top if plan.top else no_top)(logp)
+        top_lp, top_ids = (top if plan.top else no_top)(raw)
     return tokens, token_logp, top_lp, top_ids
 
 

@@ -7,7 +7,7 @@ import itertools
 from typing import Any
 
 from jhybrid.cache.prefix_cache import PrefixCursor
-from jhybrid.engine.sampling import FLAG_ALLOWED, FLAG_BANS, FLAG_MASKED, FLAG_PENALTIES, SamplingParams
+from jhybrid.engine.sampling import FLAG_ALLOWED, FLAG_BANS, FLAG_BIAS, FLAG_MASKED, FLAG_PENALTIES, SamplingParams
 
 _ids = itertools.count()
 
@@ -52,7 +52,8 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None)
         # which per-slot sampling tables the sequence reads (`jhybrid.engine.slot_tables`); FLAG_BANS with `set_bans`
-        self.flags = (FLAG_PENALTIES if params.penalised else 0) | (FLAG_ALLOWED if params.allowed_token_ids else 0)
+        self.flags = ((FLAG_PENALTIES if params.penalised else 0) | (FLAG_ALLOWED if params.allowed_token_ids else 0)
+                      | (FLAG_BIAS if params.logit_bias else 0))
         self.bans: Any = None  # [n, MAX_BAN_TOKENS + 1] int32 entries (`slot_tables.ban_rows`) or None
         self.ban_window = False  # some banned sequence has more than one token: steps send the output's end
         self.detok: Any = None  # IncrementalDetokenizer when a tokenizer exists
