@@ -542,3 +542,29 @@ def test_a_step_without_bias_writes_no_logits_array():
             if " = " in line and f"[{rows},{vocab}]" in line.split(" = ")[1].split("(")[0]
             and " parameter(" not in line]
     assert not made, made
+
+
+def test_the_conds_take_the_rows_settings_packed():
+    """Without a plan, `sample`'s conds take the rows' settings (`SamplingArrays`, which the engine slices out of
+    its packed step metadata) as one packed vector, unpacked inside each branch: a cond's operand is a buffer of
+    its own, so each setting it took was one more kernel a step (on the H200 compile, qwen3_next's batch-1 step
+    342 -> 334 kernels: benchmarks/RESULTS.md, session 38). Checked at the jaxpr: no top-level cond takes a `[B]`
+    or `[B, W]` array. Checked to fail with the outer cond closing over `s` again."""
+    rows, vocab, slots = 8, 512, 4
+    f32, i32 = jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.int32)
+    s = SamplingArrays(temperature=f32, top_k=i32, top_p=f32, seeds=i32, counters=i32, want_logprobs=i32,
+                       slot_ids=i32, flags=i32, min_p=f32, presence_penalty=f32, frequency_penalty=f32,
+                       repetition_penalty=f32, num_output=i32, recent=jnp.zeros((rows, MAX_BAN_TOKENS - 1), jnp.int32))
+    tables = SlotTables(bias_ids=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.int32),
+                        bias_values=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32),
+                        bans=jnp.zeros((slots, 4, MAX_BAN_TOKENS + 1), jnp.int32),
+                        allowed=jnp.zeros((slots, vocab), jnp.bool_))
+    history = TokenHistory(output_counts=jnp.zeros((slots, vocab), jnp.int32),
+                           prompt_mask=jnp.zeros((slots, vocab), jnp.bool_))
+    jaxpr = jax.make_jaxpr(sample)(jnp.zeros((rows, vocab), jnp.bfloat16), s, tables, history,
+                                   jnp.zeros((rows, vocab // 32), jnp.int32))
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    assert len(conds) >= 2, "the test no longer sees the conds it checks"
+    per_row = [(e.primitive.name, v.aval.shape) for e in conds for v in e.invars[1:]
+               if v.aval.shape[:1] == (rows,) and v.aval.shape != (rows, vocab) and v.aval.shape != (rows, vocab // 32)]
+    assert not per_row, per_row

@@ -295,6 +295,28 @@ def plan_for(params: Sequence[SamplingParams], flags: Sequence[int]) -> SamplerP
                        filtered=any(p.filtered for p in params), top=any(p.logprobs is not None for p in params))
 
 
+def _cond_with_rows(pred, true_fn, false_fn, s: SamplingArrays, operand):
+    """`lax.cond(pred, true_fn, false_fn, s, operand)` with `s`'s arrays packed into one int32 vector on the way in
+    and unpacked inside each branch. A cond's operands are buffers of their own, so each array it takes that is a
+    slice of the step's packed metadata (most of `s`) is one more kernel before it (a copy); packed, they are one
+    (benchmarks/RESULTS.md, "Session 38")."""
+    leaves, treedef = jax.tree.flatten(s)
+    shapes = [leaf.shape for leaf in leaves]
+    dtypes = [leaf.dtype for leaf in leaves]
+    packed = jnp.concatenate([jax.lax.bitcast_convert_type(leaf, jnp.int32).reshape(-1) for leaf in leaves])
+
+    def unpack(v):
+        out, at = [], 0
+        for shape, dtype in zip(shapes, dtypes):
+            n = math.prod(shape)
+            out.append(jax.lax.bitcast_convert_type(v[at : at + n].reshape(shape), dtype))
+            at += n
+        return jax.tree.unflatten(treedef, out)
+
+    return jax.lax.cond(pred, lambda v, o: true_fn(unpack(v), o), lambda v, o: false_fn(unpack(v), o), packed,
+                        operand)
+
+
 def sample(
     logits: Float[Array, "B V"], s: SamplingArrays, tables: SlotTables, history: TokenHistory,
     token_mask: Int[Array, "B W"] | None = None, plan: SamplerPlan | None = None,
@@ -306,8 +328,9 @@ def sample(
     default; the top ones are computed only when some row wants them (zeros otherwise). Drawing, top-k / top-p
     filtering, the allowed-token mask, bans and penalties run only when some row needs them (`lax.cond`; the
     parts that modify the logits, the logit bias among them, under one more cond, whose result is the tokens), so an
-    all-greedy step pays for an argmax and each row's normaliser alone. `token_mask` (`[B, ceil(V/32)]` int32, bit t % 32 of
-    word t // 32 set: token t allowed) is the structured-output grammar bitmask, read by rows with FLAG_MASKED.
+    all-greedy step pays for an argmax and each row's normaliser alone. `token_mask` (`[B, ceil(V/32)]` int32, bit
+    t % 32 of word t // 32 set: token t allowed) is the structured-output grammar bitmask, read by rows with
+    FLAG_MASKED.
     """
     raw, num_rows = logits, logits.shape[0]  # raw: the model's logits in its dtype (bf16), cast where read
 
@@ -319,45 +342,46 @@ def sample(
     # operations as log_softmax's (the max of the cast values is the cast of the max).
     row_max = fp32(jnp.max(raw, axis=-1))
     log_norm = jnp.log(jnp.sum(jnp.exp(fp32(raw) - row_max[:, None]), axis=-1))
-    rows = jnp.arange(num_rows)[:, None]
 
-    def uses(flag):
+    def uses(s, flag):
         return (s.flags & flag) != 0
 
-    def add_bias(y):
+    def add_bias(s, y):
+        rows = jnp.arange(num_rows)[:, None]
         return y.at[rows, tables.bias_ids[s.slot_ids]].add(tables.bias_values[s.slot_ids])
 
-    def restrict(y):
-        return jnp.where(tables.allowed[s.slot_ids] | ~uses(FLAG_ALLOWED)[:, None], y, -jnp.inf)
+    def restrict(s, y):
+        return jnp.where(tables.allowed[s.slot_ids] | ~uses(s, FLAG_ALLOWED)[:, None], y, -jnp.inf)
 
-    def ban(y):
-        return _apply_bans(y, tables.bans[s.slot_ids], s.recent, jnp.where(uses(FLAG_BANS), s.num_output, INT32_MAX))
+    def ban(s, y):
+        return _apply_bans(y, tables.bans[s.slot_ids], s.recent,
+                           jnp.where(uses(s, FLAG_BANS), s.num_output, INT32_MAX))
 
-    def penalise(y):
+    def penalise(s, y):
         return apply_penalties(y, history.output_counts[s.slot_ids], history.prompt_mask[s.slot_ids],
                                s.presence_penalty, s.frequency_penalty, s.repetition_penalty)
 
-    def constrain(y):
-        return apply_token_bitmask(y, token_mask, uses(FLAG_MASKED))
+    def constrain(s, y):
+        return apply_token_bitmask(y, token_mask, uses(s, FLAG_MASKED))
 
-    def when(part, needed, f, y):
-        """`f(y)` where some row needs it: decided by `plan`'s `part` when there is a plan (no part: always),
-        else by `lax.cond` on `needed()`."""
+    def when(part, needed, f, s, y):
+        """`f(s, y)` where some row needs it: decided by `plan`'s `part` when there is a plan (no part: always),
+        else by `lax.cond` on `needed()` (`s` carried through it packed: `_cond_with_rows`)."""
         if plan is not None:
-            return f(y) if part is None or getattr(plan, part) else y
-        return jax.lax.cond(needed(), f, lambda y: y, y)
+            return f(s, y) if part is None or getattr(plan, part) else y
+        return _cond_with_rows(needed(), f, lambda s, y: y, s, y)
 
-    def modify(x):
-        """The mask, allowed tokens, bans and penalties, each where some row needs it."""
+    def modify(s, x):
+        """The bias, mask, allowed tokens, bans and penalties, each where some row needs it."""
+        x = add_bias(s, x)
         if token_mask is not None:
-            x = when(None, lambda: jnp.any(uses(FLAG_MASKED)), constrain, x)
-        x = when("allowed", lambda: jnp.any(uses(FLAG_ALLOWED)), restrict, x)
-        x = when("bans", lambda: jnp.any(uses(FLAG_BANS)), ban, x)
-        return when("penalties", lambda: jnp.any(uses(FLAG_PENALTIES)), penalise, x)
+            x = when(None, lambda: jnp.any(uses(s, FLAG_MASKED)), constrain, s, x)
+        x = when("allowed", lambda: jnp.any(uses(s, FLAG_ALLOWED)), restrict, s, x)
+        x = when("bans", lambda: jnp.any(uses(s, FLAG_BANS)), ban, s, x)
+        return when("penalties", lambda: jnp.any(uses(s, FLAG_PENALTIES)), penalise, s, x)
 
-    sampled = s.temperature > 0
-
-    def draw(x, greedy_tokens):
+    def draw(s, x, greedy_tokens):
+        sampled = s.temperature > 0
         temp = jnp.where(sampled, s.temperature, 1.0)[:, None]
         scaled = x / temp
         # min_p: p < min_p * p_max  <=>  logit < max logit + log(min_p) (log 0 = -inf: nothing dropped)
@@ -366,20 +390,22 @@ def sample(
         filtered = sampled & ((s.top_k > 0) | (s.top_p < 1.0))
         # rows that draw nothing ask for no filter (their settings would only keep the candidates from deciding)
         top_k, top_p = jnp.where(filtered, s.top_k, 0), jnp.where(filtered, s.top_p, 1.0)
-        scaled = when("filtered", lambda: jnp.any(filtered), lambda y: _filter_top_k_top_p(y, top_k, top_p), scaled)
+        scaled = when("filtered", lambda: jnp.any(filtered),
+                      lambda _, y: _filter_top_k_top_p(y, top_k, top_p), s, scaled)
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(
             s.seeds.astype(jnp.uint32), s.counters
         )
         drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
         return jnp.where(sampled, drawn, greedy_tokens)
 
-    def choose(y):
+    def choose(s, y):
         """Each row's token from its (modified) logits `y`: the argmax (of the model's dtype when unmodified: the
         cast changes no order), or a draw where the row samples (in fp32)."""
         greedy_tokens = jnp.argmax(y, axis=-1).astype(jnp.int32)
         if plan is None:
-            return jax.lax.cond(jnp.any(sampled), lambda y, g: draw(fp32(y), g), lambda y, g: g, y, greedy_tokens)
-        return draw(fp32(y), greedy_tokens) if plan.draw else greedy_tokens
+            return _cond_with_rows(jnp.any(s.temperature > 0), lambda s, yg: draw(s, fp32(yg[0]), yg[1]),
+                                   lambda s, yg: yg[1], s, (y, greedy_tokens))
+        return draw(s, fp32(y), greedy_tokens) if plan.draw else greedy_tokens
 
     if plan is None:
         # One cond around the parts that modify the logits, whose result is the tokens: a `lax.cond` whose skipped
@@ -389,9 +415,9 @@ def sample(
         # parts: a step that adds none writes the fp32 logits once (XLA's cast, hoisted out of the conds), where the
         # bias's scatter into them made XLA write a second copy for the normaliser's reads (session 38).
         parts = FLAG_BIAS | FLAG_ALLOWED | FLAG_BANS | FLAG_PENALTIES | (FLAG_MASKED if token_mask is not None else 0)
-        tokens = jax.lax.cond(jnp.any(uses(parts)), lambda r: choose(modify(add_bias(fp32(r)))), choose, raw)
+        tokens = _cond_with_rows(jnp.any(uses(s, parts)), lambda s, r: choose(s, modify(s, fp32(r))), choose, s, raw)
     else:  # (the multi-step programs, at few rows, add the bias whatever the rows)
-        tokens = choose(modify(add_bias(fp32(raw))))
+        tokens = choose(s, modify(s, fp32(raw)))
     token_logp = (fp32(jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]) - row_max) - log_norm
 
     def top(raw):
