@@ -513,3 +513,70 @@ def test_chunk_lowers_for_h200(hv, dk, dv, variant):
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  the model passes fp32 q/k (l2-normed) with bf16 v
     lower_for_h200(fn, f32(q), f32(k), v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32),
                    kernels=kernels)
+
+
+def _state_reads(fn, args, state_shape) -> list[tuple[str, bool]]:
+    """How the Pallas kernels inside `jax.make_jaxpr(fn)(*args)` read refs of `state_shape`: (primitive, masked) per
+    read, through nested jaxprs (`pl.when`'s cond, loops)."""
+    from jax.extend import core as jex_core
+
+    reads = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            reads_ref = eqn.primitive.name == "get" or "load" in eqn.primitive.name  # get, masked_load
+            if reads_ref and getattr(eqn.invars[0].aval, "shape", None) == state_shape:
+                masked = False
+                if "load" in eqn.primitive.name:
+                    _, _, mask, _ = eqn.params["args_tree"].unflatten(eqn.invars)
+                    masked = mask is not None
+                reads.append((eqn.primitive.name, masked))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if isinstance(inner, jex_core.Jaxpr):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return reads
+
+
+def test_decode_kernels_read_no_state_for_padding_rows():
+    """Every decode kernel reads a row's state tile with a load predicated on the row's slot (`null_slot.load_state`):
+    a padding row (the null slot 0) moves none of the state's bytes, where it read the null slot's tile before (a
+    batch-1 step runs in a 4-row bucket: three padding rows, 3x the real row's state; the values were already zeros,
+    which the kernels' tests check). Read at each kernel's jaxpr: no plain read of the state array, and at least one
+    masked load. Checked to fail with the GDN packed decode kernel reading its tile unmasked again."""
+    from pallas_kernels.conv_update.kernel import conv_update_pallas
+    from pallas_kernels.gated_delta_rule.fused_decode import gated_delta_decode_packed_pallas
+    from pallas_kernels.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_pallas
+    from pallas_kernels.simple_gla.fused_recurrent import fused_recurrent_simple_gla_pallas
+    from pallas_kernels.simple_gla.lightning_decode import lightning_decode_pallas
+    from pallas_kernels.simple_gla.mamba2_decode import mamba2_decode_pallas
+
+    b, h, d = 2, 2, 16
+    z = lambda *shape, dtype=jnp.float32: jnp.zeros(shape, dtype)  # noqa: E731
+    slots = jnp.arange(b, dtype=jnp.int32)
+    state = z(b + 1, h, d, d)
+    conv = 2 * h * d + h * d
+    cases = {
+        "gdn fused_recurrent": (fused_recurrent_gated_delta_rule_pallas,
+                                (z(b, h, d), z(b, h, d), z(b, h, d), z(b, h), z(b, h), state, slots)),
+        "gdn packed": (functools.partial(gated_delta_decode_packed_pallas, dims=(h, d, h, d), eps=1e-6),
+                       (z(b, conv), z(b, conv + h * d + 2 * h), z(h), z(h), z(d), state, slots)),
+        "gdn packed, persistent": (functools.partial(gated_delta_decode_packed_pallas, dims=(h, d, h, d), eps=1e-6,
+                                                     programs=3),
+                                   (z(b, conv), z(b, conv + h * d + 2 * h), z(h), z(h), z(d), state, slots)),
+        "simple_gla fused_recurrent": (fused_recurrent_simple_gla_pallas,
+                                       (z(b, h, d), z(b, h, d), z(b, h, d), z(b, h), state, slots)),
+        "lightning": (functools.partial(lightning_decode_pallas, num_heads=h, head_dim=d),
+                      (z(b, 3 * h * d), z(h), state, slots)),
+        "mamba2": (functools.partial(mamba2_decode_pallas, dims=(h, d, 1, d), dt_offset=h * d + 2 * d,
+                                     dt_range=(0.0, float("inf")), out_dtype=jnp.float32),
+                   (z(b, h * d + 2 * d), z(b, h * d + 2 * d + h), z(h), z(h), z(h), state, slots)),
+        "conv_update": (conv_update_pallas, (z(b, 64), z(b + 1, 64, 3), z(64, 4), slots)),
+    }
+    for name, (fn, args) in cases.items():
+        state_shape = args[1 if name == "conv_update" else -2].shape  # (the conv kernel's state is its second)
+        reads = _state_reads(fn, args, state_shape)
+        assert reads and all("load" in prim and masked for prim, masked in reads), (name, reads)

@@ -20,6 +20,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.conv_update.reference import finish
+from pallas_kernels.null_slot import load_state
 
 _WHOLE = pl.no_block_spec
 
@@ -32,7 +33,7 @@ def _kernel(slot_ids_ref, x_ref, w_ref, *refs, hist: int, block_c: int, offset: 
     slot = slot_ids_ref[row]
     start = pl.multiple_of(c * block_c, block_c)
     channels = pl.ds(start, block_c)
-    taps = [jnp.where(slot == 0, 0.0, state_in_ref[slot, channels, i].astype(jnp.float32)) for i in range(hist)]
+    taps = [load_state(state_in_ref.at[slot, channels, jnp.int32(i)], slot) for i in range(hist)]  # null slot: zeros
     taps.append(x_ref[row, pl.ds(pl.multiple_of(offset + start, 16), block_c)].astype(jnp.float32))
     out = jnp.zeros((block_c,), jnp.float32)
     for i, tap in enumerate(taps):  # (each weight column a strided load: Triton slices no loaded value)

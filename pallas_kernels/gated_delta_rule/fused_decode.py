@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.gated_delta_rule.fused_recurrent import recurrent_step
 from pallas_kernels.gated_delta_rule.reference import fused_recurrent_gated_delta_rule_reference
+from pallas_kernels.null_slot import load_state
 
 L2_EPS = 1e-6  # the L2 norm's epsilon of q and k (fla's and HF's)
 _WHOLE = pl.no_block_spec
@@ -93,7 +94,7 @@ def _kernel(slot_ids_ref, q_ref, k_ref, v_ref, a_ref, b_ref, z_ref, a_log_ref, d
     row, head = pl.program_id(0), pl.program_id(1)
     slot = slot_ids_ref[row]
     o_ref[...], h = _decode_head(slot, head, q_ref[...], k_ref[...], v_ref[...], a_ref[row, head], b_ref[row, head],
-                                 z_ref[...], state_in_ref[slot, head], a_log_ref, dt_bias_ref, w_ref,
+                                 z_ref[...], load_state(state_in_ref.at[slot, head], slot), a_log_ref, dt_bias_ref, w_ref,
                                  out_dtype=o_ref.dtype, scale=scale, eps=eps)
     _store_tile(state_ref, slot, head, h)
 
@@ -116,7 +117,8 @@ def _packed_kernel(slot_ids_ref, qkv_ref, proj_ref, a_log_ref, dt_bias_ref, w_re
     row, head = pl.program_id(0), pl.program_id(1)
     slot = slot_ids_ref[row]
     o_ref[...], h = _decode_head(slot, head, *_packed_inputs(qkv_ref, proj_ref, row, head, dims),
-                                 state_in_ref[slot, head], a_log_ref, dt_bias_ref, w_ref, out_dtype=o_ref.dtype,
+                                 load_state(state_in_ref.at[slot, head], slot), a_log_ref, dt_bias_ref, w_ref,
+                                 out_dtype=o_ref.dtype,
                                  scale=scale, eps=eps)
     _store_tile(state_ref, slot, head, h)
 
@@ -132,7 +134,8 @@ def _persistent_packed_kernel(slot_ids_ref, qkv_ref, proj_ref, a_log_ref, dt_bia
 
     def tile(t):  # pair t's state tile (t clamped into range: the last prefetch of a program goes unused)
         t = jnp.minimum(t, total - 1)
-        return state_in_ref[slot_ids_ref[t // hv], t % hv]
+        slot = slot_ids_ref[t // hv]
+        return load_state(state_in_ref.at[slot, t % hv], slot)
 
     def body(n, h):
         t = pid + n * programs

@@ -22,6 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.null_slot import load_state
+
 _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
 
 
@@ -49,7 +51,7 @@ def _fused_recurrent_kernel(
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ids_ref[b]
     v_slice = pl.ds(i * block_v, block_v)
-    o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q_ref[...], k_ref[...], v_ref[...], g_ref[b, j],
+    o, h = recurrent_step(load_state(state_in_ref.at[slot, j, :, v_slice], slot), slot, q_ref[...], k_ref[...], v_ref[...], g_ref[b, j],
                           scale)
     o_ref[...] = o.astype(o_ref.dtype)
 

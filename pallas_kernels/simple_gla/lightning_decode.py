@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.null_slot import load_state
 from pallas_kernels.simple_gla.fused_recurrent import recurrent_step
 from pallas_kernels.simple_gla.reference import fused_recurrent_simple_gla_reference
 
@@ -67,7 +68,7 @@ def _kernel(slot_ids_ref, proj_ref, slopes_ref, state_in_ref, o_ref, state_ref, 
     k = _silu(proj_ref[row, at(base + head_dim, head_dim)], dtype)
     v = _silu(proj_ref[row, at(base + 2 * head_dim + i * block_v, block_v)], dtype)
     v_slice = pl.ds(pl.multiple_of(i * block_v, block_v), block_v)
-    o, h = recurrent_step(state_in_ref[slot, head, :, v_slice], slot, q, k, v, -slopes_ref[head], 1.0)
+    o, h = recurrent_step(load_state(state_in_ref.at[slot, head, :, v_slice], slot), slot, q, k, v, -slopes_ref[head], 1.0)
     o_ref[...] = o.astype(o_ref.dtype)
 
     @pl.when(slot != 0)  # padding rows (the null slot) keep no state

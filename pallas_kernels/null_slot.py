@@ -1,0 +1,15 @@
+"""State slot 0, the null slot that a step's padding rows point at (README.md): it reads as zeros and is never
+written. `load_state` is how the decode kernels read a row's state tile."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plt
+
+
+def load_state(ref, slot) -> jax.Array:
+    """`ref`, a view of one slot's state (e.g. `state_ref.at[slot, head, :, cols]`), in fp32: zeros on the null slot,
+    whose load is predicated off, so that a padding row moves none of the state's bytes. (A batch-1 decode step runs
+    in a 4-row bucket: reading the null slot, its three padding rows moved three times the real row's state.)"""
+    return plt.load(ref, mask=jnp.broadcast_to(slot != 0, ref.shape), other=0).astype(jnp.float32)
