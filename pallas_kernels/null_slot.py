@@ -11,5 +11,6 @@ from jax.experimental.pallas import triton as plt
 def load_state(ref, slot) -> jax.Array:
     """`ref`, a view of one slot's state (e.g. `state_ref.at[slot, head, :, cols]`), in fp32: zeros on the null slot,
     whose load is predicated off, so that a padding row moves none of the state's bytes. (A batch-1 decode step runs
-    in a 4-row bucket: reading the null slot, its three padding rows moved three times the real row's state.)"""
+    in a 4-row bucket: its three padding rows read the null slot's tiles, one row's state from memory at least and
+    three through the L2, beside the real row's.)"""
     return plt.load(ref, mask=jnp.broadcast_to(slot != 0, ref.shape), other=0).astype(jnp.float32)
