@@ -44,6 +44,7 @@ from pallas_kernels.gated_delta_rule.fused_decode import (
 )
 from pallas_kernels.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_pallas, recurrent_step
 from pallas_kernels.gated_delta_rule.reference import fused_recurrent_gated_delta_rule_reference
+from pallas_kernels.null_slot import load_state
 
 B, H, HV, K, V = 256, 16, 32, 128, 128  # (set by --rows, --heads)
 _WHOLE = pl.no_block_spec
@@ -76,34 +77,49 @@ def touch(state, slots, *, block_v, num_warps, indirect, interpret=False):
 
 
 def _persistent_kernel(slot_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_in, o_ref, s_out, *, block_v, programs,
-                       scale):
+                       scale, prefetch):
+    """Program p takes tiles p, p + programs, ...; with `prefetch`, tile t + programs is loaded before tile t is
+    computed (a register double buffer), else Triton's pipelining (`num_stages`) may overlap them."""
     nv, tiles = V // block_v, B * HV * V // block_v
 
-    def body(t, carry):
+    def where(t):
         i, j, b = t % nv, (t // nv) % HV, t // (nv * HV)
-        slot, vs = slot_ids_ref[b], pl.ds(i * block_v, block_v)
+        return i, j, b, slot_ids_ref[b], pl.ds(i * block_v, block_v)
+
+    def tile(t):
+        _, j, _, slot, vs = where(jnp.minimum(t, tiles - 1))
+        return load_state(s_in.at[slot, j, :, vs], slot)
+
+    def body(t, h):
+        i, j, b, slot, vs = where(t)
+        h_next = tile(t + programs) if prefetch else None
+        h = h if prefetch else load_state(s_in.at[slot, j, :, vs], slot)
         kh = j // (HV // H)
-        o, h = recurrent_step(s_in[slot, j, :, vs], slot, q_ref[b, kh, :], k_ref[b, kh, :], v_ref[b, j, vs],
-                              g_ref[b, j], beta_ref[b, j], scale)
+        o, h = recurrent_step(h, slot, q_ref[b, kh, :], k_ref[b, kh, :], v_ref[b, j, vs], g_ref[b, j], beta_ref[b, j],
+                              scale)
         o_ref[b, j, vs] = o.astype(o_ref.dtype)
 
         @pl.when(slot != 0)
         def _():
             s_out[slot, j, :, vs] = h
 
-        return carry
+        return h_next if prefetch else 0
 
     pid = pl.program_id(0)
-    jax.lax.fori_loop(0, (tiles - pid + programs - 1) // programs, lambda n, c: body(pid + n * programs, c), 0)
+    jax.lax.fori_loop(0, (tiles - pid + programs - 1) // programs, lambda n, c: body(pid + n * programs, c),
+                      tile(pid) if prefetch else 0)
 
 
-def persistent(q, k, v, g, beta, state, slots, *, block_v, num_warps, num_stages, programs, interpret=False):
-    kernel = functools.partial(_persistent_kernel, block_v=block_v, programs=programs, scale=K**-0.5)
+def persistent(q, k, v, g, beta, state, slots, *, block_v, num_warps, num_stages, programs, prefetch=False,
+               interpret=False):
+    kernel = functools.partial(_persistent_kernel, block_v=block_v, programs=programs, scale=K**-0.5,
+                               prefetch=prefetch)
     return pl.pallas_call(
         kernel, grid=(programs,), in_specs=[_WHOLE] * 7, out_specs=[_WHOLE, _WHOLE],
         out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={6: 1}, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name=f"gdn_persistent_bv{block_v}_w{num_warps}_s{num_stages}_p{programs}",
+        interpret=interpret,
+        name=f"gdn_persistent_bv{block_v}_w{num_warps}_s{num_stages}_p{programs}{'_db' if prefetch else ''}",
     )(slots, q, k, v, g, beta, state)
 
 
@@ -184,11 +200,15 @@ def main(argv=None) -> int:
             row(f"fused_recurrent bv{bv} w{nw}", time_jax(f, (q, k, v, g, beta, state + 0.0, slots), carry=carry)[0],
                 err)
     if "persistent" in only:
-        for bv, nw, ns, progs in ((128, 8, 1, 264), (128, 8, 2, 264), (64, 4, 2, 396), (64, 4, 3, 396),
-                                  (32, 2, 3, 792), (64, 4, 2, 792)):
-            name = f"persistent bv{bv} w{nw} s{ns} p{progs}"
+        # (prefetch: the register double buffer; programs: as many as fit the 132 SMs at once, by `ptxas -v` on the
+        # H200 compile: (64, 4) 234 registers, 2 an SM; (64, 8) 128, 2; (32, 4) 126, 4; (32, 2) 234, 4; (128, 8) 246, 1)
+        for bv, nw, ns, progs, pre in ((128, 8, 1, 264, False), (128, 8, 2, 264, False), (64, 4, 2, 396, False),
+                                       (64, 4, 3, 396, False), (32, 2, 3, 792, False), (64, 4, 2, 792, False),
+                                       (64, 4, 1, 264, True), (64, 8, 1, 264, True), (32, 4, 1, 528, True),
+                                       (32, 2, 1, 528, True), (128, 8, 1, 132, True)):
+            name = f"persistent bv{bv} w{nw} s{ns} p{progs}" + (" prefetch" if pre else "")
             f = jax.jit(functools.partial(persistent, block_v=min(bv, V), num_warps=nw, num_stages=ns, programs=progs,
-                                          **kw),
+                                          prefetch=pre, **kw),
                         donate_argnums=5)
             try:
                 err = check(*f(q, k, v, g, beta, state + 0.0, slots))
