@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from benchmarks.kernels import errors, machine_info, time_jax, time_torch, torch
+from benchmarks.kernels import errors, gdn_decode_inputs, machine_info, time_jax, time_torch, torch
 from pallas_kernels.gated_delta_rule.fused_decode import (
     decode_in_parts,
     gated_delta_decode_packed_pallas,
@@ -123,19 +123,6 @@ def persistent(q, k, v, g, beta, state, slots, *, block_v, num_warps, num_stages
     )(slots, q, k, v, g, beta, state)
 
 
-def inputs():
-    key = jax.random.split(jax.random.PRNGKey(0), 8)
-    nrm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q = nrm(jax.random.normal(key[0], (B, H, K))).astype(jnp.bfloat16)
-    k = nrm(jax.random.normal(key[1], (B, H, K))).astype(jnp.bfloat16)
-    v = jax.random.normal(key[2], (B, HV, V)).astype(jnp.bfloat16)
-    g = -jax.random.uniform(key[3], (B, HV)) * 0.5
-    beta = jax.random.uniform(key[4], (B, HV))
-    state = jax.random.normal(key[5], (B + 1, HV, K, V), jnp.float32) * 0.1
-    slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, B + 1)).astype(np.int32))
-    return q, k, v, g, beta, state, slots
-
-
 def main(argv=None) -> int:
     global B, H, HV, K, V, time_jax  # the shape of the run (the kernels above read it), the timer
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -152,7 +139,7 @@ def main(argv=None) -> int:
     only = set(args.only.split(","))
     info = machine_info(None)
     print("machine: " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
-    q, k, v, g, beta, state, slots = inputs()
+    q, k, v, g, beta, state, slots = gdn_decode_inputs(B, H, HV, K, V)
     gbytes = 2 * B * HV * K * V * 4 / 1e9
     rows = []
 

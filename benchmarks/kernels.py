@@ -139,10 +139,9 @@ def _defaults(fn, names: tuple[str, ...]) -> tuple:
 DEFAULT_GDN_DECODE = _defaults(fused_recurrent_gated_delta_rule_pallas, ("block_v", "num_warps"))
 
 
-def bench_gdn_decode(quick):
-    B, H, HV, K, V = 256, 16, 16, 128, 128
-    S = B + 1
-    rng = np.random.default_rng(0)
+def gdn_decode_inputs(B, H, HV, K, V):
+    """One GDN decode step's random inputs: (q, k, v, g, beta, state of B + 1 slots, the rows' slots 1..B in a random
+    order); q and k unit vectors in bf16, the decay in (-0.5, 0]."""
     key = jax.random.split(jax.random.PRNGKey(0), 6)
     nrm = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
     q = nrm(jax.random.normal(key[0], (B, H, K))).astype(jnp.bfloat16)
@@ -150,8 +149,15 @@ def bench_gdn_decode(quick):
     v = jax.random.normal(key[2], (B, HV, V)).astype(jnp.bfloat16)
     g = -jax.random.uniform(key[3], (B, HV)) * 0.5
     beta = jax.random.uniform(key[4], (B, HV))
-    state0 = jax.random.normal(key[5], (S, HV, K, V), jnp.float32) * 0.1
-    slots = jnp.asarray(rng.permutation(np.arange(1, S)).astype(np.int32))
+    state = jax.random.normal(key[5], (B + 1, HV, K, V), jnp.float32) * 0.1
+    slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, B + 1)).astype(np.int32))
+    return q, k, v, g, beta, state, slots
+
+
+def bench_gdn_decode(quick):
+    B, H, HV, K, V = 256, 16, 16, 128, 128
+    S = B + 1
+    q, k, v, g, beta, state0, slots = gdn_decode_inputs(B, H, HV, K, V)
     shape = f"B{B} H{H} HV{HV} K{K} V{V} bf16 in, fp32 state"
 
     def make(cfg):

@@ -490,9 +490,9 @@ def test_validation():
     assert SamplingParams(n=2, best_of=4, bad_words="x").bad_words == ("x",)
 
 
-def _sample_program_entry(rows: int, vocab: int, dtype, with_mask: bool) -> str:
-    """The entry computation of `sample` (no plan) compiled for this machine at `rows` x `vocab` logits of `dtype`
-    (with a grammar mask or without), as optimised HLO text."""
+def _sample_args(rows: int, vocab: int, dtype, with_mask: bool) -> list:
+    """`sample`'s arguments as shapes: `rows` x `vocab` logits of `dtype`, every setting, 4 slots' tables, and a
+    grammar mask or none."""
     slots = 4
     f32, i32 = jax.ShapeDtypeStruct((rows,), jnp.float32), jax.ShapeDtypeStruct((rows,), jnp.int32)
     s = SamplingArrays(temperature=f32, top_k=i32, top_p=f32, seeds=i32, counters=i32, want_logprobs=i32,
@@ -508,7 +508,12 @@ def _sample_program_entry(rows: int, vocab: int, dtype, with_mask: bool) -> str:
     args = [jax.ShapeDtypeStruct((rows, vocab), dtype), s, tables, history]
     if with_mask:
         args.append(jax.ShapeDtypeStruct((rows, vocab // 32), jnp.int32))
-    text = jax.jit(sample).lower(*args).compile().as_text()
+    return args
+
+
+def _sample_program_entry(rows: int, vocab: int, dtype, with_mask: bool) -> str:
+    """The entry computation of `sample` (no plan) compiled for this machine at `_sample_args`, as optimised HLO."""
+    text = jax.jit(sample).lower(*_sample_args(rows, vocab, dtype, with_mask)).compile().as_text()
     entry = text[text.index("\nENTRY"):]
     return entry[: entry.index("\n}\n")]
 
@@ -550,19 +555,8 @@ def test_the_conds_take_the_rows_settings_packed():
     its own, so each setting it took was one more kernel a step (on the H200 compile, qwen3_next's batch-1 step
     342 -> 334 kernels: benchmarks/RESULTS.md, session 38). Checked at the jaxpr: no top-level cond takes a `[B]`
     or `[B, W]` array. Checked to fail with the outer cond closing over `s` again."""
-    rows, vocab, slots = 8, 512, 4
-    f32, i32 = jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.int32)
-    s = SamplingArrays(temperature=f32, top_k=i32, top_p=f32, seeds=i32, counters=i32, want_logprobs=i32,
-                       slot_ids=i32, flags=i32, min_p=f32, presence_penalty=f32, frequency_penalty=f32,
-                       repetition_penalty=f32, num_output=i32, recent=jnp.zeros((rows, MAX_BAN_TOKENS - 1), jnp.int32))
-    tables = SlotTables(bias_ids=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.int32),
-                        bias_values=jnp.zeros((slots, MAX_LOGIT_BIAS), jnp.float32),
-                        bans=jnp.zeros((slots, 4, MAX_BAN_TOKENS + 1), jnp.int32),
-                        allowed=jnp.zeros((slots, vocab), jnp.bool_))
-    history = TokenHistory(output_counts=jnp.zeros((slots, vocab), jnp.int32),
-                           prompt_mask=jnp.zeros((slots, vocab), jnp.bool_))
-    jaxpr = jax.make_jaxpr(sample)(jnp.zeros((rows, vocab), jnp.bfloat16), s, tables, history,
-                                   jnp.zeros((rows, vocab // 32), jnp.int32))
+    rows, vocab = 8, 512
+    jaxpr = jax.make_jaxpr(sample)(*_sample_args(rows, vocab, jnp.bfloat16, with_mask=True))
     conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
     assert len(conds) >= 2, "the test no longer sees the conds it checks"
     per_row = [(e.primitive.name, v.aval.shape) for e in conds for v in e.invars[1:]
