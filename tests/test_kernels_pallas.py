@@ -545,8 +545,9 @@ def test_decode_kernels_read_no_state_for_padding_rows():
     """Every decode kernel reads a row's state tile with a load predicated on the row's slot (`null_slot.load_state`):
     a padding row (the null slot 0) moves none of the state's bytes, where it read the null slot's tile before (a
     batch-1 step runs in a 4-row bucket: three padding rows reading one row's worth of null-slot state; the values
-    were already zeros, which the kernels' tests check). Read at each kernel's jaxpr: no plain read of the state array, and at least one
-    masked load. Checked to fail with the GDN packed decode kernel reading its tile unmasked again."""
+    were already zeros, which the kernels' tests check). Read at each kernel's jaxpr: no plain read of the state
+    array, and at least one masked load. Checked to fail with the GDN packed decode kernel's and the conv kernel's
+    plain reads back."""
     from pallas_kernels.conv_update.kernel import conv_update_pallas
     from pallas_kernels.gated_delta_rule.fused_decode import gated_delta_decode_packed_pallas
     from pallas_kernels.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_pallas

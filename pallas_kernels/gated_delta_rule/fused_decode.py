@@ -94,8 +94,8 @@ def _kernel(slot_ids_ref, q_ref, k_ref, v_ref, a_ref, b_ref, z_ref, a_log_ref, d
     row, head = pl.program_id(0), pl.program_id(1)
     slot = slot_ids_ref[row]
     o_ref[...], h = _decode_head(slot, head, q_ref[...], k_ref[...], v_ref[...], a_ref[row, head], b_ref[row, head],
-                                 z_ref[...], load_state(state_in_ref.at[slot, head], slot), a_log_ref, dt_bias_ref, w_ref,
-                                 out_dtype=o_ref.dtype, scale=scale, eps=eps)
+                                 z_ref[...], load_state(state_in_ref.at[slot, head], slot), a_log_ref, dt_bias_ref,
+                                 w_ref, out_dtype=o_ref.dtype, scale=scale, eps=eps)
     _store_tile(state_ref, slot, head, h)
 
 

@@ -51,8 +51,8 @@ def _fused_recurrent_kernel(
     b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ids_ref[b]
     v_slice = pl.ds(i * block_v, block_v)
-    o, h = recurrent_step(load_state(state_in_ref.at[slot, j, :, v_slice], slot), slot, q_ref[...], k_ref[...], v_ref[...], g_ref[b, j],
-                          scale)
+    h = load_state(state_in_ref.at[slot, j, :, v_slice], slot)
+    o, h = recurrent_step(h, slot, q_ref[...], k_ref[...], v_ref[...], g_ref[b, j], scale)
     o_ref[...] = o.astype(o_ref.dtype)
 
     @pl.when(slot != 0)  # padding rows (the null slot) keep no state: no racing writes to slot 0
