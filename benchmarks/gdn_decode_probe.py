@@ -9,9 +9,10 @@ whose torch copy reaches 4.3 (issue 20's B256 H16 row). This script times, in on
 - a Pallas "touch" kernel that only loads each program's `[K, BV]` tile of a row's slot and stores it back
   scaled, with the recurrence kernel's grid and slot indirection (`touch_slot`), and without the indirection
   (`touch_block`, the state tiled by a BlockSpec): what the access pattern alone reaches;
-- the recurrence kernel (`fused_recurrent`) by configuration, and a persistent form of it (`persistent`): a fixed
+- the recurrence kernel (`fused_recurrent`) by configuration, and persistent forms of it (`persistent`): a fixed
   number of programs each walking tiles in a loop, so that the next tile's loads can be in flight while the current
-  one computes (Triton's pipelining, `num_stages`);
+  one computes (Triton's pipelining, `num_stages`, a form of this script's; or the library kernel's `programs=`
+  form, which loads the next tile ahead itself: "prefetch");
 - the engine's fused decode kernel (`packed`: norms, gates, recurrence and gated norm of a (row, head) in one
   program), one program per pair and in its persistent form (`programs`: register double buffer), and the same step
   in parts (XLA norms and gates around `fused_recurrent`);
@@ -77,49 +78,36 @@ def touch(state, slots, *, block_v, num_warps, indirect, interpret=False):
 
 
 def _persistent_kernel(slot_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_in, o_ref, s_out, *, block_v, programs,
-                       scale, prefetch):
-    """Program p takes tiles p, p + programs, ...; with `prefetch`, tile t + programs is loaded before tile t is
-    computed (a register double buffer), else Triton's pipelining (`num_stages`) may overlap them."""
+                       scale):
+    """Program p takes tiles p, p + programs, ... in a loop whose loads Triton's pipelining (`num_stages`) may overlap
+    with the previous tile's work (the library's `programs=` form double-buffers the tiles itself)."""
     nv, tiles = V // block_v, B * HV * V // block_v
 
-    def where(t):
+    def body(t, carry):
         i, j, b = t % nv, (t // nv) % HV, t // (nv * HV)
-        return i, j, b, slot_ids_ref[b], pl.ds(i * block_v, block_v)
-
-    def tile(t):
-        _, j, _, slot, vs = where(jnp.minimum(t, tiles - 1))
-        return load_state(s_in.at[slot, j, :, vs], slot)
-
-    def body(t, h):
-        i, j, b, slot, vs = where(t)
-        h_next = tile(t + programs) if prefetch else None
-        h = h if prefetch else load_state(s_in.at[slot, j, :, vs], slot)
+        slot, vs = slot_ids_ref[b], pl.ds(i * block_v, block_v)
         kh = j // (HV // H)
-        o, h = recurrent_step(h, slot, q_ref[b, kh, :], k_ref[b, kh, :], v_ref[b, j, vs], g_ref[b, j], beta_ref[b, j],
-                              scale)
+        o, h = recurrent_step(load_state(s_in.at[slot, j, :, vs], slot), slot, q_ref[b, kh, :], k_ref[b, kh, :],
+                              v_ref[b, j, vs], g_ref[b, j], beta_ref[b, j], scale)
         o_ref[b, j, vs] = o.astype(o_ref.dtype)
 
         @pl.when(slot != 0)
         def _():
             s_out[slot, j, :, vs] = h
 
-        return h_next if prefetch else 0
+        return carry
 
     pid = pl.program_id(0)
-    jax.lax.fori_loop(0, (tiles - pid + programs - 1) // programs, lambda n, c: body(pid + n * programs, c),
-                      tile(pid) if prefetch else 0)
+    jax.lax.fori_loop(0, (tiles - pid + programs - 1) // programs, lambda n, c: body(pid + n * programs, c), 0)
 
 
-def persistent(q, k, v, g, beta, state, slots, *, block_v, num_warps, num_stages, programs, prefetch=False,
-               interpret=False):
-    kernel = functools.partial(_persistent_kernel, block_v=block_v, programs=programs, scale=K**-0.5,
-                               prefetch=prefetch)
+def persistent(q, k, v, g, beta, state, slots, *, block_v, num_warps, num_stages, programs, interpret=False):
+    kernel = functools.partial(_persistent_kernel, block_v=block_v, programs=programs, scale=K**-0.5)
     return pl.pallas_call(
         kernel, grid=(programs,), in_specs=[_WHOLE] * 7, out_specs=[_WHOLE, _WHOLE],
         out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
         input_output_aliases={6: 1}, compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name=f"gdn_persistent_bv{block_v}_w{num_warps}_s{num_stages}_p{programs}{'_db' if prefetch else ''}",
+        interpret=interpret, name=f"gdn_persistent_bv{block_v}_w{num_warps}_s{num_stages}_p{programs}",
     )(slots, q, k, v, g, beta, state)
 
 
@@ -187,15 +175,17 @@ def main(argv=None) -> int:
             row(f"fused_recurrent bv{bv} w{nw}", time_jax(f, (q, k, v, g, beta, state + 0.0, slots), carry=carry)[0],
                 err)
     if "persistent" in only:
-        # (prefetch: the register double buffer; programs: as many as fit the 132 SMs at once, by `ptxas -v` on the
-        # H200 compile: (64, 4) 234 registers, 2 an SM; (64, 8) 128, 2; (32, 4) 126, 4; (32, 2) 234, 4; (128, 8) 246, 1)
+        # Triton's pipelining (num_stages), then the library's register double buffer (`programs=`), its programs as
+        # many as fit the 132 SMs at once by `ptxas -v` on the H200 compile: (64, 4) 234 registers, 2 an SM; (64, 8)
+        # 128, 2; (32, 4) 126, 4; (32, 2) 234, 4; (128, 8) 246, 1
         for bv, nw, ns, progs, pre in ((128, 8, 1, 264, False), (128, 8, 2, 264, False), (64, 4, 2, 396, False),
                                        (64, 4, 3, 396, False), (32, 2, 3, 792, False), (64, 4, 2, 792, False),
                                        (64, 4, 1, 264, True), (64, 8, 1, 264, True), (32, 4, 1, 528, True),
                                        (32, 2, 1, 528, True), (128, 8, 1, 132, True)):
             name = f"persistent bv{bv} w{nw} s{ns} p{progs}" + (" prefetch" if pre else "")
-            f = jax.jit(functools.partial(persistent, block_v=min(bv, V), num_warps=nw, num_stages=ns, programs=progs,
-                                          prefetch=pre, **kw),
+            form = fused_recurrent_gated_delta_rule_pallas if pre else persistent
+            f = jax.jit(functools.partial(form, block_v=min(bv, V), num_warps=nw, num_stages=ns, programs=progs,
+                                          **kw),
                         donate_argnums=5)
             try:
                 err = check(*f(q, k, v, g, beta, state + 0.0, slots))

@@ -122,13 +122,17 @@ def test_fused_recurrent_pallas_matches_reference(batch, h, hv, dk, dv, dtype):
     state[free] = np.nan  # never read, never written
     args = (q, k, v, g, beta, jnp.asarray(state), jnp.asarray(slots))
     want_o, want_state = jax.jit(fused_recurrent_gated_delta_rule_reference)(*args)
-    got_o, got_state = fused_recurrent_gated_delta_rule(*args, impl="pallas", interpret=True, block_v=16)
     live = slots != 0
     rtol = 1e-5 if dtype == jnp.float32 else 1e-2
-    assert_close("decode output", np.asarray(got_o, np.float32)[live], np.asarray(want_o, np.float32)[live], rtol)
-    real = slots[live]
-    assert_close("decode state", np.asarray(got_state)[real], np.asarray(want_state)[real], 1e-5)
-    np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
+    # one program a tile, and the persistent form: 3 programs over the tiles, unevenly (checked to fail with the
+    # persistent loop computing on the prefetched tile instead of its own)
+    for tuning in (dict(block_v=16), dict(block_v=16, programs=3)):
+        got_o, got_state = fused_recurrent_gated_delta_rule(*args, impl="pallas", interpret=True, **tuning)
+        assert_close(f"decode output {tuning}", np.asarray(got_o, np.float32)[live],
+                     np.asarray(want_o, np.float32)[live], rtol)
+        real = slots[live]
+        assert_close(f"decode state {tuning}", np.asarray(got_state)[real], np.asarray(want_state)[real], 1e-5)
+        np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
 
 
 def test_fused_recurrent_lowers_for_h200():
@@ -139,6 +143,9 @@ def test_fused_recurrent_lowers_for_h200():
     lower_for_h200(fn, q, k, v, g, beta, jnp.asarray(state), jnp.arange(8, dtype=jnp.int32), kernels=kernels)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     lower_for_h200(fn, f32(q), f32(k), v, g, beta, jnp.asarray(state), jnp.arange(8, dtype=jnp.int32), kernels=kernels)
+    # the persistent form (the register double buffer), 4 programs an SM
+    lower_for_h200(functools.partial(fn, block_v=32, num_warps=4, programs=528), q, k, v, g, beta, jnp.asarray(state),
+                   jnp.arange(8, dtype=jnp.int32), kernels=[r"gdn_fused_recurrent_p\d+_bv32_w4"])
 
 
 @pytest.mark.parametrize("batch,h,hv,dk,dv,dtype", [(5, 2, 4, 32, 64, jnp.float32), (4, 1, 2, 16, 256, jnp.bfloat16),
@@ -563,6 +570,8 @@ def test_decode_kernels_read_no_state_for_padding_rows():
     cases = {
         "gdn fused_recurrent": (fused_recurrent_gated_delta_rule_pallas,
                                 (z(b, h, d), z(b, h, d), z(b, h, d), z(b, h), z(b, h), state, slots)),
+        "gdn fused_recurrent, persistent": (functools.partial(fused_recurrent_gated_delta_rule_pallas, programs=3),
+                                            (z(b, h, d), z(b, h, d), z(b, h, d), z(b, h), z(b, h), state, slots)),
         "gdn packed": (functools.partial(gated_delta_decode_packed_pallas, dims=(h, d, h, d), eps=1e-6),
                        (z(b, conv), z(b, conv + h * d + 2 * h), z(h), z(h), z(d), state, slots)),
         "gdn packed, persistent": (functools.partial(gated_delta_decode_packed_pallas, dims=(h, d, h, d), eps=1e-6,

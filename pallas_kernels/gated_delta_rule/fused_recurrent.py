@@ -52,6 +52,41 @@ def _fused_recurrent_kernel(
         state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
 
 
+def _persistent_kernel(slot_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state_in_ref, o_ref, state_ref, *,
+                       scale: float, block_v: int, programs: int, group: int):
+    """`_fused_recurrent_kernel` with a fixed number of programs: program p takes tiles p, p + programs, ... (in the
+    one-program-a-tile grid's order: value tile fastest) and loads the next one's state before computing the current
+    one (a register double buffer), so that an SM keeps a tile's loads in flight while it computes and stores."""
+    batch, num_value_heads, value_dim = o_ref.shape
+    nv = value_dim // block_v
+    tiles = batch * nv * num_value_heads
+    pid = pl.program_id(0)
+
+    def place(t):  # tile t: (its value columns, value head, row, the row's slot)
+        i, j, b = t % nv, (t // nv) % num_value_heads, t // (nv * num_value_heads)
+        return pl.ds(pl.multiple_of(i * block_v, block_v), block_v), j, b, slot_ids_ref[b]
+
+    def tile(t):  # (t clamped into range: a program's last prefetch goes unused)
+        cols, j, _, slot = place(jnp.minimum(t, tiles - 1))
+        return load_state(state_in_ref.at[slot, j, :, cols], slot)
+
+    def body(n, h):
+        t = pid + n * programs
+        h_next = tile(t + programs)  # tiles of distinct slots (or the null slot, never stored): no hazard
+        cols, j, b, slot = place(t)
+        o, h = recurrent_step(h, slot, q_ref[b, j // group, :], k_ref[b, j // group, :], v_ref[b, j, cols],
+                              g_ref[b, j], beta_ref[b, j], scale)
+        o_ref[b, j, cols] = o.astype(o_ref.dtype)
+
+        @pl.when(slot != 0)
+        def _():
+            state_ref[slot, j, :, cols] = h.astype(state_ref.dtype)
+
+        return h_next
+
+    jax.lax.fori_loop(0, (tiles - pid + programs - 1) // programs, body, tile(pid))
+
+
 def recurrent_step(h, slot, q, k, v, g, beta, scale: float):
     """One token's gated delta rule on a `[K, BV]` state tile `h` of `slot` (zeros on the null slot 0):
     (o [BV], new tile), in fp32. q, k: [K]; v: [BV]; g, beta: scalars."""
@@ -63,7 +98,7 @@ def recurrent_step(h, slot, q, k, v, g, beta, scale: float):
     return jnp.sum(h * (q.astype(jnp.float32) * scale)[:, None], axis=0), h
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_v", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_v", "num_warps", "num_stages", "programs", "interpret"))
 def fused_recurrent_gated_delta_rule_pallas(
     q: Float[Array, "B H K"],
     k: Float[Array, "B H K"],
@@ -77,11 +112,13 @@ def fused_recurrent_gated_delta_rule_pallas(
     block_v: int = 128,
     num_warps: int = 4,
     num_stages: int = 1,
+    programs: int | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "B HV V"], Float[Array, "S HV K V"]]:
     """Same arguments and results as `fused_recurrent_gated_delta_rule_reference`.
 
-    K and V must be powers of two (Triton tiles); `block_v` is clipped to V.
+    K and V must be powers of two (Triton tiles); `block_v` is clipped to V. `programs`: that many programs (at most
+    one a tile) walk the tiles with the next state tile loaded ahead (`_persistent_kernel`); None: one a tile.
     """
     batch, num_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[1:]
@@ -90,6 +127,19 @@ def fused_recurrent_gated_delta_rule_pallas(
     if value_dim % block_v:
         raise ValueError(f"{value_dim=} must be a multiple of {block_v=}")
     scale = key_dim**-0.5 if scale is None else scale
+    if programs is not None:
+        programs = max(1, min(programs, batch * num_value_heads * (value_dim // block_v)))
+        return pl.pallas_call(
+            functools.partial(_persistent_kernel, scale=scale, block_v=block_v, programs=programs, group=group),
+            grid=(programs,),
+            in_specs=[_WHOLE] * 7,
+            out_specs=[_WHOLE, _WHOLE],
+            out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)],
+            input_output_aliases={6: 1},
+            interpret=interpret,
+            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            name=f"gdn_fused_recurrent_p{programs}_bv{block_v}_w{num_warps}",
+        )(slot_ids.astype(jnp.int32), q, k, v, g, beta, state)
     kernel = functools.partial(_fused_recurrent_kernel, scale=scale, block_v=block_v)
     o, new_state = pl.pallas_call(
         kernel,
