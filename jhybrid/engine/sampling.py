@@ -219,7 +219,7 @@ class SamplingArrays:
     counters: Int[Array, "B"]  # which sample of the request this is (folds into the key)
     want_logprobs: Int[Array, "B"]  # 1: the row's top log-probabilities are read
     slot_ids: Int[Array, "B"]  # each row's state slot: its rows of the `SlotTables` and `TokenHistory`
-    flags: Int[Array, "B"]  # FLAG_PENALTIES | FLAG_BANS | FLAG_ALLOWED: which tables the row reads
+    flags: Int[Array, "B"]  # FLAG_PENALTIES | FLAG_BANS | FLAG_ALLOWED | FLAG_MASKED | FLAG_BIAS: what the row reads
     min_p: Float[Array, "B"]  # 0 = off
     presence_penalty: Float[Array, "B"]
     frequency_penalty: Float[Array, "B"]
