@@ -16,6 +16,8 @@ whose torch copy reaches 4.3 (issue 20's B256 H16 row). This script times, in on
 - the engine's fused decode kernel (`packed`: norms, gates, recurrence and gated norm of a (row, head) in one
   program), one program per pair and in its persistent form (`programs`: register double buffer), and the same step
   in parts (XLA norms and gates around `fused_recurrent`);
+- the layer's conv update (`conv_update_pallas`, which reads the fp32 conv state one tap at a time), by its
+  channel block;
 - fla's `fused_recurrent_gated_delta_rule` when it is installed.
 
 Every kernel's output and state are checked against the jnp reference before it is timed.
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
     global B, H, HV, K, V, time_jax  # the shape of the run (the kernels above read it), the timer
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
-    ap.add_argument("--only", default="ceiling,touch,recurrent,persistent,packed,fla")
+    ap.add_argument("--only", default="ceiling,touch,recurrent,persistent,packed,conv,fla")
     ap.add_argument("--heads", default=f"{H},{HV}", help="key heads, value heads (issue 20's kernel row: 16,16)")
     ap.add_argument("--rows", type=int, default=B)
     ap.add_argument("--dims", default=f"{K},{V}", help="key and value head dims")
@@ -225,6 +227,27 @@ def main(argv=None) -> int:
                       errors(np.asarray(s)[idx], np.asarray(ref[1])[idx])[1])
             row(f"in parts: XLA norms + fused_recurrent bv{bv} w{nw}",
                 time_jax(f, (*packed_args, state + 0.0, slots), carry=carry)[0], err)
+    if "conv" in only:  # the layer's conv update before the recurrence: its fp32 conv state, read tap by tap
+        from pallas_kernels.conv_update import conv_update_reference
+        from pallas_kernels.conv_update.kernel import block_channels, conv_update_pallas
+
+        conv, width = 2 * H * K + HV * V, 4
+        rng = jax.random.split(jax.random.PRNGKey(2), 3)
+        x = jax.random.normal(rng[0], (B, conv), jnp.bfloat16)
+        cstate = jax.random.normal(rng[1], (B + 1, conv, width - 1), jnp.float32)
+        w = jax.random.normal(rng[2], (conv, width), jnp.bfloat16)
+        want = conv_update_reference(x, cstate, w, slots)
+        cbytes = 2 * B * conv * (width - 1) * 4 / 1e9
+        for block_c in (1024, 256):
+            f = jax.jit(functools.partial(conv_update_pallas, block_c=block_channels(conv, block_c), **kw),
+                        donate_argnums=1)
+            o, cs = f(x, cstate + 0.0, w, slots)
+            err = max(errors(np.asarray(o, np.float32), np.asarray(want[0], np.float32))[1],
+                      errors(np.asarray(cs)[idx], np.asarray(want[1])[idx])[1])
+            ms = time_jax(f, (x, cstate + 0.0, w, slots), carry=lambda out, a: (a[0], out[1], *a[2:]))[0]
+            rows.append(dict(name=f"conv_update bc{block_c}", ms=ms, tbps=cbytes / ms, rel_err=err))
+            print(f"{'conv_update bc' + str(block_c):48s} {ms:8.4f} ms  {cbytes / ms:5.2f} TB/s (conv state "
+                  f"{cbytes:.3f} GB)  rel err {err:.1e}", flush=True)
     if "fla" in only and torch is not None and torch.cuda.is_available():
         try:
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fr
