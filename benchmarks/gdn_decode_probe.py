@@ -16,8 +16,8 @@ whose torch copy reaches 4.3 (issue 20's B256 H16 row). This script times, in on
 - the engine's fused decode kernel (`packed`: norms, gates, recurrence and gated norm of a (row, head) in one
   program), one program per pair and in its persistent form (`programs`: register double buffer), and the same step
   in parts (XLA norms and gates around `fused_recurrent`);
-- the layer's conv update (`conv_update_pallas`, which reads the fp32 conv state one tap at a time), by its
-  channel block;
+- the layer's conv update (`conv_update_pallas`), which reads the fp32 conv state one strided tap at a time or
+  (`window=True`) as one contiguous tile, by channel block;
 - fla's `fused_recurrent_gated_delta_rule` when it is installed.
 
 Every kernel's output and state are checked against the jnp reference before it is timed.
@@ -238,16 +238,17 @@ def main(argv=None) -> int:
         w = jax.random.normal(rng[2], (conv, width), jnp.bfloat16)
         want = conv_update_reference(x, cstate, w, slots)
         cbytes = 2 * B * conv * (width - 1) * 4 / 1e9
-        for block_c in (1024, 256):
-            f = jax.jit(functools.partial(conv_update_pallas, block_c=block_channels(conv, block_c), **kw),
-                        donate_argnums=1)
+        for block_c, window in ((1024, False), (256, False), (1024, True), (256, True), (128, True)):
+            f = jax.jit(functools.partial(conv_update_pallas, block_c=block_channels(conv, block_c), window=window,
+                                          **kw), donate_argnums=1)
             o, cs = f(x, cstate + 0.0, w, slots)
             err = max(errors(np.asarray(o, np.float32), np.asarray(want[0], np.float32))[1],
                       errors(np.asarray(cs)[idx], np.asarray(want[1])[idx])[1])
             ms = time_jax(f, (x, cstate + 0.0, w, slots), carry=lambda out, a: (a[0], out[1], *a[2:]))[0]
-            rows.append(dict(name=f"conv_update bc{block_c}", ms=ms, tbps=cbytes / ms, rel_err=err))
-            print(f"{'conv_update bc' + str(block_c):48s} {ms:8.4f} ms  {cbytes / ms:5.2f} TB/s (conv state "
-                  f"{cbytes:.3f} GB)  rel err {err:.1e}", flush=True)
+            name = f"conv_update bc{block_c}" + (" window" if window else " taps")
+            rows.append(dict(name=name, ms=ms, tbps=cbytes / ms, rel_err=err))
+            print(f"{name:48s} {ms:8.4f} ms  {cbytes / ms:5.2f} TB/s (conv state {cbytes:.3f} GB)  rel err {err:.1e}",
+                  flush=True)
     if "fla" in only and torch is not None and torch.cuda.is_available():
         try:
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fr

@@ -259,8 +259,9 @@ def test_conv_update_pallas_matches_reference(batch, channels, width, dtype):
     """The decode step of the causal convolution as one kernel (`pallas_kernels.conv_update`) against its jnp
     form: each row's output and its slot's new window; padded rows on the null slot (NaN there) write nothing,
     free slots are neither read nor written. The jnp form is itself checked against the prefill convolution
-    (`causal_conv1d`) on the same rows. Checked to fail with the kernel's new window shifted by one (the newest
-    input stored twice)."""
+    (`causal_conv1d`) on the same rows. Both forms: the taps one strided load each, and the window read and written
+    as one tile (`window`). Checked to fail with the kernel's new window shifted by one (the newest input stored
+    twice), in each form, and with the tile form leaving the new input out of its window."""
     from jhybrid.models.layers import causal_conv1d
     from pallas_kernels.conv_update import conv_update, conv_update_reference
 
@@ -278,11 +279,15 @@ def test_conv_update_pallas_matches_reference(batch, channels, width, dtype):
     free = np.setdiff1d(np.arange(1, num_slots), slots)
     state[free] = np.nan
     want_o, want_state = jax.jit(conv_update_reference)(x, jnp.asarray(state), weight, jnp.asarray(slots))
-    got_o, got_state = conv_update(x, jnp.asarray(state), weight, jnp.asarray(slots), impl="pallas", interpret=True)
     rtol = 1e-6 if dtype == jnp.float32 else 1e-2
-    assert_close("conv output", np.asarray(got_o, np.float32)[live], np.asarray(want_o, np.float32)[live], rtol)
-    np.testing.assert_array_equal(np.asarray(got_state)[slots[live]], np.asarray(want_state)[slots[live]])
-    np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
+    for window in (False, True):  # the taps one strided load each, or the window as one tile (`_window_step`)
+        got_o, got_state = conv_update(x, jnp.asarray(state), weight, jnp.asarray(slots), impl="pallas",
+                                       interpret=True, window=window)
+        assert_close(f"conv output ({window=})", np.asarray(got_o, np.float32)[live],
+                     np.asarray(want_o, np.float32)[live], rtol)
+        np.testing.assert_array_equal(np.asarray(got_state)[slots[live]], np.asarray(want_state)[slots[live]])
+        np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
+        np.testing.assert_array_equal(np.asarray(got_state)[0], state[0])  # the null slot: never written
     # the reference is the prefill convolution's decode case (one token a row)
     cu = jnp.arange(batch + 1, dtype=jnp.int32)
     conv_o, conv_state = causal_conv1d(x, jnp.asarray(clean), weight, cu, jnp.asarray(slots), jnp.arange(batch))
@@ -337,6 +342,9 @@ def test_conv_update_lowers_for_h200():
     packed = (jnp.zeros((8, 12352), jnp.bfloat16), jnp.zeros((9, 8192, 3), jnp.float32),
               jnp.zeros((8192, 4), jnp.bfloat16), jnp.arange(8, dtype=jnp.int32))
     lower_for_h200(functools.partial(fn, activation="silu"), *packed, kernels=[r"conv_update_bc\d+_w4_silu"])
+    # the window read and written as one tile (`window`)
+    lower_for_h200(functools.partial(fn, activation="silu", window=True), *packed,
+                   kernels=[r"conv_update_bc\d+_w4_silu_win"])
 
 
 # ---------------------------------------------------------------- paged attention
@@ -522,20 +530,20 @@ def test_chunk_lowers_for_h200(hv, dk, dv, variant):
                    kernels=kernels)
 
 
-def _state_reads(fn, args, state_shape) -> list[tuple[str, bool]]:
-    """How the Pallas kernels inside `jax.make_jaxpr(fn)(*args)` read refs of `state_shape`: (primitive, masked) per
-    read, through nested jaxprs (`pl.when`'s cond, loops)."""
+def _state_reads(fn, args, state_shape, writes: bool = False) -> list[tuple[str, bool]]:
+    """How the Pallas kernels inside `jax.make_jaxpr(fn)(*args)` read (`writes`: write) refs of `state_shape`:
+    (primitive, masked) per access, through nested jaxprs (`pl.when`'s cond, loops)."""
     from jax.extend import core as jex_core
 
     reads = []
+    kinds = ("swap", "masked_swap") if writes else ("get", "masked_load")
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            reads_ref = eqn.primitive.name == "get" or "load" in eqn.primitive.name  # get, masked_load
-            if reads_ref and getattr(eqn.invars[0].aval, "shape", None) == state_shape:
+            if eqn.primitive.name in kinds and getattr(eqn.invars[0].aval, "shape", None) == state_shape:
                 masked = False
-                if "load" in eqn.primitive.name:
-                    _, _, mask, _ = eqn.params["args_tree"].unflatten(eqn.invars)
+                if eqn.primitive.name.startswith("masked"):
+                    mask = eqn.params["args_tree"].unflatten(eqn.invars)[-1 if writes else 2]
                     masked = mask is not None
                 reads.append((eqn.primitive.name, masked))
             for value in eqn.params.values():
@@ -585,8 +593,15 @@ def test_decode_kernels_read_no_state_for_padding_rows():
                                      dt_range=(0.0, float("inf")), out_dtype=jnp.float32),
                    (z(b, h * d + 2 * d), z(b, h * d + 2 * d + h), z(h), z(h), z(h), state, slots)),
         "conv_update": (conv_update_pallas, (z(b, 64), z(b + 1, 64, 3), z(64, 4), slots)),
+        "conv_update, window": (functools.partial(conv_update_pallas, window=True),
+                                (z(b, 64), z(b + 1, 64, 3), z(64, 4), slots)),
     }
     for name, (fn, args) in cases.items():
-        state_shape = args[1 if name == "conv_update" else -2].shape  # (the conv kernel's state is its second)
+        state_shape = args[1 if name.startswith("conv_update") else -2].shape  # (the conv kernel's: its second)
         reads = _state_reads(fn, args, state_shape)
         assert reads and all("load" in prim and masked for prim, masked in reads), (name, reads)
+    # the conv window's tile store covers one column past the window (the next channel's first input): masked
+    # (interpret mode pads the state instead of aliasing that column, so only this check sees the mask)
+    fn, args = cases["conv_update, window"]
+    writes = _state_reads(fn, args, args[1].shape, writes=True)
+    assert writes and all(masked for _, masked in writes), writes
