@@ -89,7 +89,7 @@ def _persistent_kernel(slot_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_in,
         i, j, b = t % nv, (t // nv) % HV, t // (nv * HV)
         slot, vs = slot_ids_ref[b], pl.ds(i * block_v, block_v)
         kh = j // (HV // H)
-        o, h = recurrent_step(load_state(s_in.at[slot, j, :, vs], slot), slot, q_ref[b, kh, :], k_ref[b, kh, :],
+        o, h = recurrent_step(load_state(s_in.at[slot, j, :, vs], slot), q_ref[b, kh, :], k_ref[b, kh, :],
                               v_ref[b, j, vs], g_ref[b, j], beta_ref[b, j], scale)
         o_ref[b, j, vs] = o.astype(o_ref.dtype)
 

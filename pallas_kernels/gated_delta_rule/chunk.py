@@ -48,6 +48,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.gated_delta_rule.fused_decode import _l2_normalize
 from pallas_kernels.gated_delta_rule.fused_recurrent import recurrent_step
+from pallas_kernels.null_slot import load_state
 
 _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
 _DOT = (((1,), (0,)), ((), ()))  # a @ b
@@ -361,8 +362,8 @@ def _single_token_kernel(
         v_slice = pl.ds(i * block_v, block_v)
         q = _l2norm(q_ref[t, j // group, :], l2norm, q_ref.dtype)
         k = _l2norm(k_ref[t, j // group, :], l2norm, k_ref.dtype)
-        o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q, k, v_ref[t, j, v_slice], g_ref[t, j],
-                              beta_ref[t, j], scale)
+        h = load_state(state_in_ref.at[slot, j, :, v_slice], slot)
+        o, h = recurrent_step(h, q, k, v_ref[t, j, v_slice], g_ref[t, j], beta_ref[t, j], scale)
         o_ref[t, j, v_slice] = o.astype(o_ref.dtype)
 
         @pl.when(slot != 0)

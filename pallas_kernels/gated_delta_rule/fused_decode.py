@@ -72,14 +72,13 @@ def decode_in_parts(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, *
     return _gated_norm(o.astype(v.dtype), z, norm_w, eps), state
 
 
-def _decode_head(slot, head, q, k, v, a, b, z, h, a_log_ref, dt_bias_ref, w_ref, *, out_dtype, scale: float,
-                 eps: float):
+def _decode_head(head, q, k, v, a, b, z, h, a_log_ref, dt_bias_ref, w_ref, *, out_dtype, scale: float, eps: float):
     """One (row, value head)'s decode step from its loaded inputs (q, k: the head's key head; a, b: scalars; h: the
-    `[K, V]` state tile of the row's `slot`): (the normed, gated output [V] in `out_dtype`, the new tile in fp32)."""
+    row's `[K, V]` state tile, `load_state`'s): (the normed, gated output [V] in `out_dtype`, the new tile in fp32)."""
     q = _l2_normalize(q, q.dtype)
     k = _l2_normalize(k, k.dtype)
     g, beta = _gates(a, b, a_log_ref[head], dt_bias_ref[head])
-    o, h = recurrent_step(h, slot, q, k, v, g, beta, scale)
+    o, h = recurrent_step(h, q, k, v, g, beta, scale)
     return _gated_norm(o.astype(out_dtype)[None, :], z[None, :], w_ref[...][None, :], eps)[0], h
 
 
@@ -93,7 +92,7 @@ def _kernel(slot_ids_ref, q_ref, k_ref, v_ref, a_ref, b_ref, z_ref, a_log_ref, d
             o_ref, state_ref, *, scale: float, eps: float):
     row, head = pl.program_id(0), pl.program_id(1)
     slot = slot_ids_ref[row]
-    o_ref[...], h = _decode_head(slot, head, q_ref[...], k_ref[...], v_ref[...], a_ref[row, head], b_ref[row, head],
+    o_ref[...], h = _decode_head(head, q_ref[...], k_ref[...], v_ref[...], a_ref[row, head], b_ref[row, head],
                                  z_ref[...], load_state(state_in_ref.at[slot, head], slot), a_log_ref, dt_bias_ref,
                                  w_ref, out_dtype=o_ref.dtype, scale=scale, eps=eps)
     _store_tile(state_ref, slot, head, h)
@@ -116,10 +115,9 @@ def _packed_kernel(slot_ids_ref, qkv_ref, proj_ref, a_log_ref, dt_bias_ref, w_re
     """`_kernel` reading its inputs in place from the packed arrays."""
     row, head = pl.program_id(0), pl.program_id(1)
     slot = slot_ids_ref[row]
-    o_ref[...], h = _decode_head(slot, head, *_packed_inputs(qkv_ref, proj_ref, row, head, dims),
+    o_ref[...], h = _decode_head(head, *_packed_inputs(qkv_ref, proj_ref, row, head, dims),
                                  load_state(state_in_ref.at[slot, head], slot), a_log_ref, dt_bias_ref, w_ref,
-                                 out_dtype=o_ref.dtype,
-                                 scale=scale, eps=eps)
+                                 out_dtype=o_ref.dtype, scale=scale, eps=eps)
     _store_tile(state_ref, slot, head, h)
 
 
@@ -142,7 +140,7 @@ def _persistent_packed_kernel(slot_ids_ref, qkv_ref, proj_ref, a_log_ref, dt_bia
         h_next = tile(t + programs)  # pairs are distinct slots (or the null slot, never stored): no hazard
         row, head = t // hv, t % hv
         slot = slot_ids_ref[row]
-        o_ref[row, head, :], h = _decode_head(slot, head, *_packed_inputs(qkv_ref, proj_ref, row, head, dims), h,
+        o_ref[row, head, :], h = _decode_head(head, *_packed_inputs(qkv_ref, proj_ref, row, head, dims), h,
                                               a_log_ref, dt_bias_ref, w_ref, out_dtype=o_ref.dtype, scale=scale,
                                               eps=eps)
         _store_tile(state_ref, slot, head, h)

@@ -44,7 +44,7 @@ def _fused_recurrent_kernel(
     slot = slot_ids_ref[b]
     v_slice = pl.ds(i * block_v, block_v)
     h = load_state(state_in_ref.at[slot, j, :, v_slice], slot)
-    o, h = recurrent_step(h, slot, q_ref[...], k_ref[...], v_ref[...], g_ref[b, j], beta_ref[b, j], scale)
+    o, h = recurrent_step(h, q_ref[...], k_ref[...], v_ref[...], g_ref[b, j], beta_ref[b, j], scale)
     o_ref[...] = o.astype(o_ref.dtype)
 
     @pl.when(slot != 0)  # padding rows (the null slot) keep no state: no racing writes to slot 0
@@ -74,7 +74,7 @@ def _persistent_kernel(slot_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state
         t = pid + n * programs
         h_next = tile(t + programs)  # tiles of distinct slots (or the null slot, never stored): no hazard
         cols, j, b, slot = place(t)
-        o, h = recurrent_step(h, slot, q_ref[b, j // group, :], k_ref[b, j // group, :], v_ref[b, j, cols],
+        o, h = recurrent_step(h, q_ref[b, j // group, :], k_ref[b, j // group, :], v_ref[b, j, cols],
                               g_ref[b, j], beta_ref[b, j], scale)
         o_ref[b, j, cols] = o.astype(o_ref.dtype)
 
@@ -87,11 +87,10 @@ def _persistent_kernel(slot_ids_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, state
     jax.lax.fori_loop(0, (tiles - pid + programs - 1) // programs, body, tile(pid))
 
 
-def recurrent_step(h, slot, q, k, v, g, beta, scale: float):
-    """One token's gated delta rule on a `[K, BV]` state tile `h` of `slot` (zeros on the null slot 0):
-    (o [BV], new tile), in fp32. q, k: [K]; v: [BV]; g, beta: scalars."""
-    h = jnp.where(slot == 0, 0.0, h.astype(jnp.float32))  # the null slot always starts from zeros
-    h = h * jnp.exp(g.astype(jnp.float32))
+def recurrent_step(h, q, k, v, g, beta, scale: float):
+    """One token's gated delta rule on a `[K, BV]` state tile `h` (as `null_slot.load_state` reads it: zeros on the
+    null slot): (o [BV], new tile), in fp32. q, k: [K]; v: [BV]; g, beta: scalars."""
+    h = h.astype(jnp.float32) * jnp.exp(g.astype(jnp.float32))
     k = k.astype(jnp.float32)
     v_err = v.astype(jnp.float32) - jnp.sum(h * k[:, None], axis=0)  # [BV]
     h = h + k[:, None] * (beta.astype(jnp.float32) * v_err)[None, :]

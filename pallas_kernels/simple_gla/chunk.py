@@ -41,6 +41,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.gated_delta_rule.chunk import (_for_each_multi_row, _layout, _Layout, _row_groups, padding_programs,
                                                    zero_padding)
+from pallas_kernels.null_slot import load_state
 from pallas_kernels.simple_gla.fused_recurrent import recurrent_step
 
 _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
@@ -327,7 +328,7 @@ def _single_token_kernel(
             v = x * dt_ref[t, j]
         else:
             q, k, v = q_ref[t, j // group, :], k_ref[t, j // group, :], v_ref[t, j, v_slice]
-        o, h = recurrent_step(state_in_ref[slot, j, :, v_slice], slot, q, k, v, g_ref[t, j], scale)
+        o, h = recurrent_step(load_state(state_in_ref.at[slot, j, :, v_slice], slot), q, k, v, g_ref[t, j], scale)
         if mamba2:
             o = _mamba2_out(o, x, d_ref[j], z_ref[t, x_cols] if mamba2.gated else None, mamba2, out_dtype)
         o_ref[t, j, v_slice] = o.astype(o_ref.dtype)

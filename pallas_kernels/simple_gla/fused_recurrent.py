@@ -27,11 +27,11 @@ from pallas_kernels.null_slot import load_state
 _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
 
 
-def recurrent_step(h, slot, q, k, v, g, scale: float):
-    """One token of the scalar-decay recurrence on a `[K, BV]` state tile `h` of `slot` (zeros on the null
-    slot 0): (o [BV], new tile), in fp32. q, k: [K]; v: [BV]; g: a scalar (log-space decay)."""
-    h = jnp.where(slot == 0, 0.0, h.astype(jnp.float32))  # the null slot always starts from zeros
-    h = h * jnp.exp(g.astype(jnp.float32)) + k.astype(jnp.float32)[:, None] * v.astype(jnp.float32)[None, :]
+def recurrent_step(h, q, k, v, g, scale: float):
+    """One token of the scalar-decay recurrence on a `[K, BV]` state tile `h` (as `null_slot.load_state` reads it:
+    zeros on the null slot): (o [BV], new tile), in fp32. q, k: [K]; v: [BV]; g: a scalar (log-space decay)."""
+    h = h.astype(jnp.float32) * jnp.exp(g.astype(jnp.float32))
+    h = h + k.astype(jnp.float32)[:, None] * v.astype(jnp.float32)[None, :]
     return jnp.sum(h * (q.astype(jnp.float32) * scale)[:, None], axis=0), h
 
 
@@ -52,7 +52,7 @@ def _fused_recurrent_kernel(
     slot = slot_ids_ref[b]
     v_slice = pl.ds(i * block_v, block_v)
     h = load_state(state_in_ref.at[slot, j, :, v_slice], slot)
-    o, h = recurrent_step(h, slot, q_ref[...], k_ref[...], v_ref[...], g_ref[b, j], scale)
+    o, h = recurrent_step(h, q_ref[...], k_ref[...], v_ref[...], g_ref[b, j], scale)
     o_ref[...] = o.astype(o_ref.dtype)
 
     @pl.when(slot != 0)  # padding rows (the null slot) keep no state: no racing writes to slot 0

@@ -69,7 +69,7 @@ def _kernel(slot_ids_ref, proj_ref, slopes_ref, state_in_ref, o_ref, state_ref, 
     v = _silu(proj_ref[row, at(base + 2 * head_dim + i * block_v, block_v)], dtype)
     v_slice = pl.ds(pl.multiple_of(i * block_v, block_v), block_v)
     h = load_state(state_in_ref.at[slot, head, :, v_slice], slot)
-    o, h = recurrent_step(h, slot, q, k, v, -slopes_ref[head], 1.0)
+    o, h = recurrent_step(h, q, k, v, -slopes_ref[head], 1.0)
     o_ref[...] = o.astype(o_ref.dtype)
 
     @pl.when(slot != 0)  # padding rows (the null slot) keep no state

@@ -98,7 +98,7 @@ def _kernel(slot_ids_ref, xbc_ref, proj_ref, dt_bias_ref, a_log_ref, d_ref, stat
     c = xbc_ref[row, at(h * p + g * n + group * n, n)]  # [N]
     dt, decay = _step_size(proj_ref[row, dt_offset + head], dt_bias_ref[head], a_log_ref[head], dt_range)
     p_slice = pl.ds(pl.multiple_of(i * block_p, block_p), block_p)
-    y, s = recurrent_step(load_state(state_in_ref.at[slot, head, :, p_slice], slot), slot, c, b, xs * dt, decay, 1.0)
+    y, s = recurrent_step(load_state(state_in_ref.at[slot, head, :, p_slice], slot), c, b, xs * dt, decay, 1.0)
     y = (y + xs * d_ref[head].astype(jnp.float32)).astype(out_dtype)
     o_ref[...] = (_gate(y, proj_ref[row, cols]) if gated else y).astype(o_ref.dtype)
 
