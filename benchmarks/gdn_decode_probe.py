@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     gbytes = 2 * B * HV * K * V * 4 / 1e9
     rows = []
 
-    def row(name, ms, err=None):
-        rate = gbytes / ms  # GB / ms = TB/s
+    def row(name, ms, err=None, moved=gbytes):  # moved: GB read and written (the recurrent state's by default)
+        rate = moved / ms  # GB / ms = TB/s
         rows.append(dict(name=name, ms=ms, tbps=rate, rel_err=err))
         print(f"{name:48s} {ms:8.4f} ms  {rate:5.2f} TB/s" + (f"  rel err {err:.1e}" if err is not None else ""),
               flush=True)
@@ -245,10 +245,7 @@ def main(argv=None) -> int:
             err = max(errors(np.asarray(o, np.float32), np.asarray(want[0], np.float32))[1],
                       errors(np.asarray(cs)[idx], np.asarray(want[1])[idx])[1])
             ms = time_jax(f, (x, cstate + 0.0, w, slots), carry=lambda out, a: (a[0], out[1], *a[2:]))[0]
-            name = f"conv_update bc{block_c}" + (" window" if window else " taps")
-            rows.append(dict(name=name, ms=ms, tbps=cbytes / ms, rel_err=err))
-            print(f"{name:48s} {ms:8.4f} ms  {cbytes / ms:5.2f} TB/s (conv state {cbytes:.3f} GB)  rel err {err:.1e}",
-                  flush=True)
+            row(f"conv_update bc{block_c}" + (" window" if window else " taps"), ms, err, moved=cbytes)
     if "fla" in only and torch is not None and torch.cuda.is_available():
         try:
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fr
