@@ -78,3 +78,28 @@ def test_gdn_decode_probe_checks_every_kernel_it_times(tmp_path):
     assert any(n.startswith("in parts") for n in names) and any(n.startswith("conv_update") for n in names), names
     for r in rows:
         assert r["rel_err"] is not None and r["rel_err"] < 1e-2, r
+
+
+def test_launch_floor_chains_compute_their_links(tmp_path):
+    """`benchmarks.launch_floor` on the CPU (Pallas in interpret mode): every chain it times computes N applications
+    of its link (checked against the interpret-mode chain, and here against numpy for the elementwise link), and the
+    JSON has a row per (kind, N). Checked to fail with the loop link's update dropped from the chain."""
+    import json
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import launch_floor
+
+    out = tmp_path / "lf.json"
+    assert launch_floor.main(["--interpret", "--kernels", "1,3", "--kinds", "loop,norm,pallas", "--json",
+                              str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kind"], r["n"]) for r in rows] == [(k, n) for k in ("loop", "norm", "pallas") for n in (1, 3)]
+    x = jax.random.normal(jax.random.PRNGKey(0), launch_floor.SHAPE, jnp.bfloat16)
+    want = np.asarray(x, np.float32)
+    for _ in range(3):
+        want = np.asarray(jnp.asarray(want, jnp.bfloat16) * 0.5 + 1.0, np.float32)
+    np.testing.assert_allclose(np.asarray(launch_floor.chain("loop", 3)(x), np.float32), want, rtol=1e-2)
+    assert not np.allclose(want, np.asarray(x, np.float32), rtol=0.1)

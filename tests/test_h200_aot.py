@@ -152,3 +152,20 @@ def test_pallas_kernels_compile_for_the_h200():
     cases = 3 * 2 * len(KERNELS)  # head dims x dtypes x kernels
     assert out.returncode == 0 and f"{cases} of {cases} cases compiled for the H200" in out.stdout, (
         out.stdout[-4000:] + out.stderr[-4000:])
+
+
+def test_launch_floor_chains_launch_one_kernel_a_link():
+    """`benchmarks.launch_floor` times chains of N dependent kernels and reads the slope as one kernel's cost: each
+    chain, compiled for the H200, must launch exactly N kernels (XLA fusing two links would make the slope half a
+    kernel's). Same environment rule as above. (Checked to fail: with the `optimization_barrier` between the links
+    taken out, XLA fuses the 8-link loop and norm chains into one kernel each.)"""
+    python = ROOT / ".venv-h200" / "bin" / "python"
+    if not python.exists():
+        if os.environ.get("JHYBRID_REQUIRE_H200_AOT") == "1":
+            pytest.fail(f"{python} is missing: the H200 compile environment was not installed")
+        pytest.skip(f"no H200 compile environment ({python}); see benchmarks/h200_aot.py")
+    env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONPATH=str(ROOT), JAX_PLATFORMS="")
+    out = subprocess.run([str(python), "-m", "benchmarks.launch_floor", "--h200-compile", "--kernels", "1,8"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert out.stdout.count("N=8      8 kernels") == 3, out.stdout
