@@ -238,7 +238,9 @@ def main(argv=None) -> int:
         w = jax.random.normal(rng[2], (conv, width), jnp.bfloat16)
         want = conv_update_reference(x, cstate, w, slots)
         cbytes = 2 * B * conv * (width - 1) * 4 / 1e9
-        for block_c, window in ((1024, False), (256, False), (1024, True), (256, True), (128, True)):
+        # (small blocks: more programs for the few rows of a batch-1 step, `--rows 1`)
+        for block_c, window in ((1024, False), (256, False), (128, False), (64, False), (1024, True), (256, True),
+                                (128, True), (64, True)):
             f = jax.jit(functools.partial(conv_update_pallas, block_c=block_channels(conv, block_c), window=window,
                                           **kw), donate_argnums=1)
             o, cs = f(x, cstate + 0.0, w, slots)
