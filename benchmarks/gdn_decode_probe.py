@@ -18,6 +18,8 @@ whose torch copy reaches 4.3 (issue 20's B256 H16 row). This script times, in on
   in parts (XLA norms and gates around `fused_recurrent`);
 - the layer's conv update (`conv_update_pallas`), which reads the fp32 conv state one strided tap at a time or
   (`window=True`) as one contiguous tile, by channel block;
+- the layer's two decode kernels (conv update, then the packed decode) against the one kernel that does both
+  (`conv_decode`: `gated_delta_conv_decode_pallas`, a program per key head);
 - fla's `fused_recurrent_gated_delta_rule` when it is installed.
 
 Every kernel's output and state are checked against the jnp reference before it is timed.
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
     global B, H, HV, K, V, time_jax  # the shape of the run (the kernels above read it), the timer
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json")
-    ap.add_argument("--only", default="ceiling,touch,recurrent,persistent,packed,conv,fla")
+    ap.add_argument("--only", default="ceiling,touch,recurrent,persistent,packed,conv,conv_decode,fla")
     ap.add_argument("--heads", default=f"{H},{HV}", help="key heads, value heads (issue 20's kernel row: 16,16)")
     ap.add_argument("--rows", type=int, default=B)
     ap.add_argument("--dims", default=f"{K},{V}", help="key and value head dims")
@@ -248,6 +250,45 @@ def main(argv=None) -> int:
                       errors(np.asarray(cs)[idx], np.asarray(want[1])[idx])[1])
             ms = time_jax(f, (x, cstate + 0.0, w, slots), carry=lambda out, a: (a[0], out[1], *a[2:]))[0]
             row(f"conv_update bc{block_c}" + (" window" if window else " taps"), ms, err, moved=cbytes)
+    if "conv_decode" in only:  # the layer's two decode kernels (conv update, packed decode) against one (conv_decode)
+        from pallas_kernels.conv_update.kernel import conv_update_pallas
+        from pallas_kernels.gated_delta_rule.conv_decode import (
+            gated_delta_conv_decode_pallas,
+            gated_delta_conv_decode_reference,
+        )
+
+        conv, width, dims = 2 * H * K + HV * V, 4, (H, K, HV, V)
+        rng = jax.random.split(jax.random.PRNGKey(3), 6)
+        proj = jax.random.normal(rng[0], (B, conv + HV * V + 2 * HV), jnp.bfloat16)
+        cstate = jax.random.normal(rng[1], (B + 1, conv, width - 1), jnp.float32)
+        w = (jax.random.normal(rng[2], (conv, width)) * 0.5).astype(jnp.bfloat16)
+        a_log, dt_bias = jax.random.normal(rng[3], (HV,)) * 0.5, jax.random.normal(rng[4], (HV,)) * 0.5
+        norm_w = jnp.ones((V,), jnp.bfloat16)
+        want = jax.jit(functools.partial(gated_delta_conv_decode_reference, dims=dims, eps=1e-6))(
+            proj, cstate, w, a_log, dt_bias, norm_w, state, slots)
+        moved = gbytes + 2 * B * conv * (width - 1) * 4 / 1e9  # both states read and written
+
+        def two_kernels(proj, cstate, w, a_log, dt_bias, norm_w, state, slots, **tuning):
+            qkv, cstate = conv_update_pallas(proj, cstate, w, slots, activation="silu", **kw)
+            o, state = gated_delta_decode_packed_pallas(qkv, proj, a_log, dt_bias, norm_w, state, slots, dims=dims,
+                                                        eps=1e-6, **tuning, **kw)
+            return o, cstate, state
+
+        forms = [("conv_update + packed w4 (the engine's two kernels)", functools.partial(two_kernels, num_warps=4))]
+        forms += [(f"conv_decode w{nw} (one kernel)", functools.partial(
+            gated_delta_conv_decode_pallas, dims=dims, eps=1e-6, num_warps=nw, **kw)) for nw in (4, 8, 16)]
+        for name, form in forms:
+            f = jax.jit(form, donate_argnums=(1, 6))
+            try:
+                o, cs, s = f(proj, cstate + 0.0, w, a_log, dt_bias, norm_w, state + 0.0, slots)
+                err = max(errors(np.asarray(o, np.float32), np.asarray(want[0], np.float32))[1],
+                          errors(np.asarray(cs)[idx], np.asarray(want[1])[idx])[1],
+                          errors(np.asarray(s)[idx], np.asarray(want[2])[idx])[1])
+                ms = time_jax(f, (proj, cstate + 0.0, w, a_log, dt_bias, norm_w, state + 0.0, slots),
+                              carry=lambda out, a: (a[0], out[1], *a[2:6], out[2], a[7]))[0]
+                row(name, ms, err, moved=moved)
+            except Exception as e:  # noqa: BLE001
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
     if "fla" in only and torch is not None and torch.cuda.is_available():
         try:
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_fr

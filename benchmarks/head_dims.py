@@ -29,11 +29,17 @@ import numpy as np
 from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, paged_attention
 from pallas_kernels.paged_attention import paged_attention_reference, paged_prefix_merge_pallas
 from pallas_kernels.paged_attention.self_attention import packed_causal_attention
-from pallas_kernels.gated_delta_rule import gated_delta_decode, gated_delta_decode_packed
+from pallas_kernels.gated_delta_rule import (
+    gated_delta_conv_decode_pallas,
+    gated_delta_conv_decode_reference,
+    gated_delta_decode,
+    gated_delta_decode_packed,
+)
 from pallas_kernels.simple_gla import (chunk_mamba2, chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode,
                                       mamba2_decode)
 
-KERNELS = ("paged_decode", "paged_prefill", "paged_prefix_merge", "gdn_decode", "gdn_fused_decode", "gdn_packed_decode", "gdn_chunk",
+KERNELS = ("paged_decode", "paged_prefill", "paged_prefix_merge", "gdn_decode", "gdn_fused_decode", "gdn_packed_decode",
+           "gdn_conv_decode", "gdn_chunk",
            "sgla_decode", "sgla_chunk", "mamba2_chunk", "mamba2_decode", "lightning_decode")
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 2e-3}  # relative RMS error (TF32 dots in fp32 kernels)
 
@@ -107,6 +113,13 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     out["gdn_packed_decode"] = (lambda *x, impl, interpret: gated_delta_decode_packed(
         *x, dims=(h, d, hv, d), eps=1e-6, impl=impl, interpret=interpret, fused=True), (qkv, proj, *gate_params,
                                                                                        state, decode_slots))
+    # the conv update and the packed decode in one kernel (a program per key head), from the in_proj output
+    c_weight = jnp.asarray(rng.normal(size=(qkv.shape[1], 4)) * 0.5, dtype)
+    c_state = jnp.asarray(rng.normal(size=(slots, qkv.shape[1], 3)), jnp.float32)
+    out["gdn_conv_decode"] = (lambda *x, impl, interpret: (gated_delta_conv_decode_reference(
+        *x, dims=(h, d, hv, d), eps=1e-6) if impl == "reference" else gated_delta_conv_decode_pallas(
+        *x, dims=(h, d, hv, d), eps=1e-6, interpret=interpret)), (proj, c_state, c_weight, *gate_params, state,
+                                                                  decode_slots))
     # Mamba2 (2 groups of 2 heads, P = N = d) and lightning attention (hd = d) decode from their packed arrays
     xbc = jnp.asarray(rng.normal(size=(8, 4 * d + 2 * 2 * d)), jnp.float32)
     m_proj = jnp.asarray(rng.normal(size=(8, 4 * d + xbc.shape[1] + 4)), dtype)

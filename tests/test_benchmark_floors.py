@@ -71,11 +71,12 @@ def test_gdn_decode_probe_checks_every_kernel_it_times(tmp_path):
 
     out = tmp_path / "probe.json"
     gdn_decode_probe.main(["--interpret", "--rows", "3", "--heads", "2,4", "--dims", "16,32", "--only",
-                           "persistent,packed,conv", "--json", str(out)])
+                           "persistent,packed,conv,conv_decode", "--json", str(out)])
     rows = json.loads(out.read_text())["rows"]
     names = [r["name"] for r in rows]
     assert any(n.startswith("persistent") for n in names) and any("programs=" in n for n in names), names
     assert any(n.startswith("in parts") for n in names) and any(n.startswith("conv_update") for n in names), names
+    assert any(n.startswith("conv_decode") for n in names), names
     for r in rows:
         assert r["rel_err"] is not None and r["rel_err"] < 1e-2, r
 

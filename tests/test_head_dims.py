@@ -21,6 +21,7 @@ TRITON = {  # the Triton kernels each call lowers to, in program order (names ca
     "gdn_decode": [r"gdn_fused_recurrent_\w+"],
     "gdn_fused_decode": [r"gdn_fused_decode_w\d+"],
     "gdn_packed_decode": [r"gdn_fused_decode_packed_\w+"],
+    "gdn_conv_decode": [r"gdn_conv_decode_w\d+"],
     "gdn_chunk": [r"gdn_chunk_wy_\w+", r"gdn_chunk_fused_\w+", r"gdn_chunk_single_\w+"],
     "sgla_decode": [r"sgla_fused_recurrent_\w+"],
     "sgla_chunk": [r"sgla_chunk_fused_\w+", r"sgla_chunk_single_\w+"],

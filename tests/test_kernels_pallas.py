@@ -250,6 +250,68 @@ def test_fused_decode_lowers_for_h200():
                    kernels=["gdn_fused_decode_packed_p132_w8"])
 
 
+@pytest.mark.parametrize("batch,hk,hv,dk,dv,dtype", [(4, 2, 4, 16, 32, jnp.bfloat16), (3, 2, 6, 32, 16, jnp.float32),
+                                                     (2, 1, 1, 16, 16, jnp.float32)])
+def test_conv_decode_kernel_matches_the_two_steps(batch, hk, hv, dk, dv, dtype):
+    """`gated_delta_conv_decode_pallas` (the conv update folded into the packed decode, a program per key head)
+    against the two steps in jnp (`conv_update_reference`, then `gated_delta_decode_reference`) at G = 2, 3 and 1
+    value heads a key head: the output, both states of the live slots; the null slot (row 1, padding) and free slots,
+    NaN, are neither read into a live row nor written. Checked to fail with the key head's k channels read at q's
+    offset, with the new conv window left unstored, and with value head j's state tile read from head
+    0 of its key head."""
+    from pallas_kernels.gated_delta_rule.conv_decode import (
+        gated_delta_conv_decode_pallas,
+        gated_delta_conv_decode_reference,
+    )
+
+    rng = np.random.default_rng(hv * dk + dv)
+    num_slots, width = batch + 3, 4
+    conv = 2 * hk * dk + hv * dv
+    proj = jnp.asarray(rng.normal(size=(batch, conv + hv * dv + 2 * hv)), dtype)
+    weight = jnp.asarray(rng.normal(size=(conv, width)) * 0.5, dtype)
+    a_log = jnp.asarray(rng.uniform(-1.0, 2.0, hv), jnp.float32)
+    dt_bias = jnp.asarray(rng.normal(size=hv), jnp.float32)
+    norm_w = jnp.asarray(rng.uniform(0.5, 1.5, dv), dtype)
+    slots = rng.permutation(np.arange(1, num_slots))[:batch].astype(np.int32)
+    slots[1] = 0
+    live = slots[slots != 0]
+    free = np.setdiff1d(np.arange(1, num_slots), slots)
+    conv_state = rng.normal(size=(num_slots, conv, width - 1)).astype(np.float32)
+    state = (rng.normal(size=(num_slots, hv, dk, dv)) * 0.3).astype(np.float32)
+    want = gated_delta_conv_decode_reference(proj, jnp.asarray(conv_state), weight, a_log, dt_bias, norm_w,
+                                             jnp.asarray(state), jnp.asarray(slots), dims=(hk, dk, hv, dv), eps=1e-6)
+    for s in (conv_state, state):  # what no live row may read, and no step may write
+        s[0] = np.nan
+        s[free] = np.nan
+    got = gated_delta_conv_decode_pallas(proj, jnp.asarray(conv_state), weight, a_log, dt_bias, norm_w,
+                                         jnp.asarray(state), jnp.asarray(slots), dims=(hk, dk, hv, dv), eps=1e-6,
+                                         interpret=True)
+    rows = slots != 0
+    rtol = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert_close("conv decode output", np.asarray(got[0], np.float32)[rows], np.asarray(want[0], np.float32)[rows],
+                 rtol)
+    assert_close("conv decode conv state", np.asarray(got[1])[live], np.asarray(want[1])[live], 1e-6)
+    assert_close("conv decode state", np.asarray(got[2])[live], np.asarray(want[2])[live], 1e-5)
+    for name, before, after in (("conv state", conv_state, got[1]), ("state", state, got[2])):
+        np.testing.assert_array_equal(np.asarray(after)[free], before[free], err_msg=f"free slots' {name}")
+        assert np.isnan(np.asarray(after)[0]).all(), f"the null slot's {name} was written"
+
+
+def test_conv_decode_kernel_lowers_for_h200():
+    """At Qwen3-Next's layer (HK 16, HV 32, K = V = 128, conv width 4; the in_proj output [8, 12352]) and at
+    Qwen3.5-27B's G = 3 (HK 16, HV 48)."""
+    from pallas_kernels.gated_delta_rule.conv_decode import gated_delta_conv_decode_pallas
+
+    for hk, hv in ((16, 32), (16, 48)):
+        conv = 2 * hk * 128 + hv * 128
+        fn = functools.partial(gated_delta_conv_decode_pallas, dims=(hk, 128, hv, 128), eps=1e-6)
+        args = [jnp.zeros((8, conv + hv * 128 + 2 * hv), jnp.bfloat16), jnp.zeros((9, conv, 3), jnp.float32),
+                jnp.zeros((conv, 4), jnp.bfloat16), jnp.zeros((hv,), jnp.float32), jnp.zeros((hv,), jnp.float32),
+                jnp.zeros((128,), jnp.bfloat16), jnp.zeros((9, hv, 128, 128), jnp.float32),
+                jnp.arange(8, dtype=jnp.int32)]
+        lower_for_h200(fn, *args, kernels=["gdn_conv_decode_w8"])
+
+
 # ---------------------------------------------------------------- short convolution: decode
 
 

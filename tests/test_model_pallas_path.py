@@ -85,6 +85,32 @@ def test_fused_gdn_decode_equals_reference_path(ckpt, monkeypatch):
 
 
 @pytest.mark.slow
+def test_conv_folded_gdn_decode_equals_reference_path(ckpt, monkeypatch):
+    """With the conv update folded into the Gated DeltaNet decode kernel (`gated_delta_rule.CONV_DECODE`: one
+    program per key head), interpreted, the model's decode logits equal the reference path's (fp32), and the steps
+    took that kernel (its dispatch was traced). Checked to fail with the kernel's conv state left
+    unstored (the second decode step reads a stale window)."""
+    import jax
+
+    from pallas_kernels import gated_delta_rule
+
+    monkeypatch.setattr(gated_delta_rule, "FUSED_DECODE", True)
+    monkeypatch.setattr(gated_delta_rule, "CONV_DECODE", True)
+    jax.clear_caches()
+    names = []
+    real = gated_delta_rule.gated_delta_conv_decode_pallas
+    monkeypatch.setattr(gated_delta_rule, "gated_delta_conv_decode_pallas",
+                        lambda *a, **k: names.append(k["dims"]) or real(*a, **k))
+    cfg, params = load_model(ckpt, dtype="float32")
+    ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 29))
+    want = run(cfg, params, ids, (16, 13), 4, kernel_impl="reference")
+    got = run(cfg, params, ids, (16, 13), 4, kernel_impl="pallas", interpret=True)
+    assert names, "no decode step ran the conv decode kernel"
+    err = np.linalg.norm(got[-4:] - want[-4:]) / np.linalg.norm(want[-4:])
+    assert err <= 1e-5, f"decode logits differ from the reference path's, relative error {err:.2e}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family,mamba2_fused", [("minimax", False), ("nemotron_h", False), ("nemotron_h", True)])
 def test_scalar_decay_families_pallas_path_equals_reference_path(family, mamba2_fused, monkeypatch):
     """Lightning attention (MiniMax) and Mamba2 (NemotronH) layers through the simple-GLA Pallas kernels (chunked

@@ -14,6 +14,7 @@ from jhybrid.models.layers import gated_rms_norm, l2_normalize, short_conv
 from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import chunk_gated_delta_rule, conv_update
+from pallas_kernels import gated_delta_rule
 from pallas_kernels.gated_delta_rule import gated_delta_decode, gated_delta_decode_packed
 
 # a prefill's q / k L2 norms inside the chunk kernels (`qk_l2norm`): no normalised copy of q and k is written (two
@@ -76,11 +77,17 @@ def _decode_mixer(cfg: ModelConfig, p: dict, proj: Array, conv_state: Array, ssm
     """One device's decode step from the in_proj output to the gated-norm output `[B, HV, V]`: the conv with its
     SiLU, then `gated_delta_decode_packed`. The kernels read their parts of `proj` in place where they run (the
     conv kernel its first C columns; the fused decode kernel q, k, v from the conv's output and z, b, a from
-    `proj`), so no slice of the packed arrays becomes a kernel of its own; else the same computation in parts."""
+    `proj`), so no slice of the packed arrays becomes a kernel of its own; else the same computation in parts. With
+    `gated_delta_rule.CONV_DECODE` one kernel does both (`gated_delta_conv_decode_pallas`)."""
     dims = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
     c, weight = cfg.conv_dim, p["conv_weight"]
     impl = kernels.get("impl", "auto")
-    if conv_update.pallas_supported(proj, weight) and conv_update.resolve(impl, proj, weight) == "pallas":
+    conv_pallas = conv_update.pallas_supported(proj, weight) and conv_update.resolve(impl, proj, weight) == "pallas"
+    if conv_pallas and gated_delta_rule.conv_decode_applies(dims, weight.shape, proj.dtype, impl=impl):
+        return gated_delta_rule.gated_delta_conv_decode_pallas(
+            proj, conv_state, weight, p["A_log"], p["dt_bias"], p["norm"], ssm_state, batch.slot_ids, dims=dims,
+            eps=cfg.rms_norm_eps, interpret=kernels.get("interpret", False))
+    if conv_pallas:
         qkv, conv_state = conv_update.conv_update(proj, conv_state, weight, batch.slot_ids, activation="silu",
                                                   impl="pallas", interpret=kernels.get("interpret", False))
     else:

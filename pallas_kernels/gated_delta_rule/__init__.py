@@ -27,6 +27,11 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.gated_delta_rule.chunk import _l2norm, chunk_gated_delta_rule_pallas
+from pallas_kernels.gated_delta_rule.conv_decode import (
+    conv_decode_supported,
+    gated_delta_conv_decode_pallas,
+    gated_delta_conv_decode_reference,
+)
 from pallas_kernels.gated_delta_rule.fused_decode import (
     decode_in_parts,
     gated_delta_decode_packed_pallas,
@@ -154,6 +159,25 @@ def gated_delta_decode(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids
     return decode_in_parts(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids, eps=eps, recurrence=recurrence)
 
 
+# the conv update folded into the packed decode kernel (`conv_decode.py`: one launch a layer instead of two, a
+# program per key head): not the default until timed against the two kernels on the GPU
+# (`benchmarks.gdn_decode_probe --only conv_decode`); JHYBRID_GDN_CONV_DECODE=1 turns it on
+CONV_DECODE = os.environ.get("JHYBRID_GDN_CONV_DECODE", "0") == "1"
+
+
+def conv_decode_applies(dims: tuple[int, int, int, int], conv_weight_shape: tuple[int, int], dtype, *,
+                        impl: str = "auto", mesh=None, conv_decode: bool | None = None) -> bool:
+    """Whether a decode step of these heads runs `gated_delta_conv_decode_pallas` (static): `conv_decode` (default
+    `CONV_DECODE`) on, the packed decode kernel's conditions (`FUSED_DECODE`, the Pallas recurrence, V <=
+    `FUSED_DECODE_MAX_V`, no mesh) and the kernel's own (`conv_decode_supported`)."""
+    conv_decode = CONV_DECODE if conv_decode is None else conv_decode
+    hk, dk, hv, dv = dims
+    return (conv_decode and FUSED_DECODE and dv <= FUSED_DECODE_MAX_V and (mesh is None or mesh.size == 1)
+            and conv_decode_supported(dims, conv_weight_shape)
+            and _pick(impl, "fused_recurrent", jax.ShapeDtypeStruct((1, hk, dk), dtype),
+                      jax.ShapeDtypeStruct((1, hv, dv), dtype)) == "pallas")
+
+
 def gated_delta_decode_packed(qkv, proj, a_log, dt_bias, norm_w, state, slot_ids, *, dims: tuple[int, int, int, int],
                               eps: float, impl: str = "auto", interpret: bool = False, scale: float | None = None,
                               mesh=None, fused: bool | None = None, **tuning):
@@ -173,6 +197,10 @@ def gated_delta_decode_packed(qkv, proj, a_log, dt_bias, norm_w, state, slot_ids
 
 
 __all__ = [
+    "CONV_DECODE",
+    "conv_decode_applies",
+    "gated_delta_conv_decode_pallas",
+    "gated_delta_conv_decode_reference",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_pallas",
     "chunk_gated_delta_rule_reference",
