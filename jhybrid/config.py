@@ -214,14 +214,18 @@ class ModelConfig:
     def linear_state_shapes(self, kind: LayerKind) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """Per-slot shapes of one linear layer's (conv state `[C, W-1]`, recurrent state `[H, K, V]`).
 
-        Lightning attention has no conv: its conv state is the empty `[0, 0]`. Mamba2's recurrent state is
-        `[heads, ssm_state_size, head_dim]`: K is the state (B/C) dim, V the head dim, as in `S += k^T v`.
+        Lightning attention has no conv: its conv state is a one-float `[1, 1]` placeholder that nothing reads. Not
+        the empty `[0, 0]`: XLA makes a zero-size array a constant, so every program that takes the state donated
+        and returns it copied that constant into the output buffer, a copy launched per lightning layer (10 of a
+        MiniMax-shaped batch-1 step's 210 kernels on the H200 compile, benchmarks/RESULTS.md session 39); a
+        non-empty array passes through aliased. Mamba2's recurrent state is `[heads, ssm_state_size, head_dim]`:
+        K is the state (B/C) dim, V the head dim, as in `S += k^T v`.
         """
         if kind == "linear_attention":
             conv = (self.conv_dim, self.linear_conv_kernel - 1)
             return conv, (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
         if kind == "lightning_attention":
-            return (0, 0), (self.num_heads, self.head_dim, self.head_dim)
+            return (1, 1), (self.num_heads, self.head_dim, self.head_dim)
         if kind == "mamba2":
             conv = (self.mamba_conv_dim, self.mamba_conv_kernel - 1)
             return conv, (self.mamba_num_heads, self.ssm_state_size, self.mamba_head_dim)

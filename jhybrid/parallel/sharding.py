@@ -326,7 +326,7 @@ def shard_params_from(cfg: ModelConfig, leaves: dict, mesh: Mesh, make_leaf) -> 
 
 # ----------------------------------------------------------------------------- state
 def state_specs(cfg: ModelConfig) -> HybridState:
-    """PartitionSpecs of the state pytree (lightning attention's empty conv state is replicated)."""
+    """PartitionSpecs of the state pytree (lightning attention's placeholder conv state is replicated)."""
     kv = P(None, None, TP_AXIS, None)
     kinds = cfg.linear_layer_kinds
     return HybridState(
