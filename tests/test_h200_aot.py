@@ -133,6 +133,17 @@ def test_parse_ptxas_reads_each_functions_registers_and_spills():
 
 
 @pytest.mark.slow
+def _h200_python() -> tuple[Path, dict]:
+    """The H200 compile environment's python and its environment; skips without it, unless
+    `JHYBRID_REQUIRE_H200_AOT=1` (CI) makes that a failure."""
+    python = ROOT / ".venv-h200" / "bin" / "python"
+    if not python.exists():
+        if os.environ.get("JHYBRID_REQUIRE_H200_AOT") == "1":
+            pytest.fail(f"{python} is missing: the H200 compile environment was not installed")
+        pytest.skip(f"no H200 compile environment ({python}); see benchmarks/h200_aot.py")
+    return python, dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONPATH=str(ROOT), JAX_PLATFORMS="")
+
+
 def test_pallas_kernels_compile_for_the_h200():
     """Every Pallas kernel of `benchmarks.head_dims` at head dims 16, 128 and 256, bf16 and fp32, compiled for the
     H200 by XLA (no GPU: a compile-only target): a configuration whose tiles overflow the H200's shared memory
@@ -141,12 +152,7 @@ def test_pallas_kernels_compile_for_the_h200():
     (Checked to fail: with the chunked Gated DeltaNet kernel's one-stage pipeline at K = 256 taken out, its d=256
     cases ask for 332,296 B (bf16) and 233,732 B (fp32) of shared memory against 232,448: the figures session 26
     first met on the GPU.)"""
-    python = ROOT / ".venv-h200" / "bin" / "python"
-    if not python.exists():
-        if os.environ.get("JHYBRID_REQUIRE_H200_AOT") == "1":
-            pytest.fail(f"{python} is missing: the H200 compile environment was not installed")
-        pytest.skip(f"no H200 compile environment ({python}); see benchmarks/h200_aot.py")
-    env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONPATH=str(ROOT), JAX_PLATFORMS="")
+    python, env = _h200_python()
     out = subprocess.run([str(python), "-m", "benchmarks.h200_aot", "fit", "--dims", "16,128,256"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=1200)
     cases = 3 * 2 * len(KERNELS)  # head dims x dtypes x kernels
@@ -159,12 +165,7 @@ def test_launch_floor_chains_launch_one_kernel_a_link():
     chain, compiled for the H200, must launch exactly N kernels (XLA fusing two links would make the slope half a
     kernel's). Same environment rule as above. (Checked to fail: with the `optimization_barrier` between the links
     taken out, XLA fuses the 8-link loop and norm chains into one kernel each.)"""
-    python = ROOT / ".venv-h200" / "bin" / "python"
-    if not python.exists():
-        if os.environ.get("JHYBRID_REQUIRE_H200_AOT") == "1":
-            pytest.fail(f"{python} is missing: the H200 compile environment was not installed")
-        pytest.skip(f"no H200 compile environment ({python}); see benchmarks/h200_aot.py")
-    env = dict(os.environ, JAX_SKIP_CUDA_CONSTRAINTS_CHECK="1", PYTHONPATH=str(ROOT), JAX_PLATFORMS="")
+    python, env = _h200_python()
     out = subprocess.run([str(python), "-m", "benchmarks.launch_floor", "--h200-compile", "--kernels", "1,8"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
