@@ -309,7 +309,7 @@ def test_conv_decode_kernel_lowers_for_h200():
                 jnp.zeros((conv, 4), jnp.bfloat16), jnp.zeros((hv,), jnp.float32), jnp.zeros((hv,), jnp.float32),
                 jnp.zeros((128,), jnp.bfloat16), jnp.zeros((9, hv, 128, 128), jnp.float32),
                 jnp.arange(8, dtype=jnp.int32)]
-        lower_for_h200(fn, *args, kernels=["gdn_conv_decode_w8"])
+        lower_for_h200(fn, *args, kernels=["gdn_conv_decode_w4"])
 
 
 # ---------------------------------------------------------------- short convolution: decode

@@ -103,10 +103,12 @@ def gated_delta_conv_decode_pallas(
     proj: Float[Array, "B P"], conv_state: Float[Array, "S C W1"], conv_weight: Float[Array, "C W"],
     a_log: Float[Array, "HV"], dt_bias: Float[Array, "HV"], norm_w: Float[Array, "V"], state: Float[Array, "S HV K V"],
     slot_ids: Int[Array, "B"], *, dims: tuple[int, int, int, int], eps: float, scale: float | None = None,
-    num_warps: int = 8, interpret: bool = False,
+    num_warps: int = 4, interpret: bool = False,
 ) -> tuple[Float[Array, "B HV V"], Float[Array, "S C W1"], Float[Array, "S HV K V"]]:
     """`gated_delta_conv_decode_reference` in one kernel, grid `(B, HK)`; both states updated in place (aliased:
-    donate them under jit). `proj` is the in_proj output `[C | HV*V (z) | HV (b) | HV (a)]`."""
+    donate them under jit). `proj` is the in_proj output `[C | HV*V (z) | HV (b) | HV (a)]`. `num_warps`: 4, the
+    fastest of 4, 8 and 16 at the qwen3_next layer's 256 rows on the H200 (8 and 16 were 45-49% slower,
+    benchmarks/RESULTS.md session 39)."""
     hk, dk, hv, dv = dims
     if not conv_decode_supported(dims, conv_weight.shape):
         raise ValueError(f"the conv decode kernel needs K and V powers of two from 16, HV a multiple of HK and "
