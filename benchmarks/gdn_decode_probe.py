@@ -121,7 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json")
     ap.add_argument("--only", default="ceiling,touch,recurrent,persistent,packed,conv,conv_decode,fla")
     ap.add_argument("--heads", default=f"{H},{HV}", help="key heads, value heads (issue 20's kernel row: 16,16)")
-    ap.add_argument("--rows", type=int, default=B)
+    ap.add_argument("--rows", type=int, default=B, help="rows a step (at a few rows each timed call is bound by the "
+                    "host's dispatch, not the device: time batch-1 kernels in a loop program, benchmarks.device_loop)")
     ap.add_argument("--dims", default=f"{K},{V}", help="key and value head dims")
     ap.add_argument("--interpret", action="store_true", help="Pallas in interpret mode (a CPU check of the script at "
                     "small --rows/--dims; its timings mean nothing)")
