@@ -221,7 +221,7 @@ def _fused_io(cfg: ModelConfig, kind: str, p: dict, x: Array, kernels: dict) -> 
 
 def _linear_mixer(cfg, kind, p, x, conv, ssm, batch, layer_index, decode, kernels, io: dict | None = None):
     """Runs a state-slot mixer; returns (out, conv, ssm). Lightning attention has no conv (its conv state
-    is the empty `[S, 0, 0]` and passes through). With `io` (`_fused_io`) x is the layer's input before its norm,
+    is a `[S, 1, 1]` placeholder and passes through). With `io` (`_fused_io`) x is the layer's input before its norm,
     and out the residual stream after the mixer."""
     if kind == "linear_attention":
         return gated_deltanet_layer(cfg, p["gdn"], x, conv, ssm, batch, decode, kernels, io=io)
