@@ -82,9 +82,9 @@ def test_gdn_decode_probe_checks_every_kernel_it_times(tmp_path):
 
 
 def test_launch_floor_chains_compute_their_links(tmp_path):
-    """`benchmarks.launch_floor` on the CPU (Pallas in interpret mode): every chain it times computes N applications
-    of its link (checked against the interpret-mode chain, and here against numpy for the elementwise link), and the
-    JSON has a row per (kind, N). Checked to fail with the loop link's update dropped from the chain."""
+    """`benchmarks.launch_floor` on the CPU (Pallas in interpret mode): it runs every (kind, N) chain into a JSON
+    row, and the elementwise chain computes N applications of its link (against numpy). Checked to fail with the
+    loop link's update dropped from the chain."""
     import json
 
     import jax

@@ -7,8 +7,9 @@
 Linear layer j is the j-th layer whose kind is in `LINEAR_KINDS`; shapes differ by kind
 (`ModelConfig.linear_state_shapes`): Gated DeltaNet `[S, 2*HK*K + HV*V, W-1]` / `[S, HV, K, V]`; lightning
 attention has no conv, so its conv state is a placeholder `[S, 1, 1]` that nothing reads (kept so conv[j] and
-ssm[j] stay aligned; why not empty: `ModelConfig.linear_state_shapes`), and `[S, H, hd, hd]`; Mamba2 `[S, Hm*P + 2*G*N, Wm-1]` / `[S, Hm, N, P]` (N = ssm_state_size, the B/C dim,
-plays K; P = head dim plays V). A model without full-attention layers has empty `k_pages`/`v_pages`.
+ssm[j] stay aligned; why not empty: `ModelConfig.linear_state_shapes`), and `[S, H, hd, hd]`; Mamba2
+`[S, Hm*P + 2*G*N, Wm-1]` / `[S, Hm, N, P]` (N = ssm_state_size, the B/C dim, plays K; P = head dim plays V).
+A model without full-attention layers has empty `k_pages`/`v_pages`.
 
 With prefix caching the conv / ssm arrays have `num_snapshot_slots` more rows past the sequences' slots
 (`CacheConfig.num_state_rows`): snapshots of a sequence's state at a block boundary

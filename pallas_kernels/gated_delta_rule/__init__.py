@@ -165,17 +165,23 @@ def gated_delta_decode(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids
 CONV_DECODE = os.environ.get("JHYBRID_GDN_CONV_DECODE", "0") == "1"
 
 
-def conv_decode_applies(dims: tuple[int, int, int, int], conv_weight_shape: tuple[int, int], dtype, *,
-                        impl: str = "auto", mesh=None, conv_decode: bool | None = None) -> bool:
-    """Whether a decode step of these heads runs `gated_delta_conv_decode_pallas` (static): `conv_decode` (default
-    `CONV_DECODE`) on, the packed decode kernel's conditions (`FUSED_DECODE`, the Pallas recurrence, V <=
-    `FUSED_DECODE_MAX_V`, no mesh) and the kernel's own (`conv_decode_supported`)."""
-    conv_decode = CONV_DECODE if conv_decode is None else conv_decode
+def _packed_kernel_runs(dims: tuple[int, int, int, int], dtype, impl: str, mesh, fused: bool | None) -> bool:
+    """Whether the packed fused decode kernel runs (static): `fused` (default `FUSED_DECODE`) on, head dims it reads
+    in place (`packed_supported`), V <= `FUSED_DECODE_MAX_V`, no mesh, and the Pallas recurrence for `impl`."""
+    fused = FUSED_DECODE if fused is None else fused
     hk, dk, hv, dv = dims
-    return (conv_decode and FUSED_DECODE and dv <= FUSED_DECODE_MAX_V and (mesh is None or mesh.size == 1)
-            and conv_decode_supported(dims, conv_weight_shape)
+    return (fused and packed_supported(dims) and dv <= FUSED_DECODE_MAX_V and (mesh is None or mesh.size == 1)
             and _pick(impl, "fused_recurrent", jax.ShapeDtypeStruct((1, hk, dk), dtype),
                       jax.ShapeDtypeStruct((1, hv, dv), dtype)) == "pallas")
+
+
+def conv_decode_applies(dims: tuple[int, int, int, int], conv_weight_shape: tuple[int, int], dtype, *,
+                        impl: str = "auto") -> bool:
+    """Whether a decode step of these heads (one device) runs `gated_delta_conv_decode_pallas` (static):
+    `CONV_DECODE` on, the packed kernel's conditions (`_packed_kernel_runs`) and the kernel's own
+    (`conv_decode_supported`)."""
+    return (CONV_DECODE and conv_decode_supported(dims, conv_weight_shape)
+            and _packed_kernel_runs(dims, dtype, impl, None, None))
 
 
 def gated_delta_decode_packed(qkv, proj, a_log, dt_bias, norm_w, state, slot_ids, *, dims: tuple[int, int, int, int],
@@ -184,11 +190,7 @@ def gated_delta_decode_packed(qkv, proj, a_log, dt_bias, norm_w, state, slot_ids
     """`gated_delta_decode` of `split_packed_decode(qkv, proj, dims)` (one device's unsharded packing). Where the
     fused kernel runs, its packed form reads q, k, v, z, a and b in place; else the arrays are split and
     `gated_delta_decode` dispatches."""
-    fused = FUSED_DECODE if fused is None else fused
-    hk, dk, hv, dv = dims
-    if (fused and packed_supported(dims) and dv <= FUSED_DECODE_MAX_V and (mesh is None or mesh.size == 1)
-            and _pick(impl, "fused_recurrent", jax.ShapeDtypeStruct((1, hk, dk), qkv.dtype),
-                      jax.ShapeDtypeStruct((1, hv, dv), qkv.dtype)) == "pallas"):
+    if _packed_kernel_runs(dims, qkv.dtype, impl, mesh, fused):
         return gated_delta_decode_packed_pallas(qkv, proj, a_log, dt_bias, norm_w, state, slot_ids, dims=dims, eps=eps,
                                                 scale=scale, interpret=interpret, **tuning)
     q, k, v, a, b, z = split_packed_decode(qkv, proj, dims)
