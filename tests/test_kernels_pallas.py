@@ -358,6 +358,29 @@ def test_conv_update_pallas_matches_reference(batch, channels, width, dtype):
     np.testing.assert_allclose(np.asarray(want_state)[slots[live]], np.asarray(conv_state)[slots[live]], rtol=1e-6)
 
 
+def test_conv_update_takes_the_window_form_from_its_row_bound(monkeypatch):
+    """`WINDOW_FROM_ROWS` picks the kernel's window form at 128 channels a program for steps of that many rows or
+    more, the taps below it and everywhere when 0; explicit tuning wins. Read from the kernel's name in the jaxpr.
+    Checked to fail with the bound compared the wrong way round."""
+    import pallas_kernels.conv_update as cu
+
+    weight = jnp.ones((256, 4), jnp.bfloat16)
+
+    def kernel_name(rows, **tuning):
+        x, state = jnp.ones((rows, 256), jnp.bfloat16), jnp.zeros((rows + 1, 256, 3), jnp.float32)
+        fn = functools.partial(cu.conv_update, impl="pallas", interpret=True, **tuning)
+        names = re.findall(r"name=(conv_update_bc\w*)", str(jax.make_jaxpr(fn)(x, state, weight, jnp.arange(rows) + 1)))
+        assert len(names) == 1, names
+        return names[0]
+
+    monkeypatch.setattr(cu, "WINDOW_FROM_ROWS", 0)
+    assert kernel_name(8) == "conv_update_bc256_w4"
+    monkeypatch.setattr(cu, "WINDOW_FROM_ROWS", 8)
+    assert kernel_name(4) == "conv_update_bc256_w4"
+    assert kernel_name(8) == "conv_update_bc128_w4_win"
+    assert kernel_name(8, block_c=64) == "conv_update_bc64_w4"
+
+
 @pytest.mark.parametrize("dtype,offset,with_bias", [(jnp.float32, 0, False), (jnp.bfloat16, 0, False),
                                                      (jnp.bfloat16, 32, True)])
 def test_conv_update_reads_a_packed_input_and_applies_silu(dtype, offset, with_bias):

@@ -19,6 +19,11 @@ from pallas_kernels.conv_update.reference import conv_update_reference, finish
 # on: with the other one-kernel decode steps it took a batch-1 decode token from 1.942 to 1.786 ms (qwen3_next-shaped)
 # on the H200 (benchmarks/RESULTS.md, "Session 31"); JHYBRID_CONV_UPDATE=0 turns it off
 PALLAS_DECODE = os.environ.get("JHYBRID_CONV_UPDATE", "1") == "1"
+# steps of at least this many rows take the kernel's window form (`window=True`) at WINDOW_BLOCK channels a program:
+# alone at 256 rows on the H200 it took 0.0638 ms against the taps' 0.0810 (benchmarks/RESULTS.md, "Session 39");
+# 0 (the default until it is timed end to end) keeps the taps everywhere. JHYBRID_CONV_WINDOW_ROWS sets it.
+WINDOW_FROM_ROWS = int(os.environ.get("JHYBRID_CONV_WINDOW_ROWS", "0"))
+WINDOW_BLOCK = 128
 _IMPLS = ("auto", "reference", "pallas")
 
 
@@ -46,10 +51,12 @@ def resolve(impl: str, x, weight, mesh=None) -> str:
 
 def conv_update(x, conv_state, weight, slot_ids, *, offset: int = 0, bias=None, activation: str | None = None,
                 out_dtype=None, impl: str = "auto", interpret: bool = False, mesh=None, **tuning):
-    """Same signature and result as `conv_update_reference` (`resolve` picks). `tuning` (block_c, num_warps) goes
-    to the kernel."""
+    """Same signature and result as `conv_update_reference` (`resolve` picks). `tuning` (block_c, num_warps,
+    window) goes to the kernel; without it, steps of `WINDOW_FROM_ROWS` rows or more take the window form."""
     form = dict(offset=offset, bias=bias, activation=activation, out_dtype=out_dtype)
     if resolve(impl, x, weight, mesh) == "pallas":
+        if not tuning and 0 < WINDOW_FROM_ROWS <= x.shape[0]:
+            tuning = dict(window=True, block_c=block_channels(weight.shape[0], most=WINDOW_BLOCK))
         return conv_update_pallas(x, conv_state, weight, slot_ids, **form, interpret=interpret, **tuning)
     return conv_update_reference(x, conv_state, weight, slot_ids, **form)
 
