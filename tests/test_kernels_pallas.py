@@ -473,7 +473,8 @@ def test_paged_decode_pallas_matches_reference(lengths, h, kvh, d, bs, variant):
     rng = np.random.default_rng(sum(lengths) + d)
     args = _paged_inputs(rng, lengths, [1] * len(lengths), h, kvh, d, bs, jnp.float32)
     kw = dict(sliding_window=37 if "window" in variant else None, soft_cap=2.0 if variant == "softcap" else None)
-    want_o, want_lse = jax.jit(paged_attention_reference, static_argnames=("scale", "sliding_window", "soft_cap", "return_lse"))(*args, return_lse=True, **kw)
+    reference = jax.jit(paged_attention_reference, static_argnames=("scale", "sliding_window", "soft_cap", "return_lse"))
+    want_o, want_lse = reference(*args, return_lse=True, **kw)
     cu = jnp.arange(len(lengths) + 1, dtype=jnp.int32)
     got_o, got_lse = paged_attention(
         *args, cu_seqlens=cu, decode=True, impl="pallas", interpret=True, return_lse=True,
