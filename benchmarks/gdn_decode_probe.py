@@ -14,8 +14,9 @@ whose torch copy reaches 4.3 (issue 20's B256 H16 row). This script times, in on
   one computes (Triton's pipelining, `num_stages`, a form of this script's; or the library kernel's `programs=`
   form, which loads the next tile ahead itself: "prefetch");
 - the engine's fused decode kernel (`packed`: norms, gates, recurrence and gated norm of a (row, head) in one
-  program), one program per pair and in its persistent form (`programs`: register double buffer), and the same step
-  in parts (XLA norms and gates around `fused_recurrent`);
+  program), one program per pair, in its persistent form (`programs`: register double buffer) and in its split form
+  (`block_v`: a program per column block, the gated norm after it), and the same step in parts (XLA norms and gates
+  around `fused_recurrent`);
 - the layer's conv update (`conv_update_pallas`), which reads the fp32 conv state one strided tap at a time or
   (`window=True`) as one contiguous tile, by channel block;
 - the layer's two decode kernels (conv update, then the packed decode) against the one kernel that does both
@@ -209,7 +210,8 @@ def main(argv=None) -> int:
             *split_packed_decode(qkv, proj, dims), a_log, dt_bias, norm_w, state, slots)
         packed_args = (qkv, proj, a_log, dt_bias, norm_w)
         for tuning in (dict(num_warps=4), dict(num_warps=8), dict(num_warps=16), dict(num_warps=8, programs=132),
-                       dict(num_warps=16, programs=132), dict(num_warps=8, programs=264)):
+                       dict(num_warps=16, programs=132), dict(num_warps=8, programs=264),
+                       dict(num_warps=4, block_v=64), dict(num_warps=2, block_v=32), dict(num_warps=4, block_v=32)):
             f = jax.jit(functools.partial(gated_delta_decode_packed_pallas, dims=dims, eps=1e-6, **tuning, **kw),
                         donate_argnums=5)
             name = "packed " + " ".join(f"{k}={v}" for k, v in tuning.items())

@@ -195,7 +195,8 @@ def test_fused_decode_reads_the_packed_arrays(batch, h, hv, dk, dv, dtype):
     parts packed; the unfused dispatch of the same packed arrays too, and the persistent form (`programs`: fewer
     programs than (row, head) pairs, unevenly shared). Row 1 is padding (the null slot 0): it stores nothing. Checked
     to fail with the kernel's a and b columns swapped, with its k read at q's offset, and with the persistent form
-    computing on the prefetched tile (the next pair's) instead of the current one."""
+    computing on the prefetched tile (the next pair's) instead of the current one; and the split form (`block_v`:
+    programs per column block of a head's tile) with its v read at block 0 and with its state stored at block 0."""
     from pallas_kernels.gated_delta_rule import gated_delta_decode_packed, gated_delta_decode_reference
 
     rng = np.random.default_rng(dk + dv)
@@ -214,7 +215,8 @@ def test_fused_decode_reads_the_packed_arrays(batch, h, hv, dk, dv, dtype):
     proj = jnp.concatenate([flat(q), flat(k), flat(v), flat(z), b, a], axis=1)
     want_o, want_state = gated_delta_decode_reference(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slots, eps=1e-6)
     rtol = 1e-5 if dtype == jnp.float32 else 1e-2
-    for fused, tuning in ((True, {}), (True, dict(programs=5)), (False, {})):
+    split = dict(block_v=dv // 2) if dv >= 32 else {}  # the split form: two programs a head's tile
+    for fused, tuning in ((True, {}), (True, dict(programs=5)), (True, split), (False, {})):
         got_o, got_state = gated_delta_decode_packed(qkv, proj, a_log, dt_bias, norm_w, state, slots,
                                                      dims=(h, dk, hv, dv), eps=1e-6, impl="pallas", interpret=True,
                                                      fused=fused, **tuning)
@@ -248,6 +250,8 @@ def test_fused_decode_lowers_for_h200():
     # its persistent form, one program per SM
     lower_for_h200(functools.partial(packed, programs=132, num_warps=8), *args,
                    kernels=["gdn_fused_decode_packed_p132_w8"])
+    # its split form, a program per [128, 64] block
+    lower_for_h200(functools.partial(packed, block_v=64), *args, kernels=["gdn_fused_decode_packed_bv64_w4"])
 
 
 @pytest.mark.parametrize("batch,hk,hv,dk,dv,dtype", [(4, 2, 4, 16, 32, jnp.bfloat16), (3, 2, 6, 32, 16, jnp.float32),

@@ -165,6 +165,13 @@ def gated_delta_decode(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids
 CONV_DECODE = os.environ.get("JHYBRID_GDN_CONV_DECODE", "0") == "1"
 
 
+# steps of at least this many rows run the packed kernel in its split form (`block_v=SPLIT_BLOCK_V`: a program per
+# [K, 64] block, 135 registers against the whole tile's 255 on the H200 compile; the gated norm after it in XLA):
+# 0 (the default until timed end to end) keeps the whole tile everywhere. JHYBRID_GDN_SPLIT_DECODE_ROWS sets it.
+SPLIT_FROM_ROWS = int(os.environ.get("JHYBRID_GDN_SPLIT_DECODE_ROWS", "0"))
+SPLIT_BLOCK_V = 64
+
+
 def _packed_kernel_runs(dims: tuple[int, int, int, int], dtype, impl: str, mesh, fused: bool | None) -> bool:
     """Whether the packed fused decode kernel runs (static): `fused` (default `FUSED_DECODE`) on, head dims it reads
     in place (`packed_supported`), V <= `FUSED_DECODE_MAX_V`, no mesh, and the Pallas recurrence for `impl`."""
@@ -188,9 +195,11 @@ def gated_delta_decode_packed(qkv, proj, a_log, dt_bias, norm_w, state, slot_ids
                               eps: float, impl: str = "auto", interpret: bool = False, scale: float | None = None,
                               mesh=None, fused: bool | None = None, **tuning):
     """`gated_delta_decode` of `split_packed_decode(qkv, proj, dims)` (one device's unsharded packing). Where the
-    fused kernel runs, its packed form reads q, k, v, z, a and b in place; else the arrays are split and
-    `gated_delta_decode` dispatches."""
+    fused kernel runs, its packed form reads q, k, v, z, a and b in place (split in column blocks from
+    `SPLIT_FROM_ROWS` rows up, without `tuning`); else the arrays are split and `gated_delta_decode` dispatches."""
     if _packed_kernel_runs(dims, qkv.dtype, impl, mesh, fused):
+        if not tuning and 0 < SPLIT_FROM_ROWS <= qkv.shape[0] and SPLIT_BLOCK_V < dims[3]:
+            tuning = dict(block_v=SPLIT_BLOCK_V)
         return gated_delta_decode_packed_pallas(qkv, proj, a_log, dt_bias, norm_w, state, slot_ids, dims=dims, eps=eps,
                                                 scale=scale, interpret=interpret, **tuning)
     q, k, v, a, b, z = split_packed_decode(qkv, proj, dims)

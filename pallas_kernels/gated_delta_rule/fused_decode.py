@@ -121,6 +121,26 @@ def _packed_kernel(slot_ids_ref, qkv_ref, proj_ref, a_log_ref, dt_bias_ref, w_re
     _store_tile(state_ref, slot, head, h)
 
 
+def _packed_split_kernel(slot_ids_ref, qkv_ref, proj_ref, a_log_ref, dt_bias_ref, state_in_ref, o_ref, state_ref, *,
+                         dims: tuple[int, int, int, int], block_v: int, scale: float):
+    """`_packed_kernel` on a `[K, block_v]` column block of the head's state tile, grid `(V / block_v, HV, B)` (the
+    value block fastest, as `fused_recurrent`'s): the norms of q and k, the gates and the recurrence, the output
+    unnormed (the gated norm needs the head's whole output; the caller applies it)."""
+    col, head, row = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slot_ids_ref[row]
+    cols = pl.ds(pl.multiple_of(col * block_v, 16), block_v)
+    q, k, _, a, b, _ = _packed_inputs(qkv_ref, proj_ref, row, head, dims)  # (the unused loads are dropped)
+    v = qkv_ref[row, pl.ds(pl.multiple_of(2 * dims[0] * dims[1] + head * dims[3] + col * block_v, 16), block_v)]
+    g, beta = _gates(a, b, a_log_ref[head], dt_bias_ref[head])
+    o, h = recurrent_step(load_state(state_in_ref.at[slot, head, :, cols], slot), _l2_normalize(q, q.dtype),
+                          _l2_normalize(k, k.dtype), v, g, beta, scale)
+    o_ref[...] = o.astype(o_ref.dtype)
+
+    @pl.when(slot != 0)
+    def _():
+        state_ref[slot, head, :, cols] = h.astype(state_ref.dtype)
+
+
 def _persistent_packed_kernel(slot_ids_ref, qkv_ref, proj_ref, a_log_ref, dt_bias_ref, w_ref, state_in_ref, o_ref,
                               state_ref, *, dims: tuple[int, int, int, int], programs: int, scale: float, eps: float):
     """`_packed_kernel` with a fixed number of programs: program p takes the (row, head) pairs p, p + programs, ...
@@ -171,18 +191,20 @@ def packed_supported(dims: tuple[int, int, int, int]) -> bool:
     return all(d >= 16 and d & (d - 1) == 0 for d in (dk, dv))
 
 
-@functools.partial(jax.jit, static_argnames=("dims", "eps", "scale", "num_warps", "num_stages", "programs",
+@functools.partial(jax.jit, static_argnames=("dims", "eps", "scale", "num_warps", "num_stages", "programs", "block_v",
                                              "interpret"))
 def gated_delta_decode_packed_pallas(
     qkv: Float[Array, "B X"], proj: Float[Array, "B P"], a_log: Float[Array, "HV"], dt_bias: Float[Array, "HV"],
     norm_w: Float[Array, "V"], state: Float[Array, "S HV K V"], slot_ids: Int[Array, "B"], *,
     dims: tuple[int, int, int, int], eps: float, scale: float | None = None, num_warps: int = 4, num_stages: int = 1,
-    programs: int | None = None, interpret: bool = False,
+    programs: int | None = None, block_v: int | None = None, interpret: bool = False,
 ) -> tuple[Float[Array, "B HV V"], Float[Array, "S HV K V"]]:
     """`gated_delta_decode_pallas` on `split_packed_decode(qkv, proj, dims)`, reading the packed arrays in place:
     no slice of them is written to memory first (XLA runs each slice feeding a custom call as a kernel of its
     own: five a layer). `programs`: that many programs (at most one per (row, head) pair) walk the pairs with the
-    next state tile loaded ahead (`_persistent_packed_kernel`); None: one program per pair."""
+    next state tile loaded ahead (`_persistent_packed_kernel`); None: one program per pair. `block_v` (a power of
+    two from 16, below V): a program per `[K, block_v]` block of a head's tile (`_packed_split_kernel`), smaller
+    tiles in more programs, with the gated norm after the kernel in jnp (one more launch; the same roundings)."""
     hk, dk, hv, dv = dims
     if not packed_supported(dims):
         raise ValueError(f"the packed decode kernel needs K and V powers of two from 16, got {dims=}")
@@ -190,6 +212,23 @@ def gated_delta_decode_packed_pallas(
         raise ValueError(f"packed shapes {qkv.shape}, {proj.shape} do not hold {dims=}")
     batch = qkv.shape[0]
     scale = dk**-0.5 if scale is None else scale
+    if block_v is not None and block_v < dv:
+        if block_v < 16 or block_v & (block_v - 1) or programs is not None:
+            raise ValueError(f"block_v={block_v} must be a power of two from 16, and not with programs={programs}")
+        o, state = pl.pallas_call(
+            functools.partial(_packed_split_kernel, dims=dims, block_v=block_v, scale=scale),
+            grid=(dv // block_v, hv, batch),
+            in_specs=[_WHOLE] * 6,
+            out_specs=[pl.BlockSpec((None, None, block_v), lambda c, j, r: (r, j, c)), _WHOLE],
+            out_shape=[jax.ShapeDtypeStruct((batch, hv, dv), qkv.dtype),
+                       jax.ShapeDtypeStruct(state.shape, state.dtype)],
+            input_output_aliases={5: 1},
+            interpret=interpret,
+            compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            name=f"gdn_fused_decode_packed_bv{block_v}_w{num_warps}",
+        )(slot_ids.astype(jnp.int32), qkv, proj, a_log, dt_bias, state)
+        z = split_packed_decode(qkv, proj, dims)[5]
+        return _gated_norm(o, z, norm_w, eps), state
     if programs is None:
         kernel = functools.partial(_packed_kernel, dims=dims, scale=scale, eps=eps)
         grid, o_spec, name = (batch, hv), pl.BlockSpec((None, None, dv), lambda r, j: (r, j, 0)), ""
