@@ -227,6 +227,32 @@ def test_fused_decode_reads_the_packed_arrays(batch, h, hv, dk, dv, dtype):
         np.testing.assert_array_equal(np.asarray(got_state)[0], np.asarray(state)[0], err_msg=f"null slot {what}")
 
 
+def test_packed_decode_takes_the_split_form_from_its_row_bound(monkeypatch):
+    """`SPLIT_FROM_ROWS` picks the packed kernel's split form (`block_v=SPLIT_BLOCK_V`) for steps of that many rows
+    or more, the whole tile below it and everywhere when 0; explicit tuning wins. Read from the kernel's name in the
+    jaxpr. Checked to fail with the bound compared the wrong way round."""
+    import pallas_kernels.gated_delta_rule as gdr
+
+    dims = (2, 16, 4, 128)
+
+    def kernel_name(rows, **tuning):
+        args = (jnp.ones((rows, 2 * 2 * 16 + 4 * 128), jnp.bfloat16),
+                jnp.ones((rows, 2 * 2 * 16 + 2 * 4 * 128 + 8), jnp.bfloat16), jnp.zeros((4,)), jnp.zeros((4,)),
+                jnp.ones((128,), jnp.bfloat16), jnp.zeros((rows + 1, 4, 16, 128)), jnp.arange(rows) + 1)
+        fn = functools.partial(gdr.gated_delta_decode_packed, dims=dims, eps=1e-6, impl="pallas", interpret=True,
+                               **tuning)
+        names = re.findall(r"name=(gdn_fused_decode_packed\w*)", str(jax.make_jaxpr(fn)(*args)))
+        assert len(names) == 1, names
+        return names[0]
+
+    monkeypatch.setattr(gdr, "SPLIT_FROM_ROWS", 0)
+    assert kernel_name(8) == "gdn_fused_decode_packed_w4"
+    monkeypatch.setattr(gdr, "SPLIT_FROM_ROWS", 8)
+    assert kernel_name(4) == "gdn_fused_decode_packed_w4"
+    assert kernel_name(8) == f"gdn_fused_decode_packed_bv{gdr.SPLIT_BLOCK_V}_w4"
+    assert kernel_name(8, num_warps=8) == "gdn_fused_decode_packed_w8"
+
+
 def test_fused_decode_lowers_for_h200():
     """Lowers at the head dims of the supported families (Qwen3-Next / Qwen3.5: K = V = 128) and at V = 256, bf16
     activations and fp32 ones."""

@@ -20,9 +20,10 @@ from pallas_kernels.conv_update.reference import conv_update_reference, finish
 # on the H200 (benchmarks/RESULTS.md, "Session 31"); JHYBRID_CONV_UPDATE=0 turns it off
 PALLAS_DECODE = os.environ.get("JHYBRID_CONV_UPDATE", "1") == "1"
 # steps of at least this many rows take the kernel's window form (`window=True`) at WINDOW_BLOCK channels a program:
-# alone at 256 rows on the H200 it took 0.0638 ms against the taps' 0.0810 (benchmarks/RESULTS.md, "Session 39");
-# 0 (the default until it is timed end to end) keeps the taps everywhere. JHYBRID_CONV_WINDOW_ROWS sets it.
-WINDOW_FROM_ROWS = int(os.environ.get("JHYBRID_CONV_WINDOW_ROWS", "0"))
+# alone at 256 rows on the H200 it took 0.0638 ms against the taps' 0.0810; in the qwen3_next-shaped engine's decode
+# step on an H100, 64 rows 4.659 -> 4.415 ms and 256 rows 11.951 -> 11.248 (benchmarks/RESULTS.md, "Session 40").
+# Not yet timed below 64 rows. JHYBRID_CONV_WINDOW_ROWS sets the bound (0: the taps everywhere).
+WINDOW_FROM_ROWS = int(os.environ.get("JHYBRID_CONV_WINDOW_ROWS", "64"))
 WINDOW_BLOCK = 128
 _IMPLS = ("auto", "reference", "pallas")
 

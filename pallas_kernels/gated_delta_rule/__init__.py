@@ -166,9 +166,10 @@ CONV_DECODE = os.environ.get("JHYBRID_GDN_CONV_DECODE", "0") == "1"
 
 
 # steps of at least this many rows run the packed kernel in its split form (`block_v=SPLIT_BLOCK_V`: a program per
-# [K, 64] block, 135 registers against the whole tile's 255 on the H200 compile; the gated norm after it in XLA):
-# 0 (the default until timed end to end) keeps the whole tile everywhere. JHYBRID_GDN_SPLIT_DECODE_ROWS sets it.
-SPLIT_FROM_ROWS = int(os.environ.get("JHYBRID_GDN_SPLIT_DECODE_ROWS", "0"))
+# [K, 64] block, 135 registers against the whole tile's 255 on the H200 compile; the gated norm after it in XLA). In
+# the qwen3_next-shaped engine's decode step on an H100 with the conv's window form: 256 rows 11.248 -> 10.904 ms,
+# 64 rows 4.415 -> 4.412 (benchmarks/RESULTS.md, "Session 40"). JHYBRID_GDN_SPLIT_DECODE_ROWS sets the bound (0: off).
+SPLIT_FROM_ROWS = int(os.environ.get("JHYBRID_GDN_SPLIT_DECODE_ROWS", "128"))
 SPLIT_BLOCK_V = 64
 
 
