@@ -227,6 +227,13 @@ def test_fused_decode_reads_the_packed_arrays(batch, h, hv, dk, dv, dtype):
         np.testing.assert_array_equal(np.asarray(got_state)[0], np.asarray(state)[0], err_msg=f"null slot {what}")
 
 
+def _kernel_named(fn, args, prefix: str) -> str:
+    """The name of the one Pallas kernel starting with `prefix` in `fn(*args)`'s jaxpr."""
+    names = re.findall(rf"name=({prefix}\w*)", str(jax.make_jaxpr(fn)(*args)))
+    assert len(names) == 1, names
+    return names[0]
+
+
 def test_packed_decode_takes_the_split_form_from_its_row_bound(monkeypatch):
     """`SPLIT_FROM_ROWS` picks the packed kernel's split form (`block_v=SPLIT_BLOCK_V`) for steps of that many rows
     or more, the whole tile below it and everywhere when 0; explicit tuning wins. Read from the kernel's name in the
@@ -241,9 +248,7 @@ def test_packed_decode_takes_the_split_form_from_its_row_bound(monkeypatch):
                 jnp.ones((128,), jnp.bfloat16), jnp.zeros((rows + 1, 4, 16, 128)), jnp.arange(rows) + 1)
         fn = functools.partial(gdr.gated_delta_decode_packed, dims=dims, eps=1e-6, impl="pallas", interpret=True,
                                **tuning)
-        names = re.findall(r"name=(gdn_fused_decode_packed\w*)", str(jax.make_jaxpr(fn)(*args)))
-        assert len(names) == 1, names
-        return names[0]
+        return _kernel_named(fn, args, "gdn_fused_decode_packed")
 
     monkeypatch.setattr(gdr, "SPLIT_FROM_ROWS", 0)
     assert kernel_name(8) == "gdn_fused_decode_packed_w4"
@@ -399,9 +404,7 @@ def test_conv_update_takes_the_window_form_from_its_row_bound(monkeypatch):
     def kernel_name(rows, **tuning):
         x, state = jnp.ones((rows, 256), jnp.bfloat16), jnp.zeros((rows + 1, 256, 3), jnp.float32)
         fn = functools.partial(cu.conv_update, impl="pallas", interpret=True, **tuning)
-        names = re.findall(r"name=(conv_update_bc\w*)", str(jax.make_jaxpr(fn)(x, state, weight, jnp.arange(rows) + 1)))
-        assert len(names) == 1, names
-        return names[0]
+        return _kernel_named(fn, (x, state, weight, jnp.arange(rows) + 1), "conv_update_bc")
 
     monkeypatch.setattr(cu, "WINDOW_FROM_ROWS", 0)
     assert kernel_name(8) == "conv_update_bc256_w4"
