@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -232,6 +233,70 @@ def _kernel_named(fn, args, prefix: str) -> str:
     names = re.findall(rf"name=({prefix}\w*)", str(jax.make_jaxpr(fn)(*args)))
     assert len(names) == 1, names
     return names[0]
+
+
+PROLOGUE_CASES = [  # (H, KVH, D, rotary dims, gate, qk norm, zero-centred norm, dtype)
+    (4, 2, 32, 8, True, True, True, jnp.float32),  # Qwen3-Next's form: gated queries, partial RoPE, 1 + w norms
+    (6, 2, 16, 16, False, True, False, jnp.bfloat16),  # Qwen3 / Llama: full RoPE, w * norm, a group of 3
+    (2, 1, 16, 0, False, False, False, jnp.float32),  # NemotronH: neither RoPE nor norms
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd,rot,gate,qk_norm,zero_centred,dtype", PROLOGUE_CASES)
+def test_decode_prologue_matches_reference(heads, kv_heads, hd, rot, gate, qk_norm, zero_centred, dtype):
+    """The attention layer's decode prologue in one kernel (`decode_prologue_pallas`: q/k norms, RoPE, the new K/V
+    written into the pages, the queries padded to the decode kernel's rows) against its jnp form, which is checked
+    against `attention_qkv` itself (the model's code) with the queries padded as the decode kernel pads them. A
+    padding token points at the null page 0. Checked to fail with the rotated halves' sines swapped in sign, with
+    the key written at the value's columns, and with the padding rows left unwritten."""
+    from jhybrid.models.attention import attention_qkv
+    from pallas_kernels.paged_attention.decode_prologue import decode_prologue_pallas, decode_prologue_reference
+
+    rng = np.random.default_rng(heads * hd + rot)
+    tokens, num_pages, bs = 3, 6, 4
+    q_out = heads * hd * (2 if gate else 1)
+    qkv = jnp.asarray(rng.normal(size=(tokens, q_out + 2 * kv_heads * hd)), dtype)
+    norms = [jnp.asarray(rng.uniform(-0.5, 0.5, hd), dtype) for _ in range(2)] if qk_norm else [None, None]
+    inv_freq = jnp.asarray(10000.0 ** (-np.arange(0, rot, 2) / max(rot, 1)), jnp.float32)
+    positions = jnp.asarray([5, 130, 17], jnp.int32)
+    slots = jnp.asarray([7 * 1 + 2, 0, 5 * bs + 3], jnp.int32)  # token 1 pads into the null page
+    pages = [jnp.asarray(rng.normal(size=(num_pages, bs, kv_heads, hd)), dtype) for _ in range(2)]
+    kw = dict(dims=(heads, kv_heads, hd), gate=gate, eps=1e-6, zero_centred=zero_centred)
+    want = decode_prologue_reference(qkv, *norms, positions, inv_freq, slots, *pages, **kw)
+    got = decode_prologue_pallas(qkv, *norms, positions, inv_freq, slots, pages[0] + 0, pages[1] + 0, interpret=True,
+                                 **kw)
+    rtol = 1e-6 if dtype == jnp.float32 else 1e-2
+    assert_close("queries", np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol)
+    for name, g, w in (("k pages", got[1], want[1]), ("v pages", got[2], want[2])):
+        assert_close(name, np.asarray(g, np.float32)[1:], np.asarray(w, np.float32)[1:], rtol)
+    # the jnp form is the model's attention_qkv on the same projection
+    cfg = types.SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=hd, attn_output_gate=gate,
+                                attention_bias=False, qk_norm=qk_norm, rms_norm_eps=1e-6, norm_zero_centred=zero_centred)
+    p = dict(qkv_proj=jnp.eye(qkv.shape[1], dtype=dtype), q_norm=norms[0], k_norm=norms[1])
+    batch = types.SimpleNamespace(positions=positions, slot_mapping=slots)
+    q, _, k_pages, _, _ = attention_qkv(cfg, p, qkv, *pages, batch, inv_freq)
+    group = heads // kv_heads
+    padded = jnp.pad(q.reshape(tokens, kv_heads, group, hd), ((0, 0), (0, 0), (0, want[0].shape[2] - group), (0, 0)))
+    assert_close("reference vs attention_qkv", np.asarray(want[0], np.float32), np.asarray(padded, np.float32), rtol)
+    assert_close("reference vs attention_qkv, k", np.asarray(want[1], np.float32)[1:],
+                 np.asarray(k_pages, np.float32)[1:], rtol)
+
+
+def test_decode_prologue_lowers_for_h200():
+    """Lowers at Qwen3-Next's attention layer (16 q / 2 kv heads of 256, the gate, 64 rotary dims, 1 + w norms; 8
+    tokens, 16-token pages) and at NemotronH's (no RoPE, no norms)."""
+    from pallas_kernels.paged_attention.decode_prologue import decode_prologue_pallas
+
+    for heads, kv_heads, hd, rot, gate, norm in ((16, 2, 256, 64, True, True), (32, 8, 128, 0, False, False)):
+        width = heads * hd * (2 if gate else 1) + 2 * kv_heads * hd
+        fn = functools.partial(decode_prologue_pallas, dims=(heads, kv_heads, hd), gate=gate, eps=1e-6,
+                               zero_centred=norm)
+        norms = [jnp.zeros((hd,), jnp.bfloat16)] * 2 if norm else [None, None]
+        args = (jnp.zeros((8, width), jnp.bfloat16), *norms, jnp.zeros((8,), jnp.int32),
+                jnp.zeros((rot // 2,), jnp.float32), jnp.zeros((8,), jnp.int32),
+                *[jnp.zeros((64, 16, kv_heads, hd), jnp.bfloat16)] * 2)
+        lower_for_h200(lambda *a, fn=fn, n=norm: fn(*a) if n else fn(a[0], None, None, *a[1:]),
+                       *[a for a in args if a is not None], kernels=["attn_decode_prologue_w1"])
 
 
 def test_packed_decode_takes_the_split_form_from_its_row_bound(monkeypatch):
