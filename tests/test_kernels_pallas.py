@@ -271,7 +271,8 @@ def test_decode_prologue_matches_reference(heads, kv_heads, hd, rot, gate, qk_no
         assert_close(name, np.asarray(g, np.float32)[1:], np.asarray(w, np.float32)[1:], rtol)
     # the jnp form is the model's attention_qkv on the same projection
     cfg = types.SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_dim=hd, attn_output_gate=gate,
-                                attention_bias=False, qk_norm=qk_norm, rms_norm_eps=1e-6, norm_zero_centred=zero_centred)
+                                attention_bias=False, qk_norm=qk_norm, rms_norm_eps=1e-6,
+                                norm_zero_centred=zero_centred)
     p = dict(qkv_proj=jnp.eye(qkv.shape[1], dtype=dtype), q_norm=norms[0], k_norm=norms[1])
     batch = types.SimpleNamespace(positions=positions, slot_mapping=slots)
     q, _, k_pages, _, _ = attention_qkv(cfg, p, qkv, *pages, batch, inv_freq)
@@ -571,7 +572,8 @@ def test_paged_decode_pallas_matches_reference(lengths, h, kvh, d, bs, variant):
     rng = np.random.default_rng(sum(lengths) + d)
     args = _paged_inputs(rng, lengths, [1] * len(lengths), h, kvh, d, bs, jnp.float32)
     kw = dict(sliding_window=37 if "window" in variant else None, soft_cap=2.0 if variant == "softcap" else None)
-    reference = jax.jit(paged_attention_reference, static_argnames=("scale", "sliding_window", "soft_cap", "return_lse"))
+    reference = jax.jit(paged_attention_reference,
+                        static_argnames=("scale", "sliding_window", "soft_cap", "return_lse"))
     want_o, want_lse = reference(*args, return_lse=True, **kw)
     cu = jnp.arange(len(lengths) + 1, dtype=jnp.int32)
     got_o, got_lse = paged_attention(

@@ -70,11 +70,11 @@ def _pieces(start: int, size: int) -> list[tuple[int, int]]:
     return out
 
 
-def _norm_rope(qkv_ref, t, start, w_ref, cos, sin, *, hd: int, half: int, eps: float, zero_centred: bool, has_norm: bool,
-               dtype) -> list[tuple[int, jax.Array]]:
-    """The head at column `start` of token t's `qkv_ref` row normalised (`rms_norm`'s rounding) and rotated, as (offset in
-    the head, values in fp32) pieces: the rotate-half pair's two halves (dims [0, R) and [R, 2R), each the other's
-    partner), then the dims that pass through."""
+def _norm_rope(qkv_ref, t, start, w_ref, cos, sin, *, hd: int, half: int, eps: float, zero_centred: bool,
+               has_norm: bool, dtype) -> list[tuple[int, jax.Array]]:
+    """The head at column `start` of token t's `qkv_ref` row normalised (`rms_norm`'s rounding) and rotated, as
+    (offset in the head, values in fp32) pieces: the rotate-half pair's two halves (dims [0, R) and [R, 2R), each
+    the other's partner), then the dims that pass through."""
     if has_norm:
         xf = qkv_ref[t, pl.ds(start, hd)].astype(jnp.float32)
         rstd = jax.lax.rsqrt(jnp.mean(xf * xf) + eps)
