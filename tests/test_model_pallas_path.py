@@ -111,6 +111,33 @@ def test_conv_folded_gdn_decode_equals_reference_path(ckpt, monkeypatch):
 
 
 @pytest.mark.slow
+def test_decode_prologue_path_equals_reference_path(ckpt, monkeypatch):
+    """With the attention layers' decode prologue in one kernel (`paged_attention.DECODE_PROLOGUE`: norms, RoPE,
+    K/V writes, padded queries straight into the decode kernel), interpreted, the model's decode logits equal the
+    reference path's (fp32), and the steps took that kernel (its dispatch was traced). Checked to fail with the
+    prologue's key written without its RoPE (the next step's attention reads a wrong key)."""
+    import importlib
+
+    import jax
+
+    from jhybrid.models import attention
+
+    paged_attention = importlib.import_module("pallas_kernels.paged_attention")  # the module (the package exports
+    monkeypatch.setattr(paged_attention, "DECODE_PROLOGUE", True)  # a function of its name)
+    jax.clear_caches()
+    dims = []
+    real = attention.decode_prologue_pallas
+    monkeypatch.setattr(attention, "decode_prologue_pallas", lambda *a, **k: dims.append(k["dims"]) or real(*a, **k))
+    cfg, params = load_model(ckpt, dtype="float32")
+    ids = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 29))
+    want = run(cfg, params, ids, (16, 13), 4, kernel_impl="reference")
+    got = run(cfg, params, ids, (16, 13), 4, kernel_impl="pallas", interpret=True)
+    assert dims, "no decode step ran the decode prologue kernel"
+    err = np.linalg.norm(got[-4:] - want[-4:]) / np.linalg.norm(want[-4:])
+    assert err <= 1e-5, f"decode logits differ from the reference path's, relative error {err:.2e}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family,mamba2_fused", [("minimax", False), ("nemotron_h", False), ("nemotron_h", True)])
 def test_scalar_decay_families_pallas_path_equals_reference_path(family, mamba2_fused, monkeypatch):
     """Lightning attention (MiniMax) and Mamba2 (NemotronH) layers through the simple-GLA Pallas kernels (chunked

@@ -12,7 +12,12 @@ from jhybrid.models.layers import apply_rope, rms_norm
 from jhybrid.models.quant import in_projection, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import paged_attention, write_kv_pages
-from pallas_kernels.paged_attention import merge_attention
+from pallas_kernels.paged_attention import (
+    decode_prologue_applies,
+    decode_prologue_pallas,
+    merge_attention,
+    paged_attention_decode_pallas,
+)
 
 
 def attention_layer(
@@ -39,15 +44,41 @@ def attention_layer(
 
     `io` (a decode step without host KV: `jhybrid.models.hybrid._fused_io`): x is the layer's input before its norm,
     which the qkv projection's kernel applies, and out holds the residual added by the o projection's kernel."""
+    kernels = kernels or {}
+    dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    if (decode and host is None and not cfg.attention_bias and decode_prologue_applies(
+            dims, 2 * inv_freq.shape[0], k_pages, impl=kernels.get("impl", "auto"), mesh=kernels.get("mesh"))):
+        return _decode_in_one_prologue(cfg, p, x, k_pages, v_pages, batch, inv_freq, kernels, io)
     q, gate, k_pages, v_pages, new_kv = attention_qkv(cfg, p, x, k_pages, v_pages, batch, inv_freq, kernels, io)
     if host is None:
         o = paged_attention(
             q, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions,
-            cu_seqlens=batch.cu_seqlens, decode=decode, scale=cfg.attention_scale, new_kv=new_kv, **(kernels or {}),
+            cu_seqlens=batch.cu_seqlens, decode=decode, scale=cfg.attention_scale, new_kv=new_kv, **kernels,
         )
     else:
         o_dev, lse_dev = device_part(cfg, q, k_pages, v_pages, batch, host.offsets, decode, kernels, new_kv)
         o, _ = merge_attention(o_dev, lse_dev, *host(q))
+    return attention_out(cfg, p, o, gate, x.dtype, io), k_pages, v_pages
+
+
+def _decode_in_one_prologue(cfg: ModelConfig, p: dict, x, k_pages, v_pages, batch: Batch, inv_freq, kernels: dict,
+                            io: dict | None):
+    """`attention_layer`'s decode step with the layer's work up to the attention in one kernel
+    (`decode_prologue_pallas`: norms, RoPE, the K/V written, the queries padded as the decode kernel takes them)."""
+    h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qkv = in_projection(x, p["qkv_proj"], io)
+    interpret = kernels.get("interpret", False)
+    norms = (p["q_norm"], p["k_norm"]) if cfg.qk_norm else (None, None)
+    q4, k_pages, v_pages = decode_prologue_pallas(
+        qkv, *norms, batch.positions, inv_freq, batch.slot_mapping, k_pages, v_pages, dims=(h, kvh, hd),
+        gate=cfg.attn_output_gate, eps=cfg.rms_norm_eps, zero_centred=cfg.norm_zero_centred, interpret=interpret)
+    tuning = {k: v for k, v in kernels.items() if k in ("pages_per_block", "num_splits", "num_warps", "num_stages",
+                                                          "per_page")}
+    o = paged_attention_decode_pallas(q4, k_pages, v_pages, batch.block_tables, batch.token_seq, batch.positions,
+                                      scale=cfg.attention_scale, group=h // kvh, interpret=interpret, **tuning)
+    gate = None
+    if cfg.attn_output_gate:  # per head: hd query dims, then hd gate dims
+        gate = qkv[:, : 2 * h * hd].reshape(qkv.shape[0], h, 2, hd)[:, :, 1].reshape(qkv.shape[0], h * hd)
     return attention_out(cfg, p, o, gate, x.dtype, io), k_pages, v_pages
 
 

@@ -6,6 +6,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jax.sharding import PartitionSpec as P
@@ -43,22 +44,25 @@ def l2_normalize(x: Array, eps: float = 1e-6) -> Array:
     return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)
 
 
-def rope_inv_freq(cfg) -> Array:
-    """Inverse frequencies `[rotary_dim / 2]` (default, linear and llama3 scaling)."""
+def rope_inv_freq(cfg) -> np.ndarray:
+    """Inverse frequencies `[rotary_dim / 2]` (default, linear and llama3 scaling), in fp32 on the host: a constant
+    of the programs that use it, folded where they do (computed under jit, it was a kernel of each step's own)."""
     dim = cfg.rotary_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    inv = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))))
+    inv = inv.astype(np.float32)
     if cfg.rope_type == "linear":
-        inv = inv / cfg.rope_factor
+        inv = inv / np.float32(cfg.rope_factor)
     elif cfg.rope_type == "llama3":
         low_wavelen = cfg.rope_original_max_position / cfg.rope_low_freq_factor
         high_wavelen = cfg.rope_original_max_position / cfg.rope_high_freq_factor
-        wavelen = 2 * jnp.pi / inv
-        smooth = (cfg.rope_original_max_position / wavelen - cfg.rope_low_freq_factor) / (
-            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        wavelen = np.float32(2 * np.pi) / inv
+        smooth = (np.float32(cfg.rope_original_max_position) / wavelen - np.float32(cfg.rope_low_freq_factor)) / (
+            np.float32(cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
         )
-        mid = (1 - smooth) * inv / cfg.rope_factor + smooth * inv
-        inv = jnp.where(wavelen > low_wavelen, inv / cfg.rope_factor, jnp.where(wavelen < high_wavelen, inv, mid))
-    return inv
+        mid = (1 - smooth) * inv / np.float32(cfg.rope_factor) + smooth * inv
+        inv = np.where(wavelen > low_wavelen, inv / np.float32(cfg.rope_factor),
+                       np.where(wavelen < high_wavelen, inv, mid))
+    return np.asarray(inv, np.float32)
 
 
 def apply_rope(x: Float[Array, "T NH D"], positions: Int[Array, "T"], inv_freq: Float[Array, "R"]) -> Array:

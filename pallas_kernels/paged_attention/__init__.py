@@ -27,6 +27,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.paged_attention.decode import paged_attention_decode_pallas
+from pallas_kernels.paged_attention.decode_prologue import decode_prologue_pallas, decode_prologue_supported
 from pallas_kernels.paged_attention.merge import merge_attention
 from pallas_kernels.paged_attention.prefill import paged_attention_prefill_pallas, tiling
 from pallas_kernels.paged_attention.prefix import paged_prefix_merge_pallas
@@ -51,6 +52,23 @@ _SELF_IMPLS = ("cudnn", "reference")
 # tiles are so few that the unmerged kernel would split their keys across programs (a short suffix after a long
 # cached prefix). JHYBRID_PREFIX_IN_PLACE=0: always the unmerged kernel and `merge_attention` (session 27's form).
 PREFIX_IN_PLACE = os.environ.get("JHYBRID_PREFIX_IN_PLACE", "1") != "0"
+
+
+# a decode step's attention layer runs its q/k norms, RoPE, K/V writes and query padding as one kernel
+# (`decode_prologue.py`: one launch a layer instead of five at batch 1, on the H200 compile); not the default until
+# timed on the GPU. JHYBRID_ATTN_DECODE_PROLOGUE=1 turns it on.
+DECODE_PROLOGUE = os.environ.get("JHYBRID_ATTN_DECODE_PROLOGUE", "0") == "1"
+
+
+def decode_prologue_applies(dims: tuple[int, int, int], rotary_dim: int, k_pages, *, impl: str = "auto",
+                            mesh=None) -> bool:
+    """Whether a decode step of these heads (`(H, KVH, D)`) runs `decode_prologue_pallas` and then the decode kernel
+    on its padded queries (static): `DECODE_PROLOGUE` on, no mesh splitting the heads, the kernels' shapes
+    (`decode_prologue_supported`, a power-of-two page size), and `impl` "pallas", or "auto" on a GPU."""
+    if impl not in _IMPLS:
+        raise ValueError(f"unknown paged attention {impl=}; choose one of {_IMPLS}")
+    return (DECODE_PROLOGUE and (mesh is None or mesh.size == 1) and decode_prologue_supported(dims, rotary_dim)
+            and _pow2(k_pages.shape[1]) and (impl == "pallas" or (impl == "auto" and jax.default_backend() == "gpu")))
 
 
 def _pow2(x: int) -> bool:
@@ -161,6 +179,9 @@ def _per_head_shard(kernel, mesh, return_lse: bool):
 __all__ = [
     "AUTO_CUDNN_PREFILL",
     "AUTO_PALLAS_PREFILL",
+    "DECODE_PROLOGUE",
+    "decode_prologue_applies",
+    "decode_prologue_pallas",
     "merge_attention",
     "paged_attention",
     "paged_attention_decode_pallas",

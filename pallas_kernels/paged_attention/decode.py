@@ -108,7 +108,7 @@ def _decode_kernel(
     jax.jit,
     static_argnames=(
         "scale", "sliding_window", "soft_cap", "return_lse", "pages_per_block", "num_splits",
-        "num_warps", "num_stages", "per_page", "interpret",
+        "num_warps", "num_stages", "per_page", "group", "interpret",
     ),
 )
 def paged_attention_decode_pallas(
@@ -128,18 +128,28 @@ def paged_attention_decode_pallas(
     num_warps: int = 4,
     num_stages: int = 4,
     per_page: bool = True,
+    group: int | None = None,
     interpret: bool = False,
 ):
     """Same arguments and results as `paged_attention_reference` (query tokens of any rows).
 
     q is cast to the pages' dtype for the dots (fp32 accumulation); the output has q's dtype.
     D and BS must be powers of two. `num_splits` KV splits per query are merged by LSE. Each loop step
-    reads `pages_per_block` pages: as one gathered tile, or with `per_page` page by page.
+    reads `pages_per_block` pages: as one gathered tile, or with `per_page` page by page. q may also come as the
+    kernel takes it, `[T, KVH, GP, D]` in the pages' dtype with each kv head's `group` queries first and zero rows
+    after them (`decode_prologue.py`'s output); `group` is then required.
     """
-    num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_pages.shape
-    group = num_heads // num_kv_heads
-    gp = max(16, _next_pow2(group))
+    if q.ndim == 4:
+        if group is None or q.shape[2] != max(16, _next_pow2(group)) or q.dtype != k_pages.dtype:
+            raise ValueError(f"padded queries {q.shape} {q.dtype} are not [T, KVH, GP, D] of the pages' dtype for "
+                             f"{group=}")
+        num_tokens, _, gp, head_dim = q.shape
+        num_heads = num_kv_heads * group
+    else:
+        num_tokens, num_heads, head_dim = q.shape
+        group = num_heads // num_kv_heads
+        gp = max(16, _next_pow2(group))
     scale = head_dim**-0.5 if scale is None else scale
     max_pages = block_tables.shape[1]
     pages_per_block = min(pages_per_block, _next_pow2(max_pages))
@@ -147,8 +157,11 @@ def paged_attention_decode_pallas(
     pages_per_split = -(-max_pages // (num_splits * pages_per_block)) * pages_per_block
     pad = num_splits * pages_per_split - max_pages
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))  # pad entries: page 0
-    q4 = q.astype(k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)  # dot operands: one dtype
-    q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [T, KVH, GP, D]
+    if q.ndim == 4:
+        q4 = q
+    else:
+        q4 = q.astype(k_pages.dtype).reshape(num_tokens, num_kv_heads, group, head_dim)  # dot operands: one dtype
+        q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [T, KVH, GP, D]
     kernel = functools.partial(
         _decode_kernel, scale=scale, pages_per_block=pages_per_block, pages_per_split=pages_per_split,
         sliding_window=sliding_window, soft_cap=soft_cap, per_page=per_page,

@@ -154,7 +154,8 @@ def decode_prologue_pallas(
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm: both or neither")
     has_norm = q_norm is not None
-    ones = jnp.ones((hd,), qkv.dtype)
+    unused = positions  # for the refs the kernel does not read (no norms, no RoPE): an operand already there (a
+    # constant made here would be a kernel of its own)
     tokens, gp = qkv.shape[0], group_rows(heads // kv_heads)
     kernel = functools.partial(_kernel, dims=dims, gate=gate, eps=eps, zero_centred=zero_centred, has_norm=has_norm,
                                half=half)
@@ -170,6 +171,5 @@ def decode_prologue_pallas(
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         name=f"attn_decode_prologue_w{num_warps}",
-    )(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), qkv, q_norm if has_norm else ones,
-      k_norm if has_norm else ones, inv_freq.astype(jnp.float32) if half else jnp.ones((1,), jnp.float32),
-      k_pages, v_pages)
+    )(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), qkv, q_norm if has_norm else unused,
+      k_norm if has_norm else unused, jnp.asarray(inv_freq, jnp.float32) if half else unused, k_pages, v_pages)
