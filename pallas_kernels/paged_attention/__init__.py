@@ -55,9 +55,10 @@ PREFIX_IN_PLACE = os.environ.get("JHYBRID_PREFIX_IN_PLACE", "1") != "0"
 
 
 # a decode step's attention layer runs its q/k norms, RoPE, K/V writes and query padding as one kernel
-# (`decode_prologue.py`: one launch a layer instead of five at batch 1, on the H200 compile); not the default until
-# timed on the GPU. JHYBRID_ATTN_DECODE_PROLOGUE=1 turns it on.
-DECODE_PROLOGUE = os.environ.get("JHYBRID_ATTN_DECODE_PROLOGUE", "0") == "1"
+# (`decode_prologue.py`): the qwen3_next-shaped batch-1 step 334 -> 305 kernels (H200 compile); on an H100 its
+# batch-1 token 2.049 -> 2.028 ms and batch-256 step 10.744 -> 10.699 ms (`benchmarks.floors`), logits within bf16
+# rounding of the parts' (benchmarks/RESULTS.md, "Session 40"). JHYBRID_ATTN_DECODE_PROLOGUE=0 turns it off.
+DECODE_PROLOGUE = os.environ.get("JHYBRID_ATTN_DECODE_PROLOGUE", "1") == "1"
 
 
 def decode_prologue_applies(dims: tuple[int, int, int], rotary_dim: int, k_pages, *, impl: str = "auto",
