@@ -140,3 +140,34 @@ def test_generate_rejects_bad_input(family):
         jhybrid.generate(model, [[1] * 250], max_tokens=10)
     with pytest.raises(ValueError, match="no tokenizer"):
         jhybrid.generate(model, ["hello"], max_tokens=2)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "linear", "factor": 4.0},
+                                     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 512}])
+def test_rope_frequencies_match_transformers(scaling):
+    """`rope_inv_freq` (numpy fp32 on the host, a constant of the programs) against transformers' own RoPE
+    initialisation for the default, linear and llama3 scalings. Checked to fail with the
+    llama3 branch's low- and high-frequency bounds swapped."""
+    import types
+
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jhybrid.models.layers import rope_inv_freq
+
+    hf = LlamaConfig(hidden_size=256, num_attention_heads=2, head_dim=128, rope_theta=500000.0,
+                     max_position_embeddings=4096, rope_scaling=scaling)
+    if scaling is None:
+        want = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.int64).float() / 128))
+    else:
+        want, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf, "cpu")
+    scaling = scaling or {}
+    cfg = types.SimpleNamespace(rotary_dim=128, rope_theta=500000.0, rope_type=scaling.get("rope_type", "default"),
+                                rope_factor=scaling.get("factor", 1.0),
+                                rope_original_max_position=scaling.get("original_max_position_embeddings", 0),
+                                rope_low_freq_factor=scaling.get("low_freq_factor", 1.0),
+                                rope_high_freq_factor=scaling.get("high_freq_factor", 4.0))
+    got = rope_inv_freq(cfg)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
