@@ -160,8 +160,9 @@ def gated_delta_decode(q, k, v, a, b, z, a_log, dt_bias, norm_w, state, slot_ids
 
 
 # the conv update folded into the packed decode kernel (`conv_decode.py`: one launch a layer instead of two, a
-# program per key head): not the default until timed against the two kernels on the GPU
-# (`benchmarks.gdn_decode_probe --only conv_decode`); JHYBRID_GDN_CONV_DECODE=1 turns it on
+# program per key head): off. End to end on an H100 the engine's step took -0.6% at batch 1, -4.9% at 64 rows and
+# -4.1% at 256, less than the window conv with the split packed kernel from 64 / 128 rows (benchmarks/RESULTS.md,
+# "Session 40"). JHYBRID_GDN_CONV_DECODE=1 turns it on (and takes precedence over the split form)
 CONV_DECODE = os.environ.get("JHYBRID_GDN_CONV_DECODE", "0") == "1"
 
 
