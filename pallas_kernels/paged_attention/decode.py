@@ -33,6 +33,11 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+def group_rows(group: int) -> int:
+    """The kernel's query rows a kv head (GP): the group padded to a power of two, at least 16 (the dots' tile)."""
+    return max(16, _next_pow2(group))
+
+
 def _decode_kernel(
     token_seq_ref,  # [T] (whole)
     positions_ref,  # [T] (whole)
@@ -141,7 +146,7 @@ def paged_attention_decode_pallas(
     """
     _, block_size, num_kv_heads, _ = k_pages.shape
     if q.ndim == 4:
-        if group is None or q.shape[2] != max(16, _next_pow2(group)) or q.dtype != k_pages.dtype:
+        if group is None or q.shape[2] != group_rows(group) or q.dtype != k_pages.dtype:
             raise ValueError(f"padded queries {q.shape} {q.dtype} are not [T, KVH, GP, D] of the pages' dtype for "
                              f"{group=}")
         num_tokens, _, gp, head_dim = q.shape
@@ -149,7 +154,7 @@ def paged_attention_decode_pallas(
     else:
         num_tokens, num_heads, head_dim = q.shape
         group = num_heads // num_kv_heads
-        gp = max(16, _next_pow2(group))
+        gp = group_rows(group)
     scale = head_dim**-0.5 if scale is None else scale
     max_pages = block_tables.shape[1]
     pages_per_block = min(pages_per_block, _next_pow2(max_pages))

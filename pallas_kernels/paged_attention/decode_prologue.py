@@ -27,12 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.paged_attention.decode import group_rows
+
 _WHOLE = pl.no_block_spec
-
-
-def group_rows(group: int) -> int:
-    """The decode kernel's query rows a kv head (GP): the group padded to a power of two, at least 16."""
-    return max(16, 1 << max(0, (group - 1).bit_length()))
 
 
 def decode_prologue_reference(
