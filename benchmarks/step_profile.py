@@ -35,6 +35,9 @@ def main(argv=None):
                         "row with the rest of the tokens (mixed), as a server's step beside running decodes; "
                         "a suffix @N puts N tokens of context before every real row (long-context steps)")
     p.add_argument("--tiny", action="store_true", help="a small model (CPU check of the script)")
+    p.add_argument("--model", default="qwen3_next", choices=("qwen3_next", "nemotron_h", "minimax"),
+                   help="the model shape: the 2.2 B Qwen3-Next-shaped default, or another of `benchmarks.floors`' "
+                        "models (NemotronH- and MiniMax-shaped), with --vocab")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="the engine's max_model_len (raise it for programs with a long @context)")
     p.add_argument("--host", action="store_true",
@@ -51,11 +54,18 @@ def main(argv=None):
     from jhybrid.model_loader import LoadedModel
     from jhybrid.engine.llm_engine import LLMEngine
 
-    hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16", vocab_size=args.vocab,
-              max_position_embeddings=max(HF_CONFIG["max_position_embeddings"], args.max_model_len))
-    if args.tiny:
-        hf.update(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
-                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+    if args.model == "qwen3_next":
+        hf = dict(HF_CONFIG, model_type="qwen3_next", dtype="bfloat16", vocab_size=args.vocab,
+                  max_position_embeddings=max(HF_CONFIG["max_position_embeddings"], args.max_model_len))
+        if args.tiny:
+            hf.update(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+                      linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                      linear_value_head_dim=32)
+    else:
+        from benchmarks.floors import hf_config
+
+        hf = hf_config(args.model, args.tiny)
+        hf.update(vocab_size=args.vocab, max_position_embeddings=max(hf["max_position_embeddings"], args.max_model_len))
     cfg = ModelConfig.from_hf(hf)
     tokens = max(int(spec.split(":")[1]) for spec in args.programs.split(","))  # the largest step's tokens
     eng = LLMEngine(LoadedModel(cfg=cfg, params=random_params(cfg)), max_num_seqs=64, max_model_len=args.max_model_len,

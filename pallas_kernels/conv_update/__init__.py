@@ -21,9 +21,10 @@ from pallas_kernels.conv_update.reference import conv_update_reference, finish
 PALLAS_DECODE = os.environ.get("JHYBRID_CONV_UPDATE", "1") == "1"
 # steps of at least this many rows take the kernel's window form (`window=True`) at WINDOW_BLOCK channels a program:
 # alone at 256 rows on the H200 it took 0.0638 ms against the taps' 0.0810; in the qwen3_next-shaped engine's decode
-# step on an H100, 64 rows 4.659 -> 4.415 ms and 256 rows 11.951 -> 11.248 (benchmarks/RESULTS.md, "Session 40").
-# Not yet timed below 64 rows. JHYBRID_CONV_WINDOW_ROWS sets the bound (0: the taps everywhere).
-WINDOW_FROM_ROWS = int(os.environ.get("JHYBRID_CONV_WINDOW_ROWS", "64"))
+# step on an H100, 64 rows 4.659 -> 4.415 ms and 256 rows 11.951 -> 11.248 (benchmarks/RESULTS.md, "Session 40"); 32
+# rows 3.428 -> 3.285 ms (-4.2%), 16 rows -1.4%, 8 rows +7.9% (one process each; "Session 41"), so from 32 rows.
+# JHYBRID_CONV_WINDOW_ROWS sets the bound (0: the taps everywhere).
+WINDOW_FROM_ROWS = int(os.environ.get("JHYBRID_CONV_WINDOW_ROWS", "32"))
 WINDOW_BLOCK = 128
 _IMPLS = ("auto", "reference", "pallas")
 

@@ -89,7 +89,7 @@ def conv_update_pallas(x: Float[Array, "B X"], conv_state: Float[Array, "S C W1"
                        interpret: bool = False) -> tuple[Float[Array, "B C"], Float[Array, "S C W1"]]:
     """Same arguments and results as `conv_update_reference`. W must be a power of two (the weight's tile);
     `block_c` (default `block_channels(C)`) a power of two dividing C; `offset` a multiple of 16. `window`: the
-    state's inputs read and written as one contiguous tile (`_window_step`; faster from 64 rows: `WINDOW_FROM_ROWS`)."""
+    state's inputs read and written as one contiguous tile (`_window_step`; faster from 32 rows: `WINDOW_FROM_ROWS`)."""
     batch = x.shape[0]
     num_channels, width = weight.shape
     if x.shape[1] < offset + num_channels or offset % 16:
