@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, paged_attention
+from pallas_kernels.conv_update import conv_prefill
 from pallas_kernels.paged_attention import paged_attention_reference, paged_prefix_merge_pallas
 from pallas_kernels.paged_attention.self_attention import packed_causal_attention
 from pallas_kernels.gated_delta_rule import (
@@ -40,7 +41,7 @@ from pallas_kernels.simple_gla import (chunk_mamba2, chunk_simple_gla, fused_rec
 
 KERNELS = ("paged_decode", "paged_prefill", "paged_prefix_merge", "gdn_decode", "gdn_fused_decode", "gdn_packed_decode",
            "gdn_conv_decode", "gdn_chunk",
-           "sgla_decode", "sgla_chunk", "mamba2_chunk", "mamba2_decode", "lightning_decode")
+           "sgla_decode", "sgla_chunk", "mamba2_chunk", "mamba2_decode", "lightning_decode", "conv_prefill")
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 2e-3}  # relative RMS error (TF32 dots in fp32 kernels)
 
 
@@ -149,6 +150,14 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     out["mamba2_chunk"] = (lambda *x, impl, interpret: chunk_mamba2(
         *x, dims=(4, d, 2, d), out_dtype=dtype, impl=impl, interpret=interpret, fused=True),
         (xbc_c, dt_c, -dt_c, heads4(-1, 1), cu, m_state[:4], chunk_slots, z_c))
+    # a prefill step's conv with SiLU, q | k | v (the Gated DeltaNet layer's heads at d) read in place from the
+    # packed in_proj output; 128 tokens (the kernel's 64-token programs), rows as above
+    cu_128 = jnp.asarray([0, 100, 101, 128], jnp.int32)
+    seq_128 = jnp.asarray(np.repeat([0, 1, 2], [100, 1, 27]), jnp.int32)
+    p_proj = jnp.asarray(rng.normal(size=(128, proj.shape[1])), dtype)
+    out["conv_prefill"] = (lambda *x, impl, interpret: conv_prefill(
+        *x, activation="silu", splits=(h * d, h * d, hv * d), impl=impl, interpret=interpret),
+        (p_proj, c_state, c_weight, cu_128, chunk_slots, seq_128))
     return out
 
 

@@ -28,6 +28,7 @@ TRITON = {  # the Triton kernels each call lowers to, in program order (names ca
     "mamba2_chunk": [r"mamba2_chunk_fused_\w+", r"mamba2_chunk_single_\w+"],
     "mamba2_decode": [r"mamba2_decode_\w+"],
     "lightning_decode": [r"lightning_decode_\w+"],
+    "conv_prefill": [r"conv_prefill_\w+"],
 }
 
 

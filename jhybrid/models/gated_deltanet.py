@@ -10,7 +10,7 @@ from jaxtyping import Array, Float
 
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
-from jhybrid.models.layers import gated_rms_norm, l2_normalize, short_conv
+from jhybrid.models.layers import conv_prefill_kernel, gated_rms_norm, l2_normalize, short_conv
 from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import chunk_gated_delta_rule, conv_update
@@ -50,9 +50,15 @@ def gated_deltanet_layer(
         return out_projection(o.reshape(num_tokens, hv * dv), p["out_proj"], io), conv_state, ssm_state
     qkv, z, b, a = split_packed(proj, (c, hv * dv, hv, hv), shards)  # [T, C] (shard-major), [T, HV*V], [T, HV] x2
     z = z.reshape(num_tokens, hv, dv)
-    qkv, conv_state = short_conv(qkv, conv_state, p["conv_weight"], batch, decode, kernels)
-    qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
-    q, k, v = split_packed(qkv, (hk * dk, hk * dk, hv * dv), shards)
+    fused = None if shards != 1 else conv_prefill_kernel(  # q, k, v out of the conv kernel, read from proj in place
+        proj, conv_state, p["conv_weight"], batch, decode, kernels, activation="silu", out_dtype=x.dtype,
+        splits=(hk * dk, hk * dk, hv * dv))
+    if fused is not None:
+        (q, k, v), conv_state = fused
+    else:
+        qkv, conv_state = short_conv(qkv, conv_state, p["conv_weight"], batch, decode, kernels)
+        qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
+        q, k, v = split_packed(qkv, (hk * dk, hk * dk, hv * dv), shards)
     q, k, v = q.reshape(num_tokens, hk, dk), k.reshape(num_tokens, hk, dk), v.reshape(num_tokens, hv, dv)
     if decode:  # the norms, gates, recurrence and output norm: one kernel where `FUSED_DECODE` (gated_delta_rule)
         o, ssm_state = gated_delta_decode(q, k, v, a, b, z, p["A_log"], p["dt_bias"], p["norm"], ssm_state,

@@ -289,6 +289,23 @@ def short_conv(x: Float[Array, "T C"], conv_state: Array, weight: Array, batch, 
     return causal_conv1d(x, conv_state, weight, batch.cu_seqlens, batch.slot_ids, batch.token_seq)
 
 
+def conv_prefill_kernel(proj: Array, conv_state: Array, weight: Array, batch, decode: bool, kernels: dict | None,
+                        **form) -> tuple[tuple[Array, ...], Array] | None:
+    """A prefill (or mixed) step's short conv as one kernel reading the packed projection `proj` in place
+    (`pallas_kernels.conv_update.conv_prefill`; `form`: offset, bias, activation, out_dtype, splits), where it
+    applies: not a decode step, shapes the kernel takes, impl "pallas", or "auto" on a GPU with
+    `conv_update.PALLAS_PREFILL`, one device. None otherwise: the caller runs `short_conv` on its slice."""
+    from pallas_kernels import conv_update
+
+    kernels = kernels or {}
+    splits = form.get("splits")
+    if decode or not conv_update.prefill.supported(proj, weight, splits) or conv_update.resolve_prefill(
+            kernels.get("impl", "auto"), proj, weight, splits, kernels.get("mesh")) != "pallas":
+        return None
+    return conv_update.conv_prefill(proj, conv_state, weight, batch.cu_seqlens, batch.slot_ids, batch.token_seq,
+                                    **form, **kernels)
+
+
 def causal_conv1d(
     x: Float[Array, "T C"],
     conv_state: Float[Array, "S C W1"],
@@ -297,36 +314,14 @@ def causal_conv1d(
     slot_ids: Int[Array, "B"],
     token_seq: Int[Array, "T"],
 ) -> tuple[Float[Array, "T C"], Float[Array, "S C W1"]]:
-    """Depthwise causal conv over packed sequences, continuing from each row's conv-state slot.
+    """Depthwise causal conv over packed sequences, continuing from each row's conv-state slot
+    (`pallas_kernels.conv_update.conv_prefill_reference`, one output).
 
     `conv_state[s]` holds the last `W - 1` inputs of the sequence in slot s (oldest first); slot 0 (the
     null slot) reads as zeros. Returns the conv output (before activation, in x's dtype) and the state with
     each row's slot holding its last `W - 1` inputs.
     """
-    num_tokens = x.shape[0]
-    width = weight.shape[1]
-    hist = width - 1
-    h0 = conv_state[slot_ids]  # [B, C, W-1]
-    h0 = jnp.where((slot_ids == 0)[:, None, None], 0.0, h0)
-    # the rows' history with the channels minor, written once: every token's tap then reads a contiguous row
-    # of C values (gathering from [B, C, W-1] directly strides by W-1 floats per channel: on the H200 that
-    # gather made the conv several times slower than its bytes)
-    h0t = jax.lax.optimization_barrier(h0.transpose(0, 2, 1))  # [B, W-1, C]
-    xf = x.astype(jnp.float32)
-    t = jnp.arange(num_tokens)
-    local = t - cu_seqlens[token_seq]  # index of the token inside this step's part of its sequence
-    out = jnp.zeros_like(xf)
-    for i in range(width):
-        d = width - 1 - i  # tap i reads the input d tokens back
-        src_local = local - d
-        from_x = jnp.pad(xf, ((d, 0), (0, 0)))[:num_tokens] if d else xf  # x[t - d] (a static shift, not a gather)
-        from_state = h0t[token_seq, jnp.clip(hist + src_local, 0, max(hist - 1, 0))] if hist else from_x
-        tap = jnp.where((src_local >= 0)[:, None], from_x, from_state)
-        out = out + tap * weight[:, i].astype(jnp.float32)
-    # new state: the last W-1 entries of [h0, this step's tokens]
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]  # [B]
-    idx = lengths[:, None] + jnp.arange(hist)[None, :]  # [B, W-1] index into the concatenation
-    from_x = xf[jnp.clip(cu_seqlens[:-1, None] + idx - hist, 0, num_tokens - 1)]  # [B, W-1, C]
-    from_h0 = jnp.take_along_axis(h0t, jnp.clip(idx, 0, max(hist - 1, 0))[:, :, None], axis=1)  # [B, W-1, C]
-    new = jnp.where((idx < hist)[:, :, None], from_h0, from_x).transpose(0, 2, 1)  # [B, C, W-1]
-    return out.astype(x.dtype), conv_state.at[slot_ids].set(new.astype(conv_state.dtype))
+    from pallas_kernels.conv_update import conv_prefill_reference
+
+    (out,), conv_state = conv_prefill_reference(x, conv_state, weight, cu_seqlens, slot_ids, token_seq)
+    return out, conv_state

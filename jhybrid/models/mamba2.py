@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 
 from jhybrid.config import ModelConfig
 from jhybrid.models.batch import Batch
-from jhybrid.models.layers import grouped_gated_rms_norm, grouped_rms_norm, short_conv
+from jhybrid.models.layers import conv_prefill_kernel, grouped_gated_rms_norm, grouped_rms_norm, short_conv
 from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels import conv_update
@@ -49,9 +49,14 @@ def mamba2_layer(
         out = out_projection(y, p["out_proj"], io)
         return (out + p["out_bias"] if "out_bias" in p else out), conv_state, ssm_state
     z, xbc, dt = split_packed(proj, (inner, conv_dim, h), shards)
-    xbc, conv_state = short_conv(xbc, conv_state, p["conv_weight"], batch, decode, kernels)
-    if "conv_bias" in p:
-        xbc = xbc + p["conv_bias"]
+    fused = None if shards != 1 else conv_prefill_kernel(  # the conv (+ bias) read from proj in place
+        proj, conv_state, p["conv_weight"], batch, decode, kernels, offset=inner, bias=p.get("conv_bias"))
+    if fused is not None:
+        (xbc,), conv_state = fused
+    else:
+        xbc, conv_state = short_conv(xbc, conv_state, p["conv_weight"], batch, decode, kernels)
+        if "conv_bias" in p:
+            xbc = xbc + p["conv_bias"]
     dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))  # [T, Hm]
     dt = jnp.clip(dt, cfg.mamba_dt_min, cfg.mamba_dt_max)
     decay = dt * -jnp.exp(p["A_log"].astype(jnp.float32))  # [T, Hm], log space

@@ -13,8 +13,10 @@ import os
 
 import jax
 
+from pallas_kernels.conv_update import prefill
 from pallas_kernels.conv_update.kernel import block_channels, conv_update_pallas
-from pallas_kernels.conv_update.reference import conv_update_reference, finish
+from pallas_kernels.conv_update.prefill import conv_prefill_pallas
+from pallas_kernels.conv_update.reference import conv_prefill_reference, conv_update_reference, finish
 
 # on: with the other one-kernel decode steps it took a batch-1 decode token from 1.942 to 1.786 ms (qwen3_next-shaped)
 # on the H200 (benchmarks/RESULTS.md, "Session 31"); JHYBRID_CONV_UPDATE=0 turns it off
@@ -26,6 +28,10 @@ PALLAS_DECODE = os.environ.get("JHYBRID_CONV_UPDATE", "1") == "1"
 # JHYBRID_CONV_WINDOW_ROWS sets the bound (0: the taps everywhere).
 WINDOW_FROM_ROWS = int(os.environ.get("JHYBRID_CONV_WINDOW_ROWS", "32"))
 WINDOW_BLOCK = 128
+# a prefill (or mixed) step's conv as `prefill.py`'s kernel where "auto" runs on a GPU; XLA's loop fusions otherwise,
+# which run at 1.3-1.6 TB/s on an H100 (benchmarks/RESULTS.md, "Session 41"). Off until timed on the GPU:
+# JHYBRID_CONV_PREFILL=1 turns it on
+PALLAS_PREFILL = os.environ.get("JHYBRID_CONV_PREFILL", "0") == "1"
 _IMPLS = ("auto", "reference", "pallas")
 
 
@@ -63,4 +69,34 @@ def conv_update(x, conv_state, weight, slot_ids, *, offset: int = 0, bias=None, 
     return conv_update_reference(x, conv_state, weight, slot_ids, **form)
 
 
-__all__ = ["conv_update", "conv_update_pallas", "conv_update_reference", "finish", "pallas_supported", "resolve"]
+def resolve_prefill(impl: str, x, weight, splits=None, mesh=None) -> str:
+    """The implementation `conv_prefill` runs for `impl`: "pallas" or "reference" (`PALLAS_PREFILL` decides "auto" on
+    a GPU)."""
+    if impl not in _IMPLS:
+        raise ValueError(f"unknown conv prefill {impl=}; choose one of {_IMPLS}")
+    if mesh is not None and mesh.size > 1:
+        return "reference"  # XLA partitions it
+    applies = prefill.supported(x, weight, splits)
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and PALLAS_PREFILL and applies else "reference"
+    if impl == "pallas" and not applies:
+        raise ValueError(f"the Pallas conv prefill needs a width of at least 2 and every split of the channels a "
+                         f"multiple of 16, got {weight.shape=}, {splits=}; use impl='reference'")
+    return impl
+
+
+def conv_prefill(x, conv_state, weight, cu_seqlens, slot_ids, token_seq, *, offset: int = 0, bias=None,
+                 activation: str | None = None, out_dtype=None, splits: tuple[int, ...] | None = None,
+                 impl: str = "auto", interpret: bool = False, mesh=None, **tuning):
+    """Same signature and result as `conv_prefill_reference` (`resolve_prefill` picks). `tuning` (block_t, block_c,
+    num_warps) goes to the kernel."""
+    form = dict(offset=offset, bias=bias, activation=activation, out_dtype=out_dtype,
+                splits=None if splits is None else tuple(splits))
+    if resolve_prefill(impl, x, weight, splits, mesh) == "pallas":
+        return conv_prefill_pallas(x, conv_state, weight, cu_seqlens, slot_ids, token_seq, **form,
+                                   interpret=interpret, **tuning)
+    return conv_prefill_reference(x, conv_state, weight, cu_seqlens, slot_ids, token_seq, **form)
+
+
+__all__ = ["conv_prefill", "conv_prefill_pallas", "conv_prefill_reference", "conv_update", "conv_update_pallas",
+           "conv_update_reference", "finish", "pallas_supported", "resolve", "resolve_prefill"]

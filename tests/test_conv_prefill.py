@@ -1,0 +1,162 @@
+"""The prefill step's short conv (`pallas_kernels.conv_update.conv_prefill`): the jnp reference against an fp64 loop
+over tokens, the Pallas kernel (interpreted) against the reference, its lowering for the H200, and the model's
+prefill through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import conv_update
+from pallas_kernels.conv_update import conv_prefill, conv_prefill_reference
+from pallas_kernels.conv_update.prefill import conv_prefill_pallas, supported
+from tests.test_kernels_pallas import lower_for_h200
+
+# a step's rows: a prompt longer than the window, one-token rows (decodes), a row shorter than the window's history,
+# a row on the null slot 0, then padding tokens up to 32 (assigned to the last row, as the engine pads)
+LENGTHS, SLOTS, NUM_TOKENS = [9, 1, 2, 1, 7, 5], [3, 0, 5, 1, 7, 2], 32
+
+
+def _rows():
+    cu = np.concatenate([[0], np.cumsum(LENGTHS)]).astype(np.int32)
+    token_seq = np.full(NUM_TOKENS, len(LENGTHS) - 1, np.int32)
+    for b in range(len(LENGTHS)):
+        token_seq[cu[b]:cu[b + 1]] = b
+    return cu, np.asarray(SLOTS, np.int32), token_seq
+
+
+def _inputs(dtype, width=4, channels=64, extra=48, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(NUM_TOKENS, channels + extra)), dtype)
+    state = jnp.asarray(rng.normal(size=(8, channels, width - 1)), jnp.float32)
+    weight = jnp.asarray(rng.normal(size=(channels, width)) * 0.5, dtype)
+    bias = jnp.asarray(rng.normal(size=(channels,)), dtype)
+    return x, state, weight, bias
+
+
+def _fp64_loop(x, state, weight, cu, slots, *, offset, bias, silu):
+    """Ground truth, token by token: each row's window is its slot's history (zeros on slot 0) then its tokens."""
+    x, state, weight = (np.asarray(a, np.float64) for a in (x, state, weight))
+    channels, width = weight.shape
+    out = np.zeros((cu[-1], channels))
+    new_state = state.copy()
+    for b, slot in enumerate(slots):
+        hist = np.zeros((width - 1, channels)) if slot == 0 else state[slot].T  # [W-1, C], oldest first
+        seq = np.concatenate([hist, x[cu[b]:cu[b + 1], offset:offset + channels]])
+        for j in range(cu[b + 1] - cu[b]):
+            out[cu[b] + j] = sum(seq[j + i] * weight[:, i] for i in range(width))
+        new_state[slot] = seq[-(width - 1):].T
+    if bias is not None:
+        out = out + np.asarray(bias, np.float64)
+    if silu:
+        out = out / (1 + np.exp(-out))
+    return out, new_state
+
+
+@pytest.mark.parametrize("offset,with_bias,silu,splits", [(0, False, False, None), (16, True, False, None),
+                                                          (48, False, True, (16, 16, 32))])
+def test_conv_prefill_reference_matches_an_fp64_loop(offset, with_bias, silu, splits):
+    """The reference (fp32 inputs) equals a per-token fp64 loop over each row's window: outputs of the real tokens
+    and every row's new state (the null slot's included: the engine never reads it back). Checked to fail with
+    the taps' order reversed and with the state's history read newest first."""
+    x, state, weight, bias = _inputs(jnp.float32)
+    cu, slots, token_seq = _rows()
+    outs, new_state = conv_prefill_reference(x, state, weight, jnp.asarray(cu), jnp.asarray(slots),
+                                             jnp.asarray(token_seq), offset=offset, bias=bias if with_bias else None,
+                                             activation="silu" if silu else None, splits=splits)
+    want, want_state = _fp64_loop(x, state, weight, cu, slots, offset=offset, bias=bias if with_bias else None,
+                                  silu=silu)
+    got = np.concatenate([np.asarray(o, np.float64) for o in outs], axis=1)[: cu[-1]]
+    assert [o.shape[1] for o in outs] == list(splits or (64,))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    live = [s for s in SLOTS if s]
+    np.testing.assert_allclose(np.asarray(new_state)[live], want_state[live], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("offset,with_bias,silu,splits,tiles", [
+    (0, False, False, None, {}),
+    (16, True, False, None, dict(block_t=4, block_c=16)),  # programs that cut rows apart, several channel blocks
+    (48, False, True, (16, 16, 32), dict(block_t=8, block_c=16)),  # the Gated DeltaNet layer's q | k | v
+])
+def test_conv_prefill_kernel_matches_reference(dtype, offset, with_bias, silu, splits, tiles):
+    """The kernel, interpreted, gives the reference's outputs (every token, padding included; to fp32 rounding: the
+    SiLU's sigmoid may fuse differently) and its state bit for bit. Checked to fail with the taps reading one token too
+    far back (`t - d - 1`), with each split's channels stored at the first split's columns, and with the history
+    read for every token (the in-row taps taken from the state)."""
+    x, state, weight, bias = _inputs(dtype)
+    cu, slots, token_seq = (jnp.asarray(a) for a in _rows())
+    form = dict(offset=offset, bias=bias if with_bias else None, activation="silu" if silu else None,
+                splits=splits, out_dtype=jnp.float32 if silu else None)
+    want, want_state = conv_prefill_reference(x, state, weight, cu, slots, token_seq, **form)
+    got, got_state = conv_prefill_pallas(x, state, weight, cu, slots, token_seq, **form, **tiles, interpret=True)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got_state), np.asarray(want_state))
+
+
+def test_conv_prefill_refuses_what_it_cannot_run():
+    """Splits that do not sum to the channels, a split no 16-channel block divides, and impl="pallas" on such a
+    shape are refused with the reason; "auto" falls back to the reference. (Checked to fail with the splits'
+    alignment left out of `supported`.)"""
+    x, state, weight, _ = _inputs(jnp.float32)
+    cu, slots, token_seq = (jnp.asarray(a) for a in _rows())
+    with pytest.raises(ValueError, match="sum to the 64 channels"):
+        conv_prefill_reference(x, state, weight, cu, slots, token_seq, splits=(16, 16))
+    assert supported(x, weight, (16, 48)) and not supported(x, weight, (8, 56))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        conv_prefill(x, state, weight, cu, slots, token_seq, splits=(8, 56), impl="pallas")
+    with pytest.raises(ValueError, match="unknown conv activation"):
+        conv_prefill(x, state, weight, cu, slots, token_seq, activation="gelu", impl="reference")
+    outs, _ = conv_prefill(x, state, weight, cu, slots, token_seq, splits=(8, 56))  # CPU "auto": the reference
+    assert [o.shape[1] for o in outs] == [8, 56]
+
+
+def test_conv_prefill_lowers_for_h200():
+    """The kernel lowers to Triton for the H200 at Qwen3-Next's and NemotronH's layers (one 8k prompt): q | k | v
+    with SiLU from the in_proj output, and x | B | C with the bias at its offset."""
+    sd, t = jax.ShapeDtypeStruct, 8192
+    rows = (sd((2,), jnp.int32), sd((1,), jnp.int32), sd((t,), jnp.int32))
+    qwen = (sd((t, 12352), jnp.bfloat16), sd((4, 8192, 3), jnp.float32), sd((8192, 4), jnp.bfloat16), *rows)
+    lower_for_h200(lambda *a: conv_prefill_pallas(*a, activation="silu", out_dtype=jnp.bfloat16,
+                                                  splits=(2048, 2048, 4096)), *qwen,
+                   kernels=[r"conv_prefill_bt64_bc128_w8_silu"])
+    nemotron = (sd((t, 10304), jnp.bfloat16), sd((4, 6144, 3), jnp.float32), sd((6144, 4), jnp.bfloat16), *rows,
+                sd((6144,), jnp.bfloat16))
+    lower_for_h200(lambda *a: conv_prefill_pallas(*a[:6], bias=a[6], offset=4096), *nemotron,
+                   kernels=[r"conv_prefill_bt64_bc128_w8"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_model_prefill_through_the_conv_kernel_equals_reference_path(family, monkeypatch):
+    """A model's prefill (two chunks, the second continuing from the conv state the first left) and decode steps
+    with every kernel on, interpreted, the conv as this kernel (Gated DeltaNet: q, k, v with SiLU out of the
+    in_proj output; Mamba2: x | B | C with the conv bias), against the reference path: logits of every step, fp32.
+    The kernel's dispatch is traced, so the test knows it ran. Checked to fail with the kernel's bias left out
+    (NemotronH) and with q and k swapped in the Gated DeltaNet layer's splits."""
+    import dataclasses
+
+    from jhybrid.models.params import init_params
+    from tests.test_model_pallas_path import run
+    from tests.tp_worker import family_config
+
+    calls = []
+    real = conv_update.conv_prefill_pallas
+    monkeypatch.setattr(conv_update, "conv_prefill_pallas", lambda *a, **k: calls.append(k) or real(*a, **k))
+    jax.clear_caches()
+    cfg = family_config(family)
+    if family == "nemotron_h":
+        cfg = dataclasses.replace(cfg, mamba_head_dim=16, ssm_state_size=16)
+    params = init_params(cfg, seed=6, scale=0.3)
+    ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 37))
+    want = run(cfg, params, ids, (20, 17), 2, kernel_impl="reference")
+    got = run(cfg, params, ids, (20, 17), 2, kernel_impl="pallas", interpret=True)
+    assert calls, "no prefill step ran the conv prefill kernel"
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err <= 1e-5, f"{family}: logits differ from the reference path's, relative error {err:.2e}"
