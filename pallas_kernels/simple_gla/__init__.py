@@ -142,8 +142,11 @@ def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: t
 
 
 # a Mamba2 mixer's chunked prefill reading its conv output in place (`chunk_mamba2`). Off by default
-# (JHYBRID_MAMBA2_FUSED_PREFILL=1 turns it on): it writes 8.5 GB less per NemotronH 8k prefill but its kernel is
-# slower than the parts' (RESULTS, sessions 33-34: on an H100 the model's 8k prefill 67.2 -> 84.2 ms)
+# (JHYBRID_MAMBA2_FUSED_PREFILL=1 turns it on): it writes 8.5 GB less per NemotronH 8k prefill but its kernel was
+# slower than the parts' (RESULTS, sessions 33-34: on an H100 the model's 8k prefill 67.2 -> 84.2 ms), when its dots
+# were fp32 and the parts' too. Since session 41 it scans in `MAMBA2_SCAN_DTYPE` as the parts do (bf16 for a bf16
+# model: the same roundings, bit for bit interpreted; its kernels no longer spill on the H200 compile); not yet
+# timed in that form
 MAMBA2_FUSED_PREFILL = os.environ.get("JHYBRID_MAMBA2_FUSED_PREFILL", "0") == "1"
 # that form's kernel tuning where the caller gives none (`chunk_mamba2_pallas`'s keywords; JSON in
 # JHYBRID_MAMBA2_PREFILL_TUNING): its one-pass form at 8 warps was the fastest of five on an H100 at NemotronH's 8k
@@ -217,10 +220,11 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     pallas = _pick(impl, "chunk", q, v) == "pallas"
     if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= xbc.shape[0]:
         tuning = dict(tuning, fused_output=False)
-    if fused and (mesh is None or mesh.size == 1) and pallas:  # reads x, B, C in xbc's own dtype
+    if fused and (mesh is None or mesh.size == 1) and pallas:  # reads x, B, C in xbc, rounded as the parts' scan
         tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
-                                   chunk_size=chunk_size, interpret=interpret, **tuning)
+                                   chunk_size=chunk_size, interpret=interpret, scan_dtype=jnp.dtype(scan_dtype).name,
+                                   **tuning)
     chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0, chunk_size=chunk_size,
                               mesh=mesh, **tuning)
     # the jnp scans keep fp32 operands (and the CPU's HF parity)

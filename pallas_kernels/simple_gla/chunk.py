@@ -71,6 +71,7 @@ class Mamba2Inputs(NamedTuple):
     b_offset: int  # H P
     num_groups: int  # G
     gated: bool = False  # the output is the gated norm's input `y z_gate` (`chunk_mamba2_pallas`'s z)
+    dot_dtype: str = "float32"  # B, C and v rounded to this for the dots, the per-chunk states and o (the parts' scan)
 
 
 def _silu(x):
@@ -78,9 +79,9 @@ def _silu(x):
 
 
 def _mamba2_out(o, x, d, z, m2: Mamba2Inputs, out_dtype):
-    """`y = o + D x` (x the SiLU'd values) in `out_dtype`; with `m2.gated`, `y` so rounded times SiLU(z) in fp32
-    (z `[..., BV]` the gate's columns)."""
-    y = (o + d * x).astype(out_dtype)
+    """`y = o + D x` (x the SiLU'd values; o rounded to `m2.dot_dtype` first, as the parts' scan returns it) in
+    `out_dtype`; with `m2.gated`, `y` so rounded times SiLU(z) in fp32 (z `[..., BV]` the gate's columns)."""
+    y = (o.astype(m2.dot_dtype).astype(jnp.float32) + d * x).astype(out_dtype)
     return y.astype(jnp.float32) * _silu(z.astype(jnp.float32)) if m2.gated else y
 
 
@@ -165,7 +166,7 @@ def _fused_kernel(
     v_slice = pl.ds(i * block_v, block_v)
     lane = jnp.arange(chunk_size)
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-    dt = jnp.float32 if mamba2 else v_ref.dtype
+    dt = jnp.dtype(mamba2.dot_dtype) if mamba2 else v_ref.dtype
 
     def row(b):  # empty rows and one-token rows (`_single_token_kernel`) never come here
         slot = slot_ids_ref[b]
@@ -220,7 +221,7 @@ def _state_kernel(
     v_slice = pl.ds(i * block_v, block_v)
     lane = jnp.arange(chunk_size)
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
-    dt = jnp.float32 if mamba2 else v_ref.dtype
+    dt = jnp.dtype(mamba2.dot_dtype) if mamba2 else v_ref.dtype
 
     def row(b):
         slot = slot_ids_ref[b]
@@ -274,7 +275,7 @@ def _output_kernel(
         start = chunk_start_ref[n]
         valid = jnp.arange(chunk_size) < length
         v_slice = pl.ds(i * block_v, block_v)
-        dt = jnp.float32 if mamba2 else v_ref.dtype
+        dt = jnp.dtype(mamba2.dot_dtype) if mamba2 else v_ref.dtype
         dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
         q, k, v, cum, _, x = _chunk_inputs(q_ref, k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt, mamba2,
                                            dt_ref)
@@ -326,6 +327,7 @@ def _single_token_kernel(
             k, q, x = (_silu(ref[t, cols].astype(jnp.float32))
                        for ref, cols in ((k_ref, b_cols), (q_ref, c_cols), (v_ref, x_cols)))
             v = x * dt_ref[t, j]
+            k, q, v = (a.astype(mamba2.dot_dtype).astype(jnp.float32) for a in (k, q, v))  # the parts' operands
         else:
             q, k, v = q_ref[t, j // group, :], k_ref[t, j // group, :], v_ref[t, j, v_slice]
         o, h = recurrent_step(load_state(state_in_ref.at[slot, j, :, v_slice], slot), q, k, v, g_ref[t, j], scale)
@@ -399,7 +401,7 @@ def chunk_simple_gla_pallas(
                   single_block_v=single_block_v, row_groups=row_groups, precision=precision, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_TUNING + ("dims", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=_TUNING + ("dims", "out_dtype", "scan_dtype"))
 def chunk_mamba2_pallas(
     xbc: Float[Array, "T Cm"],
     dt: Float[Array, "T Hm"],
@@ -424,6 +426,7 @@ def chunk_mamba2_pallas(
     fused_output: bool = True,
     out_block_v: int = 64,
     out_num_warps: int = 4,
+    scan_dtype: str = "float32",
 ) -> tuple[Float[Array, "T Hm P"], Float[Array, "S Hm N P"]]:
     """A Mamba2 mixer's chunked scan from its conv output, `simple_gla.chunk_mamba2_in_parts`'s result: `xbc
     [T, Cm]` the conv output (with its bias, before the SiLU; columns x `[Hm P]` | B `[G N]` | C `[G N]`), `dt` the step
@@ -431,13 +434,17 @@ def chunk_mamba2_pallas(
     they sit in `xbc` (`Mamba2Inputs`), so no fp32 copy of B, C, `v = SiLU(x) dt` or the output is written;
     the output `y = o + D SiLU(x)` comes in `out_dtype`. Given `z` (`[T, >= Hm P]`, the gate at columns
     `[0, Hm P)`, e.g. the in_proj output itself), the output is instead the gated norm's input `y SiLU(z)` in fp32
-    (y rounded to `out_dtype` first), as `mamba2_decode(gated=True)`'s. Both forms (`fused_output`); the other
-    arguments as `chunk_simple_gla_pallas`'s."""
+    (y rounded to `out_dtype` first), as `mamba2_decode(gated=True)`'s. `scan_dtype` ("float32" or "bfloat16"): the
+    dtype B, C and v are rounded to for the dots (bf16 tensor cores), the per-chunk states and the scan's output o
+    are kept in, as the parts' scan takes them (`simple_gla.MAMBA2_SCAN_DTYPE`). Both forms (`fused_output`); the
+    other arguments as `chunk_simple_gla_pallas`'s."""
     heads, head_dim, groups, state_dim = dims
     if xbc.shape[1] != heads * head_dim + 2 * groups * state_dim:
         raise ValueError(f"xbc [T, Cm] must hold x | B | C = {heads} x {head_dim} + 2 x {groups} x {state_dim} "
                          f"columns, got {xbc.shape}")
-    m2 = Mamba2Inputs(head_dim, state_dim, heads * head_dim, groups, gated=z is not None)
+    if scan_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"chunk_mamba2_pallas: scan_dtype must be 'float32' or 'bfloat16', got {scan_dtype!r}")
+    m2 = Mamba2Inputs(head_dim, state_dim, heads * head_dim, groups, gated=z is not None, dot_dtype=scan_dtype)
     z = jnp.zeros((1, 1), jnp.float32) if z is None else z
     return _chunk(xbc, xbc, xbc, g, dt.astype(jnp.float32), d_skip.astype(jnp.float32), z, cu_seqlens, state,
                   slot_ids, dims=(groups, state_dim, heads, head_dim), mamba2=m2, out_dtype=out_dtype, scale=scale,
@@ -486,8 +493,8 @@ def _chunk(q, k, v, g, dt, d_skip, z, cu_seqlens, state, slot_ids, *, dims, mamb
         prefix = "mamba2" if mamba2 else "sgla"
         kernel = functools.partial(_state_kernel, chunk_size=c, group=group, block_v=block_v,
                                    precision=dot_precision, row_groups=groups, mamba2=mamba2)
-        # per-chunk states in the dot dtype (Mamba2's in-place form: fp32, as the parts' fp32 v)
-        h_dtype = jnp.float32 if mamba2 else v.dtype
+        # per-chunk states in the dot dtype (Mamba2's in-place form: its `dot_dtype`, as the parts' v)
+        h_dtype = jnp.dtype(mamba2.dot_dtype) if mamba2 else v.dtype
         h_shape = jax.ShapeDtypeStruct((layout.num_chunks, num_value_heads, key_dim, value_dim), h_dtype)
         h, state = _call(kernel, seq_grid, 10, [h_shape, state_shape], {9: 1}, num_warps=num_warps,
                          num_stages=num_stages, interpret=interpret, name=f"{prefix}_chunk_state_{tag}")(
