@@ -52,7 +52,7 @@ def _kernel(seq_ref, local_ref, x_ref, w_ref, h0_ref, *refs, width: int, block_t
         x = (x_ref[jnp.maximum(t - d, 0), columns] if d else x_ref[tokens, columns]).astype(jnp.float32)
         if hist:
             before = src < 0
-            row = jnp.where(before, seq, 0)  # tokens inside their row all read one address
+            row = jnp.where(before, jnp.clip(seq, 0, h0_ref.shape[0] - 1), 0)  # in-row tokens read one address
             h = h0_ref[row, jnp.where(before, jnp.clip(hist + src, 0, hist - 1), 0), channels]
             x = jnp.where(before[:, None], h, x)
         acc = acc + x * w_ref[channels, tap].astype(jnp.float32)
