@@ -140,19 +140,14 @@ def test_model_prefill_through_the_conv_kernel_equals_reference_path(family, mon
     in_proj output; Mamba2: x | B | C with the conv bias), against the reference path: logits of every step, fp32.
     The kernel's dispatch is traced, so the test knows it ran. Checked to fail with the kernel's bias left out
     (NemotronH) and with q and k swapped in the Gated DeltaNet layer's splits."""
-    import dataclasses
-
     from jhybrid.models.params import init_params
-    from tests.test_model_pallas_path import run
-    from tests.tp_worker import family_config
+    from tests.test_model_pallas_path import kernel_config, run
 
     calls = []
     real = conv_update.conv_prefill_pallas
     monkeypatch.setattr(conv_update, "conv_prefill_pallas", lambda *a, **k: calls.append(k) or real(*a, **k))
     jax.clear_caches()
-    cfg = family_config(family)
-    if family == "nemotron_h":
-        cfg = dataclasses.replace(cfg, mamba_head_dim=16, ssm_state_size=16)
+    cfg = kernel_config(family)
     params = init_params(cfg, seed=6, scale=0.3)
     ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 37))
     want = run(cfg, params, ids, (20, 17), 2, kernel_impl="reference")

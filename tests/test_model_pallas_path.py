@@ -46,6 +46,22 @@ def decode_error(cfg, params, seed: int) -> float:
     return float(np.linalg.norm(got[-4:] - want[-4:]) / np.linalg.norm(want[-4:]))
 
 
+def kernel_config(family: str):
+    """`tests.tp_worker.family_config(family)` shaped for the kernels: NemotronH's Mamba2 head and state dims 16 (the
+    kernels' tiles need powers of two >= 16), MiniMax's lightning layer first (the last layer of a model barely
+    decays: `lightning_slopes`)."""
+    import dataclasses
+
+    from tests.tp_worker import family_config
+
+    cfg = family_config(family)
+    if family == "nemotron_h":
+        cfg = dataclasses.replace(cfg, mamba_head_dim=16, ssm_state_size=16)
+    if family == "minimax":
+        cfg = dataclasses.replace(cfg, layer_kinds=cfg.layer_kinds[::-1])
+    return cfg
+
+
 @pytest.mark.slow  # the kernels themselves are in the fast tier (test_kernels_pallas.py)
 @pytest.mark.parametrize("kernel_qk_norm", [True, False], ids=["qk_norm_in_kernel", "qk_norm_in_xla"])
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
@@ -138,22 +154,15 @@ def test_scalar_decay_families_pallas_path_equals_reference_path(family, mamba2_
     NemotronH's prefill takes `chunk_mamba2`'s in-place kernels (`simple_gla.MAMBA2_FUSED_PREFILL`). Checked to
     fail with the decay dropped from the decode kernel (`fused_recurrent.py`) and from the chunk kernel's state
     update, and with the D skip dropped from the Mamba2 chunks (the fused case)."""
-    import dataclasses
-
     import jax
 
     from jhybrid.models.params import init_params
     from pallas_kernels import simple_gla
-    from tests.tp_worker import family_config
 
     monkeypatch.setattr(simple_gla, "MAMBA2_FUSED_PREFILL", mamba2_fused)
     jax.clear_caches()  # a trace of the other setting must not be reused
 
-    cfg = family_config(family)
-    if family == "minimax":  # lightning first: the last layer of a model barely decays (lightning_slopes)
-        cfg = dataclasses.replace(cfg, layer_kinds=cfg.layer_kinds[::-1])
-    if family == "nemotron_h":
-        cfg = dataclasses.replace(cfg, mamba_head_dim=16, ssm_state_size=16)
+    cfg = kernel_config(family)
     params = init_params(cfg, seed=3, scale=0.3)
     ids = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 37))
     want = run(cfg, params, ids, (20, 17), 3, kernel_impl="reference")
@@ -172,17 +181,11 @@ def test_fused_scalar_decay_decode_equals_reference_path(family, switch, monkeyp
     `LIGHTNING_FUSED_DECODE`), interpreted, the logits of a chunked prefill and decode steps equal the reference
     path's (fp32). Checked to fail with the Mamba2 kernel's dt read one head over (`dt_offset + head + 1`), and with
     the lightning kernel's q read at k's offset."""
-    import dataclasses
 
     from jhybrid.models.params import init_params
     from pallas_kernels import simple_gla
-    from tests.tp_worker import family_config
 
     monkeypatch.setattr(simple_gla, switch, True)
-    cfg = family_config(family)
-    if family == "nemotron_h":
-        cfg = dataclasses.replace(cfg, mamba_head_dim=16, ssm_state_size=16)
-    else:  # lightning first: the last layer of a model barely decays
-        cfg = dataclasses.replace(cfg, layer_kinds=cfg.layer_kinds[::-1])
+    cfg = kernel_config(family)
     err = decode_error(cfg, init_params(cfg, seed=4, scale=0.3), seed=2)
     assert err <= 1e-5, f"{family}: decode logits differ from the reference path's, relative error {err:.2e}"

@@ -302,8 +302,8 @@ def conv_prefill_kernel(proj: Array, conv_state: Array, weight: Array, batch, de
     if decode or not conv_update.prefill.supported(proj, weight, splits) or conv_update.resolve_prefill(
             kernels.get("impl", "auto"), proj, weight, splits, kernels.get("mesh")) != "pallas":
         return None
-    return conv_update.conv_prefill(proj, conv_state, weight, batch.cu_seqlens, batch.slot_ids, batch.token_seq,
-                                    **form, **kernels)
+    return conv_update.conv_prefill_pallas(proj, conv_state, weight, batch.cu_seqlens, batch.slot_ids,
+                                           batch.token_seq, **form, interpret=kernels.get("interpret", False))
 
 
 def causal_conv1d(
