@@ -37,11 +37,12 @@ from pallas_kernels.gated_delta_rule import (
     gated_delta_decode_packed,
 )
 from pallas_kernels.simple_gla import (chunk_mamba2, chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode,
-                                      mamba2_decode)
+                                      mamba2_decode, mamba2_gated_norm)
 
 KERNELS = ("paged_decode", "paged_prefill", "paged_prefix_merge", "gdn_decode", "gdn_fused_decode", "gdn_packed_decode",
            "gdn_conv_decode", "gdn_chunk",
-           "sgla_decode", "sgla_chunk", "mamba2_chunk", "mamba2_decode", "lightning_decode", "conv_prefill")
+           "sgla_decode", "sgla_chunk", "mamba2_chunk", "mamba2_decode", "lightning_decode", "conv_prefill",
+           "mamba2_norm")
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 2e-3}  # relative RMS error (TF32 dots in fp32 kernels)
 
 
@@ -158,6 +159,12 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     out["conv_prefill"] = (lambda *x, impl, interpret: conv_prefill(
         *x, activation="silu", splits=(h * d, h * d, hv * d), impl=impl, interpret=interpret),
         (p_proj, c_state, c_weight, cu_128, chunk_slots, seq_128))
+    # a Mamba2 prefill's output after the scan: the D skip, the gate z and the norm over groups of 2 heads
+    o_n = jnp.asarray(rng.normal(size=(130, 4, d)), dtype)
+    w_n = jnp.asarray(1 + 0.1 * rng.normal(size=(4 * d,)), dtype)
+    out["mamba2_norm"] = (lambda *x, impl, interpret: mamba2_gated_norm(
+        *x, group_size=2 * d, eps=1e-5, out_dtype=dtype, impl=impl, interpret=interpret),
+        (o_n, xbc_c, z_c, heads4(-1, 1), w_n))
     return out
 
 

@@ -1,10 +1,12 @@
 """Where one long prefill's wall time goes through the public API: `LLM.generate` of one 8,192-token prompt with
 `max_tokens=1` (the floors' prefill row), with the engine's step calls and reads timed on the host.
 
-    PYTHONPATH=. python3 -m benchmarks.prefill_timeline [--model qwen3_next] [--length 8192] [--tiny]
+    PYTHONPATH=. python3 -m benchmarks.prefill_timeline [--model qwen3_next] [--length 8192] [--tiny] [--trace DIR]
 
 Prints, per timed call, when each step program call started and returned and when its tokens were read (ms from
-the start of `generate`), the rows and tokens of each step, and the whole call's wall time.
+the start of `generate`), the rows and tokens of each step, and the whole call's wall time. With `--trace DIR` one
+more call runs under the JAX profiler, inside a `prefill_generate` annotation: `python3 -m benchmarks.trace_gaps DIR
+--mark prefill_generate` then says where the device idles during it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ def main(argv=None) -> None:
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--trace", metavar="DIR", help="trace one more call with the JAX profiler into DIR")
     a = ap.parse_args(argv)
     import jax
 
@@ -60,6 +63,12 @@ def main(argv=None) -> None:
         if i:
             for name, t in events:
                 print(f"  {(t - t0) * 1e3:9.2f} ms  {name}", flush=True)
+    if a.trace:
+        with jax.profiler.trace(a.trace, create_perfetto_trace=True):
+            with jax.profiler.TraceAnnotation("prefill_generate"):
+                t0 = time.perf_counter()
+                llm.generate([[(5 * t + 3) % vocab for t in range(a.length)]], sp, use_tqdm=False)
+        print(f"traced generate: {(time.perf_counter() - t0) * 1e3:.1f} ms (profiler on) -> {a.trace}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Where the device idles inside a run of engine steps: reads a JAX profiler trace (perfetto JSON, as
 `benchmarks.sampling_cost --trace` writes one per setting) and prints the GPU's idle gaps between the first and
-the last `decode_only_step` annotation.
+the last `decode_only_step` annotation (`--mark`: another annotation, e.g. `benchmarks.prefill_timeline --trace`'s
+`prefill_generate`).
 
-    PYTHONPATH=. python -m benchmarks.trace_gaps DIR_OR_TRACE [--min-us 10] [--top 15] [--json out.json]
+    PYTHONPATH=. python -m benchmarks.trace_gaps DIR_OR_TRACE [--min-us 10] [--top 15] [--mark NAME] [--json out.json]
 
 Per step: the time the GPU was busy (the union of all its streams' events) and idle. Then the idle gaps of at
 least `--min-us`, grouped by the kernel before and the kernel after each, with their count and total per step;
@@ -72,6 +73,9 @@ def gaps(events: list[dict], min_us: float = 10.0, mark: str = "decode_only_step
         for h in sorted(running, key=lambda h: h["dur"])[:3]:
             g["host"][h["name"][:70]] += 1
     out = {"steps": steps, "busy_ms_per_step": busy / steps / 1e3, "span_ms_per_step": span / steps / 1e3,
+           "mark_ms_per_step": (end - start) / steps / 1e3,  # the annotations' extent, host time included
+           "lead_ms": ((dev[0]["ts"] - start) / 1e3) if dev else 0.0,  # the first annotation to the first kernel
+           "tail_ms": ((end - cur_end) / 1e3) if dev else 0.0,  # the last kernel's end to the last annotation's
            "idle_ms_per_step_in_gaps": sum(d for d, *_ in idle) / steps / 1e3, "gaps_per_step": len(idle) / steps,
            "groups": sorted(({"before": b, "after": a, "count_per_step": g["count"] / steps,
                               "us_per_step": g["us"] / steps, "host_at_resume": g["host"].most_common(4)}
@@ -84,14 +88,16 @@ def main(argv=None) -> int:
     parser.add_argument("traces", nargs="+", help="trace folders or perfetto_trace.json.gz files")
     parser.add_argument("--min-us", type=float, default=10.0)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--mark", default="decode_only_step", help="the host annotation whose span is examined")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     res = {}
     for path in args.traces:
-        r = res[path] = gaps(load(path), args.min_us)
+        r = res[path] = gaps(load(path), args.min_us, args.mark)
         print(f"\n{path}: {r['steps']} steps; per step: span {r['span_ms_per_step']:.3f} ms, GPU busy "
               f"{r['busy_ms_per_step']:.3f} ms, idle in gaps >= {args.min_us:g} us {r['idle_ms_per_step_in_gaps']:.3f} ms "
-              f"({r['gaps_per_step']:.1f} gaps)")
+              f"({r['gaps_per_step']:.1f} gaps); annotations {r['mark_ms_per_step']:.3f} ms a step, first kernel "
+              f"{r['lead_ms']:.3f} ms after the first begins, last kernel ends {r['tail_ms']:.3f} ms before the last ends")
         for g in r["groups"][: args.top]:
             print(f"  {g['us_per_step']:8.1f} us/step {g['count_per_step']:5.2f}x  {g['before'][:40]} -> {g['after'][:40]}"
                   f"   host: {'; '.join(f'{n} ({c})' for n, c in g['host_at_resume'])}")

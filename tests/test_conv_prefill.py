@@ -125,33 +125,23 @@ def test_conv_prefill_lowers_for_h200():
     qwen = (sd((t, 12352), jnp.bfloat16), sd((4, 8192, 3), jnp.float32), sd((8192, 4), jnp.bfloat16), *rows)
     lower_for_h200(lambda *a: conv_prefill_pallas(*a, activation="silu", out_dtype=jnp.bfloat16,
                                                   splits=(2048, 2048, 4096)), *qwen,
-                   kernels=[r"conv_prefill_bt64_bc128_w8_silu"])
+                   kernels=[r"conv_prefill_bt32_bc128_w4_silu"])
     nemotron = (sd((t, 10304), jnp.bfloat16), sd((4, 6144, 3), jnp.float32), sd((6144, 4), jnp.bfloat16), *rows,
                 sd((6144,), jnp.bfloat16))
     lower_for_h200(lambda *a: conv_prefill_pallas(*a[:6], bias=a[6], offset=4096), *nemotron,
-                   kernels=[r"conv_prefill_bt64_bc128_w8"])
+                   kernels=[r"conv_prefill_bt32_bc128_w4"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
-def test_model_prefill_through_the_conv_kernel_equals_reference_path(family, monkeypatch):
+def test_model_prefill_through_the_conv_kernel_equals_reference_path(family):
     """A model's prefill (two chunks, the second continuing from the conv state the first left) and decode steps
     with every kernel on, interpreted, the conv as this kernel (Gated DeltaNet: q, k, v with SiLU out of the
     in_proj output; Mamba2: x | B | C with the conv bias), against the reference path: logits of every step, fp32.
     The kernel's dispatch is traced, so the test knows it ran. Checked to fail with the kernel's bias left out
     (NemotronH) and with q and k swapped in the Gated DeltaNet layer's splits."""
-    from jhybrid.models.params import init_params
-    from tests.test_model_pallas_path import kernel_config, run
+    from tests.test_model_pallas_path import traced_kernel_error
 
-    calls = []
-    real = conv_update.conv_prefill_pallas
-    monkeypatch.setattr(conv_update, "conv_prefill_pallas", lambda *a, **k: calls.append(k) or real(*a, **k))
-    jax.clear_caches()
-    cfg = kernel_config(family)
-    params = init_params(cfg, seed=6, scale=0.3)
-    ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 37))
-    want = run(cfg, params, ids, (20, 17), 2, kernel_impl="reference")
-    got = run(cfg, params, ids, (20, 17), 2, kernel_impl="pallas", interpret=True)
+    err, calls = traced_kernel_error(family, conv_update, "conv_prefill_pallas")
     assert calls, "no prefill step ran the conv prefill kernel"
-    err = np.linalg.norm(got - want) / np.linalg.norm(want)
     assert err <= 1e-5, f"{family}: logits differ from the reference path's, relative error {err:.2e}"

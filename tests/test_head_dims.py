@@ -29,6 +29,7 @@ TRITON = {  # the Triton kernels each call lowers to, in program order (names ca
     "mamba2_decode": [r"mamba2_decode_\w+"],
     "lightning_decode": [r"lightning_decode_\w+"],
     "conv_prefill": [r"conv_prefill_\w+"],
+    "mamba2_norm": [r"mamba2_gated_norm_\w+"],
 }
 
 

@@ -7,6 +7,7 @@ bf16 activations over fp32 state), which kernel-level tests alone can miss.
 from __future__ import annotations
 
 
+import jax
 import numpy as np
 import pytest
 
@@ -44,6 +45,27 @@ def decode_error(cfg, params, seed: int) -> float:
     want = run(cfg, params, ids, (16, 13), 4, kernel_impl="reference")
     got = run(cfg, params, ids, (16, 13), 4, kernel_impl="pallas", interpret=True)
     return float(np.linalg.norm(got[-4:] - want[-4:]) / np.linalg.norm(want[-4:]))
+
+
+def traced_kernel_error(family: str, module, name: str) -> tuple[float, int]:
+    """A `kernel_config(family)` model's prefill (two chunks, the second continuing from the state the first left)
+    and 2 decode steps with every kernel on, interpreted, against the reference path: (the relative error of every
+    step's logits, fp32; how many times `module.name`, a kernel entry point traced in place, was called)."""
+    from jhybrid.models.params import init_params
+
+    calls = []
+    real = getattr(module, name)
+    setattr(module, name, lambda *a, **k: calls.append(k) or real(*a, **k))
+    try:
+        jax.clear_caches()
+        cfg = kernel_config(family)
+        params = init_params(cfg, seed=6, scale=0.3)
+        ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 37))
+        want = run(cfg, params, ids, (20, 17), 2, kernel_impl="reference")
+        got = run(cfg, params, ids, (20, 17), 2, kernel_impl="pallas", interpret=True)
+    finally:
+        setattr(module, name, real)
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want)), len(calls)
 
 
 def kernel_config(family: str):

@@ -28,10 +28,11 @@ PALLAS_DECODE = os.environ.get("JHYBRID_CONV_UPDATE", "1") == "1"
 # JHYBRID_CONV_WINDOW_ROWS sets the bound (0: the taps everywhere).
 WINDOW_FROM_ROWS = int(os.environ.get("JHYBRID_CONV_WINDOW_ROWS", "32"))
 WINDOW_BLOCK = 128
-# a prefill (or mixed) step's conv as `prefill.py`'s kernel where "auto" runs on a GPU; XLA's loop fusions otherwise,
-# which run at 1.3-1.6 TB/s on an H100 (benchmarks/RESULTS.md, "Session 41"). Off until timed on the GPU:
-# JHYBRID_CONV_PREFILL=1 turns it on
-PALLAS_PREFILL = os.environ.get("JHYBRID_CONV_PREFILL", "0") == "1"
+# a prefill (or mixed) step's conv as `prefill.py`'s kernel where "auto" runs on a GPU, instead of XLA's loop fusions
+# (1.3-1.6 TB/s on an H100, benchmarks/RESULTS.md, "Session 41"). On an H100, with the Mamba2 norm kernel on, the 8k
+# prefills through `LLM.generate` (two runs each, one machine): Qwen3-Next 72.9 / 71.5 -> 71.5 / 70.8 ms, NemotronH
+# (52.8 with the norm kernel alone) -> 51.5 / 51.6 ("Session 42"). JHYBRID_CONV_PREFILL=0 turns it off
+PALLAS_PREFILL = os.environ.get("JHYBRID_CONV_PREFILL", "1") == "1"
 _IMPLS = ("auto", "reference", "pallas")
 
 

@@ -63,7 +63,7 @@ def _kernel(seq_ref, local_ref, x_ref, w_ref, h0_ref, *refs, width: int, block_t
             ref[tokens, pl.ds(pl.multiple_of(start - lo, block_c), block_c)] = out
 
 
-def token_block(num_tokens: int, most: int = 64) -> int:
+def token_block(num_tokens: int, most: int = 32) -> int:
     """Tokens a program: the largest power of two up to `most` dividing T (so no program runs past the end)."""
     block = 1
     while block * 2 <= most and num_tokens % (block * 2) == 0:
@@ -92,11 +92,13 @@ def conv_prefill_pallas(x: Float[Array, "T X"], conv_state: Float[Array, "S C W1
                         cu_seqlens: Int[Array, "B+1"], slot_ids: Int[Array, "B"], token_seq: Int[Array, "T"], *,
                         offset: int = 0, bias: Array | None = None, activation: str | None = None, out_dtype=None,
                         splits: tuple[int, ...] | None = None, block_t: int | None = None,
-                        block_c: int | None = None, num_warps: int = 8, interpret: bool = False
+                        block_c: int | None = None, num_warps: int = 4, interpret: bool = False
                         ) -> tuple[tuple[Array, ...], Float[Array, "S C W1"]]:
-    """Same signature and result as `conv_prefill_reference` (`supported` shapes). 8 warps by default: at 64 x 128 a
-    program, the H200 compile of NemotronH's layer spills ~5.5 KB a thread at 4 warps (ptxas), none at 8 (113-136
-    registers; benchmarks/RESULTS.md, "Session 41")."""
+    """Same signature and result as `conv_prefill_reference` (`supported` shapes). By default 32 tokens x 128
+    channels a program at 4 warps: of six tunings at the 8k layers on an H100 the fastest or within 3% of it, 0.195 ms
+    for Qwen3-Next's q | k | v (64 x 128 at 8 warps: 0.203; XLA 0.220) and 0.156 for NemotronH's x | B | C (0.211;
+    XLA 0.160; `benchmarks.prefill_fusions`, benchmarks/RESULTS.md, "Session 42"). (64 x 128 at 4 warps spills
+    ~5.5 KB a thread on the H200 compile, "Session 41".)"""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown conv activation {activation!r}; choose one of {ACTIVATIONS}")
     num_tokens, (num_channels, width) = x.shape[0], weight.shape

@@ -46,9 +46,12 @@ from pallas_kernels.simple_gla.lightning_decode import (
     lightning_decode_reference,
 )
 from pallas_kernels.simple_gla.lightning_decode import pallas_supported as lightning_pallas_supported
+from pallas_kernels.simple_gla import mamba2_norm
+from pallas_kernels.simple_gla.mamba2_norm import mamba2_gated_norm_pallas
 from pallas_kernels.simple_gla.reference import (
     chunk_simple_gla_reference,
     fused_recurrent_simple_gla_reference,
+    mamba2_gated_norm_reference,
     recurrent_simple_gla_reference,
 )
 
@@ -145,8 +148,9 @@ def mamba2_decode(xbc, proj, dt_bias, a_log, d_skip, state, slot_ids, *, dims: t
 # (JHYBRID_MAMBA2_FUSED_PREFILL=1 turns it on): it writes 8.5 GB less per NemotronH 8k prefill but its kernel was
 # slower than the parts' (RESULTS, sessions 33-34: on an H100 the model's 8k prefill 67.2 -> 84.2 ms), when its dots
 # were fp32 and the parts' too. Since session 41 it scans in `MAMBA2_SCAN_DTYPE` as the parts do (bf16 for a bf16
-# model: the same roundings, bit for bit interpreted; its kernels no longer spill on the H200 compile); not yet
-# timed in that form
+# model: the same roundings, bit for bit interpreted; its kernels no longer spill on the H200 compile). Still slower
+# in that form on an H100: the 8k layer's scan 1.188 ms against the parts' 0.570, the model's 8k prefill 62.0 against
+# ~53 ms (benchmarks/RESULTS.md, "Session 42")
 MAMBA2_FUSED_PREFILL = os.environ.get("JHYBRID_MAMBA2_FUSED_PREFILL", "0") == "1"
 # that form's kernel tuning where the caller gives none (`chunk_mamba2_pallas`'s keywords; JSON in
 # JHYBRID_MAMBA2_PREFILL_TUNING): its one-pass form at 8 warps was the fastest of five on an H100 at NemotronH's 8k
@@ -181,7 +185,7 @@ def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=Non
     """`chunk_mamba2`'s result from its parts in jnp around `chunk(q, k, v, g, cu_seqlens, state, slot_ids)` (a
     chunked simple-GLA scan): SiLU over the conv output, x / B / C split from it, `v = x dt` (B, C and v in
     `scan_dtype`), the scan, the D skip `y = o + D x` in fp32, y in `out_dtype`; given the gate `z`, `y SiLU(z)` in
-    fp32."""
+    fp32. `d_skip` None: the scan's output `[T, Hm, P]` in its dtype, before the skip (`z` must be None)."""
     heads, head_dim, groups, state_dim = dims
     num_tokens = xbc.shape[0]
     x = jax.nn.silu(xbc.astype(jnp.float32))
@@ -191,6 +195,8 @@ def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=Non
     c = x[:, inner + groups * state_dim:].reshape(num_tokens, groups, state_dim)  # the queries
     v = xs * dt.astype(jnp.float32)[..., None]
     y, state = chunk(c.astype(scan_dtype), b.astype(scan_dtype), v.astype(scan_dtype), g, cu_seqlens, state, slot_ids)
+    if d_skip is None:  # the scan's output as it is (`mamba2_gated_norm` adds the skip)
+        return y, state
     y = (y.astype(jnp.float32) + xs * d_skip.astype(jnp.float32)[:, None]).astype(out_dtype)
     if z is not None:
         gate = z[:, :inner].reshape(num_tokens, heads, head_dim).astype(jnp.float32)
@@ -207,7 +213,8 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     "pallas" (so "auto" on a GPU) and no mesh splits the heads; else `chunk_mamba2_in_parts` with
     `chunk_simple_gla` (its `impl`, `mesh`, `tuning`), whose scan operands are in `scan_dtype` (default
     `MAMBA2_SCAN_DTYPE`; "auto": `xbc`'s dtype) where that scan is the Pallas kernel. Either way the kernels' split form
-    (`fused_output=False`) runs steps of `MAMBA2_SPLIT_FROM_TOKENS` tokens or more unless `tuning` names the form."""
+    (`fused_output=False`) runs steps of `MAMBA2_SPLIT_FROM_TOKENS` tokens or more unless `tuning` names the form.
+    `d_skip` None: the parts' scan output before the skip (`chunk_mamba2_in_parts`), for `mamba2_gated_norm`."""
     fused = MAMBA2_FUSED_PREFILL if fused is None else fused
     scan_dtype = MAMBA2_SCAN_DTYPE if scan_dtype is None else scan_dtype
     if scan_dtype not in ("auto", "float32", "bfloat16"):
@@ -220,7 +227,7 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     pallas = _pick(impl, "chunk", q, v) == "pallas"
     if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= xbc.shape[0]:
         tuning = dict(tuning, fused_output=False)
-    if fused and (mesh is None or mesh.size == 1) and pallas:  # reads x, B, C in xbc, rounded as the parts' scan
+    if fused and d_skip is not None and (mesh is None or mesh.size == 1) and pallas:  # x, B, C read in xbc
         tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
                                    chunk_size=chunk_size, interpret=interpret, scan_dtype=jnp.dtype(scan_dtype).name,
@@ -231,6 +238,35 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     scan_dtype = jnp.dtype(scan_dtype if pallas else jnp.float32)
     return chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
                                  chunk=chunk, scan_dtype=scan_dtype)
+
+
+# a Mamba2 mixer's prefill output after its scan (D skip, gate, grouped RMS norm) as one kernel where "auto" runs
+# on a GPU (`mamba2_gated_norm`), instead of XLA's two (the gated product written and read back in fp32). On an H100
+# at NemotronH's 8k layer 0.212 -> 0.118 ms alone; in the model's 8k prefill step the kernels' sum 43.77 -> 42.38 ms
+# (benchmarks/RESULTS.md, "Session 42"). JHYBRID_MAMBA2_FUSED_NORM=0 turns it off
+MAMBA2_FUSED_NORM = os.environ.get("JHYBRID_MAMBA2_FUSED_NORM", "1") == "1"
+
+
+def mamba2_norm_impl(impl: str, inner: int, group_size: int, mesh=None) -> str:
+    """"pallas" where `mamba2_gated_norm` runs its kernel: impl "pallas", or "auto" on a GPU with
+    `MAMBA2_FUSED_NORM`, on shapes it takes (`mamba2_norm.supported`), on one device; else "reference"."""
+    if impl not in _IMPLS:
+        raise ValueError(f"unknown simple GLA {impl=}; choose one of {_IMPLS}")
+    wanted = impl == "pallas" or (impl == "auto" and MAMBA2_FUSED_NORM and jax.default_backend() == "gpu")
+    one_device = mesh is None or mesh.size == 1
+    return "pallas" if wanted and one_device and mamba2_norm.supported(inner, group_size) else "reference"
+
+
+def mamba2_gated_norm(o, xbc, z, d_skip, weight, *, group_size: int, eps: float, out_dtype, impl: str = "auto",
+                      interpret: bool = False, mesh=None, **_):
+    """Same signature and result as `mamba2_gated_norm_reference`: the kernel where `mamba2_norm_impl` says so,
+    else the reference."""
+    heads, head_dim = o.shape[1:]
+    if mamba2_norm_impl(impl, heads * head_dim, group_size, mesh) == "pallas":
+        return mamba2_gated_norm_pallas(o, xbc, z, d_skip, weight, group_size=group_size, eps=eps,
+                                        out_dtype=out_dtype, interpret=interpret)
+    return mamba2_gated_norm_reference(o, xbc, z, d_skip, weight, group_size=group_size, eps=eps,
+                                       out_dtype=out_dtype)
 
 
 # the lightning decode step as one kernel (`lightning_decode`): on (a MiniMax-shaped batch-1 token 0.892 -> 0.860 ms on
@@ -270,6 +306,9 @@ __all__ = [
     "mamba2_decode",
     "mamba2_decode_pallas",
     "mamba2_decode_reference",
+    "mamba2_gated_norm",
+    "mamba2_gated_norm_pallas",
+    "mamba2_gated_norm_reference",
     "pallas_supported",
     "recurrent_simple_gla_reference",
 ]

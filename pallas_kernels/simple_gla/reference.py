@@ -163,3 +163,29 @@ def chunk_simple_gla_reference(
     o = oc[jnp.minimum(lay.token_chunk, lay.num_chunks - 1), lay.token_lane]  # [T, HV, V]
     o = jnp.where(lay.valid[:, None, None], o, 0.0)
     return o.astype(v.dtype), state.at[slot_ids].set(h_all.astype(state.dtype))
+
+
+def mamba2_gated_norm_reference(
+    o: Float[Array, "T HV V"],
+    xbc: Float[Array, "T C"],
+    z: Float[Array, "T Z"],
+    d_skip: Float[Array, "HV"],
+    weight: Float[Array, "I"],
+    *,
+    group_size: int,
+    eps: float,
+    out_dtype,
+) -> Array:
+    """A Mamba2 mixer's prefill output after its scan, to its out projection's input: the D skip `y = o + D x` in
+    fp32 (x = SiLU of the conv output's first `I = HV V` columns), y rounded to `out_dtype`, the gate `y SiLU(z)` in
+    fp32 (z: the in_proj output's first I columns), then the RMS norm over consecutive groups of `group_size` channels
+    times `weight`, normed in `out_dtype` (the parts' `chunk_mamba2_in_parts` and the layer's `grouped_rms_norm`, in
+    one function). Returns `[T, I]` in the dtype of `weight * out_dtype`."""
+    num_tokens, heads, head_dim = o.shape
+    inner = heads * head_dim
+    x = jax.nn.silu(xbc[:, :inner].astype(jnp.float32)).reshape(num_tokens, heads, head_dim)
+    y = (o.astype(jnp.float32) + x * d_skip.astype(jnp.float32)[:, None]).astype(out_dtype)
+    h = y.astype(jnp.float32) * jax.nn.silu(z[:, :inner].reshape(num_tokens, heads, head_dim).astype(jnp.float32))
+    h = h.reshape(num_tokens, inner // group_size, group_size)  # [T, G, I/G]
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return weight * h.reshape(num_tokens, inner).astype(out_dtype)
