@@ -81,12 +81,16 @@ def test_conv_prefill_reference_matches_an_fp64_loop(offset, with_bias, silu, sp
     (0, False, False, None, {}),
     (16, True, False, None, dict(block_t=4, block_c=16)),  # programs that cut rows apart, several channel blocks
     (48, False, True, (16, 16, 32), dict(block_t=8, block_c=16)),  # the Gated DeltaNet layer's q | k | v
+    # window tiles beside gathered ones (`contiguous`): 32 tokens in 4-token tiles, rows of 9, 1, 2, 1, 7, 5 and padding
+    (16, True, False, None, dict(block_t=4, block_c=16, contiguous=True)),
+    (48, False, True, (16, 16, 32), dict(block_t=4, block_c=16, contiguous=True)),
 ])
 def test_conv_prefill_kernel_matches_reference(dtype, offset, with_bias, silu, splits, tiles):
     """The kernel, interpreted, gives the reference's outputs (every token, padding included; to fp32 rounding: the
     SiLU's sigmoid may fuse differently) and its state bit for bit. Checked to fail with the taps reading one token too
     far back (`t - d - 1`), with each split's channels stored at the first split's columns, and with the history
-    read for every token (the in-row taps taken from the state)."""
+    read for every token (the in-row taps taken from the state); the window tiles, with their windows one row too far
+    back, with a tile that holds a row's first tokens taken as a window tile, and with window tiles storing zeros."""
     x, state, weight, bias = _inputs(dtype)
     cu, slots, token_seq = (jnp.asarray(a) for a in _rows())
     form = dict(offset=offset, bias=bias if with_bias else None, activation="silu" if silu else None,
@@ -130,6 +134,8 @@ def test_conv_prefill_lowers_for_h200():
                 sd((6144,), jnp.bfloat16))
     lower_for_h200(lambda *a: conv_prefill_pallas(*a[:6], bias=a[6], offset=4096), *nemotron,
                    kernels=[r"conv_prefill_bt32_bc128_w4"])
+    lower_for_h200(lambda *a: conv_prefill_pallas(*a[:6], bias=a[6], offset=4096, contiguous=True), *nemotron,
+                   kernels=[r"conv_prefill_bt32_bc128_w4_cw"])
 
 
 @pytest.mark.slow

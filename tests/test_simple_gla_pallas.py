@@ -109,7 +109,8 @@ CHUNK_CASES = [
     # grouped value heads, a one-token row on the null slot, one chunk + 1 token, decays far past exp underflow
     ([33, 1, 17, 2], [4, 0, 1, 6], 2, 4, 32, 16, 16, 40.0),
 ]
-CHUNK_VARIANTS = {"split": dict(fused_output=False), "fused": dict(fused_output=True)}
+CHUNK_VARIANTS = {"split": dict(fused_output=False), "fused": dict(fused_output=True),
+                  "split_bk16": dict(fused_output=False, state_block_k=16)}  # case 1: K in two blocks
 
 
 @pytest.mark.parametrize("variant", CHUNK_VARIANTS)
@@ -148,6 +149,7 @@ CHUNK_KERNELS = {
     "split": [r"sgla_chunk_state_c64_bv32_w4_s2", r"sgla_chunk_output_c64_bv64_w4", _SINGLE],
     "fused": [r"sgla_chunk_fused_c64_bv32_w4_s2", _SINGLE],
     "split_x3": [r"sgla_chunk_state_c64_bv32_w4_s2_x3", r"sgla_chunk_output_c64_bv64_w4", _SINGLE],
+    "split_bk32": [r"sgla_chunk_state_c64_bv32_w4_s2_bk32", r"sgla_chunk_output_c64_bv64_w4", _SINGLE],
 }
 
 
@@ -160,6 +162,8 @@ def test_chunk_lowers_for_h200(variant):
     chunk_size=48 (ValueError before lowering) and with the single-token kernel's name changed."""
     rng = np.random.default_rng(2)
     tuning = dict(fused_output=variant == "fused", precision="tf32x3" if variant == "split_x3" else "tf32")
+    if variant == "split_bk32":  # the sequential pass in [32, BV] blocks of the state
+        tuning["state_block_k"] = 32
     fn = functools.partial(chunk_simple_gla, impl="pallas", **tuning)
     cu, slots = jnp.array([0, 100, 101, 130], jnp.int32), jnp.array([1, 2, 0], jnp.int32)
     for h, hv, dk, dv, dtype in [(4, 4, 128, 128, jnp.bfloat16), (2, 8, 128, 64, jnp.float32)]:
@@ -226,6 +230,25 @@ def test_chunk_mamba2_reads_the_conv_output_in_place(case, gated, fused_output):
     # (a bf16 conv output scans in bf16, `MAMBA2_SCAN_DTYPE` "auto": its states within bf16 rounding)
     state_rtol = 1e-5 if dtype == jnp.float32 else 2e-2
     assert_close("mamba2 chunk final state", np.asarray(got_state)[live], np.asarray(want_state)[live], state_rtol)
+    np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["in_place", "parts"])
+def test_chunk_mamba2_state_pass_in_key_blocks(fused):
+    """The split form's sequential pass in `[16, BV]` blocks of a 32-wide state (`state_block_k`), reading B in place
+    from the conv output or from the parts' array: outputs and final states against the reference. Checked to fail
+    with every key block reading B's first 16 columns (the in-place form's `k_slice` offset dropped) and with the
+    blocks' states stored at key block 0."""
+    lengths, slots, dims = [1, 40, 0, 16, 1], [3, 1, 2, 0, 5], (4, 16, 2, 32)
+    args, cu, state, slots, free = _mamba2_chunk_inputs(lengths, slots, dims, jnp.float32, 21)
+    want_y, want_state = chunk_mamba2(*args, dims=dims, out_dtype=jnp.float32, impl="reference", chunk_size=16)
+    got_y, got_state = chunk_mamba2(*args, dims=dims, out_dtype=jnp.float32, impl="pallas", interpret=True,
+                                    chunk_size=16, block_v=16, single_block_v=16, out_block_v=16, fused=fused,
+                                    fused_output=False, state_block_k=16)
+    real = int(cu[-1])
+    assert_close("mamba2 chunk output", got_y[:real], want_y[:real], 1e-5)
+    live = slots[(slots != 0) & (np.asarray(lengths) > 0)]
+    assert_close("mamba2 chunk final state", np.asarray(got_state)[live], np.asarray(want_state)[live], 1e-5)
     np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
 
 

@@ -230,12 +230,19 @@ def test_prompt_forms_and_chat_messages():
     """The prompt forms `generate` takes (a string, token ids as a list or an array, prompt dicts, lists of any
     of them), text parts of a chat message joined as vLLM joins them, and `continue_final_message` cutting the
     rendered chat after the final message. Checked to fail: with a bare list of token ids taken as a list of
-    prompts (each id is then refused as a prompt), and with the rendered text left uncut."""
-    assert parse_prompts("a b") == [("a b", "a b")]
-    assert parse_prompts([3, 4]) == [(None, [3, 4])] and parse_prompts(np.array([3, 4])) == [(None, [3, 4])]
-    assert parse_prompts([{"prompt": "a"}, {"prompt_token_ids": [5], "prompt": "x"}, [6, 7], "b"]) == \
+    prompts (each id is then refused as a prompt), and with the rendered text left uncut. Token ids come back as the
+    integer array the engine takes without converting them again (an 8k-token list was converted twice)."""
+    def parse(p):
+        return [(text, ids if isinstance(ids, str) else [int(t) for t in ids]) for text, ids in parse_prompts(p)]
+
+    assert parse("a b") == [("a b", "a b")]
+    assert parse([3, 4]) == [(None, [3, 4])] and parse(np.array([3, 4])) == [(None, [3, 4])]
+    assert parse([{"prompt": "a"}, {"prompt_token_ids": [5], "prompt": "x"}, [6, 7], "b"]) == \
         [("a", "a"), ("x", [5]), (None, [6, 7]), ("b", "b")]
-    assert parse_prompts({"prompt_token_ids": np.array([1, 2])}) == [(None, [1, 2])] and parse_prompts([]) == []
+    assert parse({"prompt_token_ids": np.array([1, 2])}) == [(None, [1, 2])] and parse([]) == []
+    ids = parse_prompts([[3, 4]])[0][1]
+    assert isinstance(ids, np.ndarray) and ids.dtype.kind == "i"
+    assert parse([[3.0, 4]]) == [(None, [3, 4])]  # not an integer array: the per-element path
     parts = {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
     assert template_message(parts, "auto")["content"] == "a\nb"
     assert template_message(parts, "openai")["content"] == parts["content"]

@@ -168,7 +168,7 @@ class LLM:
                              "chat_template): pass chat_template= (a jinja template or a file), or use generate()")
         return self._chat_template
 
-    def _run(self, prompts: list[tuple[str | None, str | list[int]]], sampling_params, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompts: list[tuple[str | None, str | Sequence[int]]], sampling_params, use_tqdm) -> list[RequestOutput]:
         """Runs every prompt's candidates to the end; the outputs in prompt order."""
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):

@@ -32,7 +32,7 @@ _WHOLE = pl.no_block_spec
 
 
 def _kernel(seq_ref, local_ref, x_ref, w_ref, h0_ref, *refs, width: int, block_t: int, block_c: int, offset: int,
-            has_bias: bool, activation: str | None, bounds: tuple[int, ...]):
+            has_bias: bool, activation: str | None, bounds: tuple[int, ...], contiguous: bool):
     bias_ref = refs[0] if has_bias else None
     out_refs = refs[int(has_bias):]
     i, c = pl.program_id(0), pl.program_id(1)
@@ -45,22 +45,48 @@ def _kernel(seq_ref, local_ref, x_ref, w_ref, h0_ref, *refs, width: int, block_t
     align = block_c if offset == 0 else min(block_c, offset & -offset)  # a power of two dividing the start
     columns = pl.ds(pl.multiple_of(offset + start, align), block_c)
     channels = pl.ds(start, block_c)
-    acc = jnp.zeros((block_t, block_c), jnp.float32)
-    for tap in range(width):
-        d = hist - tap  # the tap reads the input d tokens back
-        src = local - d
-        x = (x_ref[jnp.maximum(t - d, 0), columns] if d else x_ref[tokens, columns]).astype(jnp.float32)
-        if hist:
-            before = src < 0
-            row = jnp.where(before, jnp.clip(seq, 0, h0_ref.shape[0] - 1), 0)  # in-row tokens read one address
-            h = h0_ref[row, jnp.where(before, jnp.clip(hist + src, 0, hist - 1), 0), channels]
-            x = jnp.where(before[:, None], h, x)
-        acc = acc + x * w_ref[channels, tap].astype(jnp.float32)
-    out = finish(acc.astype(x_ref.dtype), bias_ref[channels] if has_bias else None, activation, out_refs[0].dtype)
-    for ref, lo, hi in zip(out_refs, bounds[:-1], bounds[1:]):
-        @pl.when((start >= lo) & (start < hi))
-        def _(ref=ref, lo=lo):
-            ref[tokens, pl.ds(pl.multiple_of(start - lo, block_c), block_c)] = out
+
+    def gathered():  # any tile: each tap's rows gathered, the history where a tap reaches before a row's start
+        acc = jnp.zeros((block_t, block_c), jnp.float32)
+        for tap in range(width):
+            d = hist - tap  # the tap reads the input d tokens back
+            src = local - d
+            x = (x_ref[jnp.maximum(t - d, 0), columns] if d else x_ref[tokens, columns]).astype(jnp.float32)
+            if hist:
+                before = src < 0
+                row = jnp.where(before, jnp.clip(seq, 0, h0_ref.shape[0] - 1), 0)  # in-row tokens: one address
+                h = h0_ref[row, jnp.where(before, jnp.clip(hist + src, 0, hist - 1), 0), channels]
+                x = jnp.where(before[:, None], h, x)
+            acc = acc + x * w_ref[channels, tap].astype(jnp.float32)
+        return acc
+
+    def windows():  # a tile no tap of which reaches before a row's start or the array's: contiguous row windows
+        acc = jnp.zeros((block_t, block_c), jnp.float32)
+        for tap in range(width):
+            x = x_ref[pl.ds(t0 - (hist - tap), block_t), columns].astype(jnp.float32)
+            acc = acc + x * w_ref[channels, tap].astype(jnp.float32)
+        return acc
+
+    def store(acc):
+        out = finish(acc.astype(x_ref.dtype), bias_ref[channels] if has_bias else None, activation,
+                     out_refs[0].dtype)
+        for ref, lo, hi in zip(out_refs, bounds[:-1], bounds[1:]):
+            @pl.when((start >= lo) & (start < hi))
+            def _(ref=ref, lo=lo):
+                ref[tokens, pl.ds(pl.multiple_of(start - lo, block_c), block_c)] = out
+
+    if not contiguous or not hist:
+        store(gathered())
+        return
+    plain = (t0 >= hist) & (jnp.min(local) >= hist)  # every token's taps within its row and past row 0
+
+    @pl.when(plain)
+    def _():
+        store(windows())
+
+    @pl.when(jnp.logical_not(plain))
+    def _():
+        store(gathered())
 
 
 def token_block(num_tokens: int, most: int = 32) -> int:
@@ -87,18 +113,22 @@ def supported(x, weight, splits=None) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("offset", "activation", "out_dtype", "splits", "block_t", "block_c",
-                                             "num_warps", "interpret"))
+                                             "num_warps", "contiguous", "interpret"))
 def conv_prefill_pallas(x: Float[Array, "T X"], conv_state: Float[Array, "S C W1"], weight: Float[Array, "C W"],
                         cu_seqlens: Int[Array, "B+1"], slot_ids: Int[Array, "B"], token_seq: Int[Array, "T"], *,
                         offset: int = 0, bias: Array | None = None, activation: str | None = None, out_dtype=None,
                         splits: tuple[int, ...] | None = None, block_t: int | None = None,
-                        block_c: int | None = None, num_warps: int = 4, interpret: bool = False
+                        block_c: int | None = None, num_warps: int = 4, contiguous: bool = False,
+                        interpret: bool = False
                         ) -> tuple[tuple[Array, ...], Float[Array, "S C W1"]]:
     """Same signature and result as `conv_prefill_reference` (`supported` shapes). By default 32 tokens x 128
     channels a program at 4 warps: of six tunings at the 8k layers on an H100 the fastest or within 3% of it, 0.195 ms
     for Qwen3-Next's q | k | v (64 x 128 at 8 warps: 0.203; XLA 0.220) and 0.156 for NemotronH's x | B | C (0.211;
-    XLA 0.160; `benchmarks.prefill_fusions`, benchmarks/RESULTS.md, "Session 42"). (64 x 128 at 4 warps spills
-    ~5.5 KB a thread on the H200 compile, "Session 41".)"""
+    XLA 0.160; `benchmarks.prefill_fusions`, benchmarks/RESULTS.md, "Session 42"). Every tuning timed holds 32
+    elements a thread, and takes ~242 registers on the H200 compile (ptxas): two programs an SM; 16 a thread take 72
+    (not yet timed). (64 x 128 at 4 warps spills ~5.5 KB a thread, "Session 41".) `contiguous`: a tile none of whose tokens' taps reaches
+    before its row's start (nor before token 0) reads each tap as one window of rows, no gather and no history, the
+    others as before (every form ran at 1.0-1.4 TB/s, "Session 42"; this one not yet timed)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown conv activation {activation!r}; choose one of {ACTIVATIONS}")
     num_tokens, (num_channels, width) = x.shape[0], weight.shape
@@ -114,12 +144,14 @@ def conv_prefill_pallas(x: Float[Array, "T X"], conv_state: Float[Array, "S C W1
     dtype = jnp.result_type(x.dtype, bias.dtype) if bias is not None else x.dtype
     dtype = dtype if out_dtype is None else out_dtype
     kernel = functools.partial(_kernel, width=width, block_t=block_t, block_c=block_c, offset=offset,
-                               has_bias=bias is not None, activation=activation, bounds=bounds)
+                               has_bias=bias is not None, activation=activation, bounds=bounds,
+                               contiguous=contiguous)
     outs = pl.pallas_call(
         kernel, grid=(num_tokens // block_t, num_channels // block_c),
         in_specs=[_WHOLE] * (5 + (bias is not None)), out_specs=[_WHOLE] * (len(bounds) - 1),
         out_shape=[jax.ShapeDtypeStruct((num_tokens, hi - lo), dtype) for lo, hi in zip(bounds[:-1], bounds[1:])],
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
-        name=f"conv_prefill_bt{block_t}_bc{block_c}_w{num_warps}" + (f"_{activation}" if activation else ""),
+        name=f"conv_prefill_bt{block_t}_bc{block_c}_w{num_warps}" + ("_cw" if contiguous else "")
+        + (f"_{activation}" if activation else ""),
     )(token_seq.astype(jnp.int32), local, x, weight, h0t, *(() if bias is None else (bias,)))
     return tuple(outs), conv_new_state(x, h0t, conv_state, cu_seqlens, slot_ids, offset)

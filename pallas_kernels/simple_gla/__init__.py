@@ -167,6 +167,12 @@ MAMBA2_PREFILL_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_PREFILL_TUNING
 # serving-shaped step (63 one-token rows and a 313-token prompt) 0.222 ms fused against 0.237 split, so shorter
 # steps keep the fused form. JHYBRID_MAMBA2_SPLIT_FROM_TOKENS=0 never splits
 MAMBA2_SPLIT_FROM_TOKENS = int(os.environ.get("JHYBRID_MAMBA2_SPLIT_FROM_TOKENS", "4096"))
+# the split form's sequential pass in blocks of this many key (state) columns where the caller does not choose
+# (`chunk_simple_gla_pallas(state_block_k=)`; 0: the whole state, one program per value block as before). At
+# NemotronH's 8k layer that pass runs 128 programs (64 heads x 2 value blocks) on 132 SMs, each walking all 128
+# chunks: 5.66 of the step's 8.5 ms of SSD kernels on an H100 (benchmarks/RESULTS.md, "Session 42"). Blocks of 32
+# give it 4x the programs. Not yet timed: JHYBRID_MAMBA2_STATE_BLOCK_K=32 turns it on
+MAMBA2_STATE_BLOCK_K = int(os.environ.get("JHYBRID_MAMBA2_STATE_BLOCK_K", "0"))
 
 
 # the dtype of the parts' scan operands (B, C and v = x dt) where the scan is the Pallas kernel: "auto" (the
@@ -227,6 +233,8 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     pallas = _pick(impl, "chunk", q, v) == "pallas"
     if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= xbc.shape[0]:
         tuning = dict(tuning, fused_output=False)
+    if MAMBA2_STATE_BLOCK_K and tuning.get("fused_output") is False and "state_block_k" not in tuning:
+        tuning = dict(tuning, state_block_k=min(MAMBA2_STATE_BLOCK_K, state_dim))
     if fused and d_skip is not None and (mesh is None or mesh.size == 1) and pallas:  # x, B, C read in xbc
         tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,

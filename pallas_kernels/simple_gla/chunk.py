@@ -93,16 +93,19 @@ def _mamba2_columns(m2: Mamba2Inputs, j, group: int, v_slice):
             pl.ds(j * m2.head_dim + v_slice.start, v_slice.size))
 
 
-def _chunk_keys_values(k_ref, v_ref, g_ref, start, valid, j, v_slice, group: int, dt, m2=None, dt_ref=None):
-    """k `[C, K]` and v `[C, BV]` (dot dtype `dt`), the in-chunk cumulative g `[C]` and its last value; with `m2`
-    (`Mamba2Inputs`: k_ref = v_ref the conv output, `dt_ref [T, HV]` the step sizes) also SiLU(x) `[C, BV]` fp32,
-    the D skip's input (else None)."""
+def _chunk_keys_values(k_ref, v_ref, g_ref, start, valid, j, v_slice, group: int, dt, m2=None, dt_ref=None,
+                       k_slice=None):
+    """k `[C, K]` (`[C, BK]`: the key columns `k_slice`, where given) and v `[C, BV]` (dot dtype `dt`), the
+    in-chunk cumulative g `[C]` and its last value; with `m2` (`Mamba2Inputs`: k_ref = v_ref the conv output,
+    `dt_ref [T, HV]` the step sizes) also SiLU(x) `[C, BV]` fp32, the D skip's input (else None)."""
     g = _load(g_ref, start, valid, j)  # [C], zeros past the end keep G flat there
     if m2 is None:
-        k = _load(k_ref, start, valid, j // group, pl.ds(0, k_ref.shape[-1]), dtype=dt)
+        k = _load(k_ref, start, valid, j // group, k_slice or pl.ds(0, k_ref.shape[-1]), dtype=dt)
         v = _load(v_ref, start, valid, j, v_slice, dtype=dt)
         return k, v, jnp.cumsum(g), jnp.sum(g), None
     b_cols, _, x_cols = _mamba2_columns(m2, j, group, v_slice)
+    if k_slice is not None:
+        b_cols = pl.ds(b_cols.start + k_slice.start, k_slice.size)
     k = _silu(_load(k_ref, start, valid, b_cols)).astype(dt)
     x = _silu(_load(v_ref, start, valid, x_cols))
     v = (x * _load(dt_ref, start, valid, j)[:, None]).astype(dt)
@@ -211,14 +214,19 @@ def _state_kernel(
     chunk_size: int,
     group: int,
     block_v: int,
+    block_k: int,
     precision,
     row_groups: int,
     mamba2: Mamba2Inputs | None,
 ):
-    """The sequential pass alone: per chunk, store the state entering it, then advance it. With `mamba2`,
+    """The sequential pass alone: per chunk, store the state entering it, then advance it. Program (g, j, i) holds
+    the `[BK, BV]` block `divmod(i, K / BK)` of head j's state: with no output to compute, the update
+    `exp(G_last) S + k^T (exp(G_last - G) v)` never mixes key columns, so blocks of K run apart. With `mamba2`,
     k_ref = v_ref is the conv output (`Mamba2Inputs`)."""
     j, i = pl.program_id(1), pl.program_id(2)
-    v_slice = pl.ds(i * block_v, block_v)
+    num_k = state_in_ref.shape[2] // block_k
+    v_slice = pl.ds((i // num_k) * block_v, block_v)
+    k_slice = pl.ds((i % num_k) * block_k, block_k)
     lane = jnp.arange(chunk_size)
     dot = functools.partial(jax.lax.dot_general, precision=precision, preferred_element_type=jnp.float32)
     dt = jnp.dtype(mamba2.dot_dtype) if mamba2 else v_ref.dtype
@@ -230,17 +238,17 @@ def _state_kernel(
         def body(c, h):
             start = seq_start + c * chunk_size
             valid = lane < seq_end - start
-            h_ref[first_chunk + c, j, :, v_slice] = h.astype(h_ref.dtype)
+            h_ref[first_chunk + c, j, k_slice, v_slice] = h.astype(h_ref.dtype)
             k, v, cum, cum_last, _ = _chunk_keys_values(k_ref, v_ref, g_ref, start, valid, j, v_slice, group, dt,
-                                                        mamba2, dt_ref)
+                                                        mamba2, dt_ref, k_slice)
             return _advance(h, k, v, cum, cum_last, dot=dot)
 
-        h = jnp.where(slot == 0, 0.0, state_in_ref[slot, j, :, v_slice].astype(jnp.float32))  # [K, BV]
+        h = jnp.where(slot == 0, 0.0, state_in_ref[slot, j, k_slice, v_slice].astype(jnp.float32))  # [BK, BV]
         h = jax.lax.fori_loop(0, (seq_end - seq_start + chunk_size - 1) // chunk_size, body, h)
 
         @pl.when(slot != 0)
         def _():
-            state_ref[slot, j, :, v_slice] = h.astype(state_ref.dtype)
+            state_ref[slot, j, k_slice, v_slice] = h.astype(state_ref.dtype)
 
     _for_each_multi_row(num_multi_ref, multi_rows_ref, row_groups, row)
 
@@ -355,7 +363,7 @@ def _call(kernel, grid, num_inputs, out_shape, aliases, *, num_warps, num_stages
 
 
 _TUNING = ("scale", "chunk_size", "fused_output", "block_v", "num_warps", "num_stages", "out_block_v", "out_num_warps",
-           "single_block_v", "row_groups", "precision", "interpret")
+           "single_block_v", "row_groups", "precision", "state_block_k", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_TUNING)
@@ -379,6 +387,7 @@ def chunk_simple_gla_pallas(
     single_block_v: int = 32,
     row_groups: int | None = None,
     precision: str = "tf32",
+    state_block_k: int | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T HV V"], Float[Array, "S HV K V"]]:
     """Same arguments and results as `chunk_simple_gla_reference`.
@@ -389,7 +398,8 @@ def chunk_simple_gla_pallas(
     kernel takes `out_block_v` values and `out_num_warps` warps per program). `single_block_v`: values per
     program of the one-token rows' update. `row_groups` (G) overrides the sequential pass's programs per value
     tile (`_row_groups`). `precision` ("tf32" or "tf32x3") sets fp32 dots on the GPU; the interpreter's dots
-    are exact.
+    are exact. `state_block_k` (a power of two >= 16 dividing K; default K): the split form's sequential pass
+    runs a program per `[state_block_k, block_v]` block of each head's state, K / state_block_k times the programs.
     """
     num_value_heads, value_dim = v.shape[1:]
     dims = (q.shape[1], q.shape[2], num_value_heads, value_dim)
@@ -398,7 +408,8 @@ def chunk_simple_gla_pallas(
     return _chunk(q, k, v, g, unused, unused[0], unused, cu_seqlens, state, slot_ids, dims=dims, mamba2=None,
                   out_dtype=v.dtype, scale=scale, chunk_size=chunk_size, fused_output=fused_output, block_v=block_v,
                   num_warps=num_warps, num_stages=num_stages, out_block_v=out_block_v, out_num_warps=out_num_warps,
-                  single_block_v=single_block_v, row_groups=row_groups, precision=precision, interpret=interpret)
+                  single_block_v=single_block_v, row_groups=row_groups, precision=precision,
+                  state_block_k=state_block_k, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_TUNING + ("dims", "out_dtype", "scan_dtype"))
@@ -427,6 +438,7 @@ def chunk_mamba2_pallas(
     out_block_v: int = 64,
     out_num_warps: int = 4,
     scan_dtype: str = "float32",
+    state_block_k: int | None = None,
 ) -> tuple[Float[Array, "T Hm P"], Float[Array, "S Hm N P"]]:
     """A Mamba2 mixer's chunked scan from its conv output, `simple_gla.chunk_mamba2_in_parts`'s result: `xbc
     [T, Cm]` the conv output (with its bias, before the SiLU; columns x `[Hm P]` | B `[G N]` | C `[G N]`), `dt` the step
@@ -450,12 +462,13 @@ def chunk_mamba2_pallas(
                   slot_ids, dims=(groups, state_dim, heads, head_dim), mamba2=m2, out_dtype=out_dtype, scale=scale,
                   chunk_size=chunk_size, fused_output=fused_output, block_v=block_v, num_warps=num_warps,
                   num_stages=num_stages, out_block_v=out_block_v, out_num_warps=out_num_warps,
-                  single_block_v=single_block_v, row_groups=row_groups, precision=precision, interpret=interpret)
+                  single_block_v=single_block_v, row_groups=row_groups, precision=precision,
+                  state_block_k=state_block_k, interpret=interpret)
 
 
 def _chunk(q, k, v, g, dt, d_skip, z, cu_seqlens, state, slot_ids, *, dims, mamba2, out_dtype, scale, chunk_size,
            fused_output, block_v, num_warps, num_stages, out_block_v, out_num_warps, single_block_v, row_groups,
-           precision, interpret):
+           precision, state_block_k, interpret):
     """The kernels' calls. `dims = (H, K, HV, V)`: key heads and dim, value heads and dim (q, k, v's shapes
     unless `mamba2`, where all three are the conv output)."""
     if precision not in _PRECISIONS:
@@ -468,6 +481,9 @@ def _chunk(q, k, v, g, dt, d_skip, z, cu_seqlens, state, slot_ids, *, dims, mamb
     group = num_value_heads // num_key_heads
     c = chunk_size
     block_v, out_block_v, single_block_v = (min(x, value_dim) for x in (block_v, out_block_v, single_block_v))
+    block_k = min(state_block_k or key_dim, key_dim)
+    if block_k < 16 or block_k & (block_k - 1) or key_dim % block_k:
+        raise ValueError(f"{state_block_k=} must be a power of two >= 16 dividing K={key_dim}")
     dot_precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[precision]
     layout: _Layout = _layout(cu_seqlens, num_tokens, batch, c)
     if interpret:  # the interpreter clamps windows that run past the end: pad instead (GPU loads are masked)
@@ -491,13 +507,15 @@ def _chunk(q, k, v, g, dt, d_skip, z, cu_seqlens, state, slot_ids, *, dims, mamb
             layout.num_multi, layout.multi_rows, slots, cu, q, k, v, g, dt, d_skip, z, state)
     else:
         prefix = "mamba2" if mamba2 else "sgla"
-        kernel = functools.partial(_state_kernel, chunk_size=c, group=group, block_v=block_v,
+        kernel = functools.partial(_state_kernel, chunk_size=c, group=group, block_v=block_v, block_k=block_k,
                                    precision=dot_precision, row_groups=groups, mamba2=mamba2)
+        state_grid = (groups, num_value_heads, value_dim // block_v * (key_dim // block_k))
+        state_tag = tag + (f"_bk{block_k}" if block_k < key_dim else "")
         # per-chunk states in the dot dtype (Mamba2's in-place form: its `dot_dtype`, as the parts' v)
         h_dtype = jnp.dtype(mamba2.dot_dtype) if mamba2 else v.dtype
         h_shape = jax.ShapeDtypeStruct((layout.num_chunks, num_value_heads, key_dim, value_dim), h_dtype)
-        h, state = _call(kernel, seq_grid, 10, [h_shape, state_shape], {9: 1}, num_warps=num_warps,
-                         num_stages=num_stages, interpret=interpret, name=f"{prefix}_chunk_state_{tag}")(
+        h, state = _call(kernel, state_grid, 10, [h_shape, state_shape], {9: 1}, num_warps=num_warps,
+                         num_stages=num_stages, interpret=interpret, name=f"{prefix}_chunk_state_{state_tag}")(
             layout.num_multi, layout.multi_rows, layout.row_chunks, slots, cu, k, v, g, dt, state)
         kernel = functools.partial(_output_kernel, chunk_size=c, group=group, block_v=out_block_v, scale=scale,
                                    precision=dot_precision, mamba2=mamba2, out_dtype=out_dtype)
