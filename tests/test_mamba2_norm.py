@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jhybrid.models.layers import grouped_rms_norm
 from pallas_kernels import simple_gla
-from pallas_kernels.simple_gla import chunk_mamba2_in_parts, chunk_simple_gla_reference, mamba2_gated_norm
+from pallas_kernels.simple_gla import chunk_mamba2_in_parts, chunk_simple_gla_reference
 from pallas_kernels.simple_gla.mamba2_norm import mamba2_gated_norm_pallas, supported
 from pallas_kernels.simple_gla.reference import mamba2_gated_norm_reference
 from tests.test_kernels_pallas import assert_close, lower_for_h200

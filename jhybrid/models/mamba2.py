@@ -11,9 +11,9 @@ from jhybrid.models.batch import Batch
 from jhybrid.models.layers import conv_prefill_kernel, grouped_gated_rms_norm, grouped_rms_norm, short_conv
 from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
-from pallas_kernels import conv_update
+from pallas_kernels import conv_update, simple_gla
 from pallas_kernels.simple_gla import (chunk_mamba2, chunk_simple_gla, fused_recurrent_simple_gla, mamba2_decode,
-                                       mamba2_gated_norm, mamba2_norm_impl)
+                                       mamba2_norm_impl)
 
 
 def mamba2_layer(
@@ -61,13 +61,15 @@ def mamba2_layer(
     dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))  # [T, Hm]
     dt = jnp.clip(dt, cfg.mamba_dt_min, cfg.mamba_dt_max)
     decay = dt * -jnp.exp(p["A_log"].astype(jnp.float32))  # [T, Hm], log space
+    kw = kernels or {}
     fused_norm = not decode and shards == 1 and mamba2_norm_impl(
-        (kernels or {}).get("impl", "auto"), inner, inner // g, (kernels or {}).get("mesh")) == "pallas"
+        kw.get("impl", "auto"), inner, inner // g, kw.get("mesh")) == "pallas"
     if fused_norm:  # the scan, then the D skip, the gate and the norm in one kernel (x and z read in place)
         o, ssm_state = chunk_mamba2(xbc, dt, decay, None, batch.cu_seqlens, ssm_state, batch.slot_ids,
-                                    dims=(h, hp, g, n), out_dtype=x.dtype, **(kernels or {}))
-        y = mamba2_gated_norm(o, xbc, proj, p["D"], p["norm"], group_size=inner // g, eps=cfg.mamba_norm_eps,
-                              out_dtype=x.dtype, **(kernels or {}))
+                                    dims=(h, hp, g, n), out_dtype=x.dtype, **kw)
+        y = simple_gla.mamba2_gated_norm_pallas(o, xbc, proj, p["D"], p["norm"], group_size=inner // g,
+                                                eps=cfg.mamba_norm_eps, out_dtype=x.dtype,
+                                                interpret=kw.get("interpret", False))
     elif not decode and shards == 1:  # SiLU, x / B / C, v = x dt, the D skip and the gate (z: proj's first columns)
         y, ssm_state = chunk_mamba2(xbc, dt, decay, p["D"], batch.cu_seqlens, ssm_state, batch.slot_ids, proj,
                                     dims=(h, hp, g, n), out_dtype=x.dtype, **(kernels or {}))

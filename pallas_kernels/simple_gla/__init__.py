@@ -266,7 +266,7 @@ def mamba2_norm_impl(impl: str, inner: int, group_size: int, mesh=None) -> str:
 
 
 def mamba2_gated_norm(o, xbc, z, d_skip, weight, *, group_size: int, eps: float, out_dtype, impl: str = "auto",
-                      interpret: bool = False, mesh=None, **_):
+                      interpret: bool = False, mesh=None):
     """Same signature and result as `mamba2_gated_norm_reference`: the kernel where `mamba2_norm_impl` says so,
     else the reference."""
     heads, head_dim = o.shape[1:]
