@@ -79,11 +79,12 @@ def test_conv_prefill_reference_matches_an_fp64_loop(offset, with_bias, silu, sp
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("offset,with_bias,silu,splits,tiles", [
     (0, False, False, None, {}),
-    (16, True, False, None, dict(block_t=4, block_c=16)),  # programs that cut rows apart, several channel blocks
-    (48, False, True, (16, 16, 32), dict(block_t=8, block_c=16)),  # the Gated DeltaNet layer's q | k | v
-    # window tiles beside gathered ones (`contiguous`): 32 tokens in 4-token tiles, rows of 9, 1, 2, 1, 7, 5 and padding
-    (16, True, False, None, dict(block_t=4, block_c=16, contiguous=True)),
-    (48, False, True, (16, 16, 32), dict(block_t=4, block_c=16, contiguous=True)),
+    # every tile gathered (`contiguous=False`): programs that cut rows apart, several channel blocks
+    (16, True, False, None, dict(block_t=4, block_c=16, contiguous=False)),
+    (48, False, True, (16, 16, 32), dict(block_t=8, block_c=16, contiguous=False)),  # Gated DeltaNet's q | k | v
+    # window tiles beside gathered ones (the default): 32 tokens in 4-token tiles, rows of 9, 1, 2, 1, 7, 5 and padding
+    (16, True, False, None, dict(block_t=4, block_c=16)),
+    (48, False, True, (16, 16, 32), dict(block_t=4, block_c=16)),
 ])
 def test_conv_prefill_kernel_matches_reference(dtype, offset, with_bias, silu, splits, tiles):
     """The kernel, interpreted, gives the reference's outputs (every token, padding included; to fp32 rounding: the
@@ -129,13 +130,13 @@ def test_conv_prefill_lowers_for_h200():
     qwen = (sd((t, 12352), jnp.bfloat16), sd((4, 8192, 3), jnp.float32), sd((8192, 4), jnp.bfloat16), *rows)
     lower_for_h200(lambda *a: conv_prefill_pallas(*a, activation="silu", out_dtype=jnp.bfloat16,
                                                   splits=(2048, 2048, 4096)), *qwen,
-                   kernels=[r"conv_prefill_bt32_bc128_w4_silu"])
+                   kernels=[r"conv_prefill_bt16_bc128_w4_cw_silu"])
     nemotron = (sd((t, 10304), jnp.bfloat16), sd((4, 6144, 3), jnp.float32), sd((6144, 4), jnp.bfloat16), *rows,
                 sd((6144,), jnp.bfloat16))
     lower_for_h200(lambda *a: conv_prefill_pallas(*a[:6], bias=a[6], offset=4096), *nemotron,
-                   kernels=[r"conv_prefill_bt32_bc128_w4"])
-    lower_for_h200(lambda *a: conv_prefill_pallas(*a[:6], bias=a[6], offset=4096, contiguous=True), *nemotron,
-                   kernels=[r"conv_prefill_bt32_bc128_w4_cw"])
+                   kernels=[r"conv_prefill_bt16_bc128_w4_cw"])
+    lower_for_h200(lambda *a: conv_prefill_pallas(*a[:6], bias=a[6], offset=4096, contiguous=False), *nemotron,
+                   kernels=[r"conv_prefill_bt16_bc128_w4"])
 
 
 @pytest.mark.slow

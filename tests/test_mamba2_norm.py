@@ -94,7 +94,7 @@ def test_lowers_for_h200():
     args = (sd((t, 64, 64), jnp.bfloat16), sd((t, 6144), jnp.bfloat16), sd((t, 10304), jnp.bfloat16),
             sd((64,), jnp.bfloat16), sd((4096,), jnp.bfloat16))
     lower_for_h200(lambda *a: mamba2_gated_norm_pallas(*a, group_size=512, eps=1e-5, out_dtype=jnp.bfloat16), *args,
-                   kernels=[r"mamba2_gated_norm_bt8_g512_w4"])
+                   kernels=[r"mamba2_gated_norm_bt4_g512_w4"])
 
 
 @pytest.mark.slow

@@ -89,7 +89,7 @@ def _kernel(seq_ref, local_ref, x_ref, w_ref, h0_ref, *refs, width: int, block_t
         store(gathered())
 
 
-def token_block(num_tokens: int, most: int = 32) -> int:
+def token_block(num_tokens: int, most: int = 16) -> int:
     """Tokens a program: the largest power of two up to `most` dividing T (so no program runs past the end)."""
     block = 1
     while block * 2 <= most and num_tokens % (block * 2) == 0:
@@ -118,17 +118,16 @@ def conv_prefill_pallas(x: Float[Array, "T X"], conv_state: Float[Array, "S C W1
                         cu_seqlens: Int[Array, "B+1"], slot_ids: Int[Array, "B"], token_seq: Int[Array, "T"], *,
                         offset: int = 0, bias: Array | None = None, activation: str | None = None, out_dtype=None,
                         splits: tuple[int, ...] | None = None, block_t: int | None = None,
-                        block_c: int | None = None, num_warps: int = 4, contiguous: bool = False,
+                        block_c: int | None = None, num_warps: int = 4, contiguous: bool = True,
                         interpret: bool = False
                         ) -> tuple[tuple[Array, ...], Float[Array, "S C W1"]]:
-    """Same signature and result as `conv_prefill_reference` (`supported` shapes). By default 32 tokens x 128
-    channels a program at 4 warps: of six tunings at the 8k layers on an H100 the fastest or within 3% of it, 0.195 ms
-    for Qwen3-Next's q | k | v (64 x 128 at 8 warps: 0.203; XLA 0.220) and 0.156 for NemotronH's x | B | C (0.211;
-    XLA 0.160; `benchmarks.prefill_fusions`, benchmarks/RESULTS.md, "Session 42"). Every tuning timed holds 32
-    elements a thread, and takes ~242 registers on the H200 compile (ptxas): two programs an SM; 16 a thread take 72
-    (not yet timed). (64 x 128 at 4 warps spills ~5.5 KB a thread, "Session 41".) `contiguous`: a tile none of whose tokens' taps reaches
-    before its row's start (nor before token 0) reads each tap as one window of rows, no gather and no history, the
-    others as before (every form ran at 1.0-1.4 TB/s, "Session 42"; this one not yet timed)."""
+    """Same signature and result as `conv_prefill_reference` (`supported` shapes). By default 16 tokens x 128
+    channels a program at 4 warps (72 registers on the H200 compile; the 32-token tiles take ~242, two programs an
+    SM), with `contiguous` tiles: a tile none of whose tokens' taps reaches before its row's start (nor before token
+    0) reads each tap as one window of rows, no gather and no history; the others gather as before. At the 8k layers
+    on an H100 (`benchmarks.prefill_fusions`, benchmarks/RESULTS.md, "Session 43"): Qwen3-Next's q | k | v 0.151 ms
+    (32 x 128 gathered, the old default: 0.188; XLA 0.216), NemotronH's x | B | C 0.143 (0.156; 32 x 128 windows at
+    4 warps 0.132; XLA 0.149). (64 x 128 at 4 warps spills ~5.5 KB a thread, "Session 41".)"""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown conv activation {activation!r}; choose one of {ACTIVATIONS}")
     num_tokens, (num_channels, width) = x.shape[0], weight.shape

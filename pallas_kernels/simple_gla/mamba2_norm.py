@@ -48,10 +48,10 @@ def supported(inner: int, group_size: int) -> bool:
 
 
 def token_block(group_size: int) -> int:
-    """Tokens a program: about 4k elements a tile, 1 to 32 tokens. At NemotronH's 8k layer (groups of 512) on an
-    H100, 8 tokens at 4 warps took 0.118 ms, 16 tokens 0.123-0.128, 32 tokens 0.133-0.137; XLA 0.212
-    (`benchmarks.prefill_fusions`, benchmarks/RESULTS.md, "Session 42")."""
-    return max(1, min(32, 4096 // group_size))
+    """Tokens a program: about 2k elements a tile, 1 to 32 tokens. At NemotronH's 8k layer (groups of 512) on an
+    H100, 4 tokens at 4 warps took 0.111 ms, 8 tokens 0.118-0.119, 16 tokens 0.118-0.128, 32 tokens 0.128-0.137;
+    XLA 0.208-0.212 (`benchmarks.prefill_fusions`, benchmarks/RESULTS.md, "Session 42" and "Session 43")."""
+    return max(1, min(32, 2048 // group_size))
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "eps", "out_dtype", "block_t", "num_warps", "interpret"))
