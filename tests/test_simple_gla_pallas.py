@@ -390,6 +390,19 @@ def test_chunk_mamba2_takes_the_split_form_from_a_step_size(monkeypatch, split_f
     _lower_mamba2_step(in_place, kernels)
 
 
+@pytest.mark.parametrize("split_from, kernels", [
+    (136, [r"sgla_chunk_state_c128_bv32_w4_s2", r"sgla_chunk_output_c128_bv64_w8", r"sgla_chunk_single_bv32_w4"]),
+    (137, [r"sgla_chunk_fused_c64_bv32_w4_s2", r"sgla_chunk_single_bv32_w4"]),
+])
+def test_chunk_mamba2_split_tuning(monkeypatch, split_from, kernels):
+    """`MAMBA2_SPLIT_TUNING` (chunk size and kernel keywords) tunes the parts' split form and nothing else (the
+    one-pass form keeps 64-token chunks). Checked to fail with the tuning not applied, and with it applied to both
+    forms."""
+    monkeypatch.setattr(simple_gla, "MAMBA2_SPLIT_FROM_TOKENS", split_from)
+    monkeypatch.setattr(simple_gla, "MAMBA2_SPLIT_TUNING", {"chunk_size": 128, "out_num_warps": 8})
+    _lower_mamba2_step(False, kernels)
+
+
 def test_mesh_dispatch_lowers_per_shard():
     """With a 2-device head-splitting mesh, both kernels run per shard under shard_map (a manual region on half
     the heads) and lower for CUDA. Checked to fail with `mesh` ignored by the dispatch (the whole-array kernels then

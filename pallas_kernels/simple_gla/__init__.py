@@ -167,12 +167,12 @@ MAMBA2_PREFILL_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_PREFILL_TUNING
 # serving-shaped step (63 one-token rows and a 313-token prompt) 0.222 ms fused against 0.237 split, so shorter
 # steps keep the fused form. JHYBRID_MAMBA2_SPLIT_FROM_TOKENS=0 never splits
 MAMBA2_SPLIT_FROM_TOKENS = int(os.environ.get("JHYBRID_MAMBA2_SPLIT_FROM_TOKENS", "4096"))
-# the split form's sequential pass in blocks of this many key (state) columns where the caller does not choose
-# (`chunk_simple_gla_pallas(state_block_k=)`; 0: the whole state, one program per value block as before). At
-# NemotronH's 8k layer that pass runs 128 programs (64 heads x 2 value blocks) on 132 SMs, each walking all 128
-# chunks: 5.66 of the step's 8.5 ms of SSD kernels on an H100 (benchmarks/RESULTS.md, "Session 42"). Blocks of 32
-# give it 4x the programs. Not yet timed: JHYBRID_MAMBA2_STATE_BLOCK_K=32 turns it on
-MAMBA2_STATE_BLOCK_K = int(os.environ.get("JHYBRID_MAMBA2_STATE_BLOCK_K", "0"))
+# the parts' split form's kernel tuning where the caller gives none (`chunk_simple_gla_pallas`'s keywords, and
+# `chunk_size`; JSON in JHYBRID_MAMBA2_SPLIT_TUNING, for A/B runs). Timed at NemotronH's 8k layer on an H100 and not
+# taken: the sequential pass in key blocks of 32 (`state_block_k`, 4x the programs), 0.602 ms against 0.565
+# (benchmarks/RESULTS.md, "Session 42"); that pass loading each chunk one iteration ahead, 0.588 against 0.580
+# ("Session 43"; built, timed, removed)
+MAMBA2_SPLIT_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_SPLIT_TUNING", "{}"))
 
 
 # the dtype of the parts' scan operands (B, C and v = x dt) where the scan is the Pallas kernel: "auto" (the
@@ -211,7 +211,7 @@ def chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=Non
 
 
 def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dims: tuple[int, int, int, int],
-                 out_dtype, impl: str = "auto", interpret: bool = False, chunk_size: int = 64, mesh=None,
+                 out_dtype, impl: str = "auto", interpret: bool = False, chunk_size: int | None = None, mesh=None,
                  fused: bool | None = None, scan_dtype: str | None = None, **tuning):
     """A Mamba2 mixer's chunked scan from its conv output (`chunk_mamba2_pallas` says what each argument is):
     (`y = o + D SiLU(x)` `[T, Hm, P]` in `out_dtype`, or given the gate `z` the gated norm's input in fp32; the
@@ -220,7 +220,9 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     `chunk_simple_gla` (its `impl`, `mesh`, `tuning`), whose scan operands are in `scan_dtype` (default
     `MAMBA2_SCAN_DTYPE`; "auto": `xbc`'s dtype) where that scan is the Pallas kernel. Either way the kernels' split form
     (`fused_output=False`) runs steps of `MAMBA2_SPLIT_FROM_TOKENS` tokens or more unless `tuning` names the form.
-    `d_skip` None: the parts' scan output before the skip (`chunk_mamba2_in_parts`), for `mamba2_gated_norm`."""
+    `d_skip` None: the parts' scan output before the skip (`chunk_mamba2_in_parts`), for `mamba2_gated_norm`.
+    `chunk_size` None: 64, or in the split form `MAMBA2_SPLIT_TUNING`'s, whose other keywords the parts' split form
+    takes where `tuning` does not set them."""
     fused = MAMBA2_FUSED_PREFILL if fused is None else fused
     scan_dtype = MAMBA2_SCAN_DTYPE if scan_dtype is None else scan_dtype
     if scan_dtype not in ("auto", "float32", "bfloat16"):
@@ -233,15 +235,15 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     pallas = _pick(impl, "chunk", q, v) == "pallas"
     if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= xbc.shape[0]:
         tuning = dict(tuning, fused_output=False)
-    if MAMBA2_STATE_BLOCK_K and tuning.get("fused_output") is False and "state_block_k" not in tuning:
-        tuning = dict(tuning, state_block_k=min(MAMBA2_STATE_BLOCK_K, state_dim))
+    split = dict(MAMBA2_SPLIT_TUNING) if tuning.get("fused_output") is False else {}
+    chunk_size = split.pop("chunk_size", 64) if chunk_size is None else chunk_size
     if fused and d_skip is not None and (mesh is None or mesh.size == 1) and pallas:  # x, B, C read in xbc
         tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
                                    chunk_size=chunk_size, interpret=interpret, scan_dtype=jnp.dtype(scan_dtype).name,
                                    **tuning)
     chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0, chunk_size=chunk_size,
-                              mesh=mesh, **tuning)
+                              mesh=mesh, **{**split, **tuning})
     # the jnp scans keep fp32 operands (and the CPU's HF parity)
     scan_dtype = jnp.dtype(scan_dtype if pallas else jnp.float32)
     return chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
