@@ -369,8 +369,9 @@ def main(argv=None) -> int:
             cmd = [sys.executable, "-m", "benchmarks.device_loop", "--no-engine", "--steps", "32", "--models", a.only,
                    "--trace", os.path.join(scratch, "trace"), "--json", out] + (["--tiny"] if a.tiny else [])
             loops = [r for r in run_part("device loop", cmd, out, a.timeout, failed) or [] if "loop_kernels" in r]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    info = dict(commit=commit or "?", device=models[0]["device"] if models else "?", tiny=a.tiny)
+    from benchmarks.provenance import git_commit
+
+    info = dict(commit=git_commit(), device=models[0]["device"] if models else "?", tiny=a.tiny)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(machine_info=info, models=models, kernels=kernels, device_loop=loops, failed=failed), f,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,11 +38,9 @@ def log(*a):
 
 
 def machine_info() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
-    return {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": commit or "?"}
+    from benchmarks.provenance import git_commit
+
+    return {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "commit": git_commit()}
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:

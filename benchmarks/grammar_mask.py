@@ -19,7 +19,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import time
 
@@ -181,10 +180,9 @@ def run_xgrammar(tok, vocab: int, eos: int, workloads: dict) -> dict:
 
 
 def machine_info() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    from benchmarks.provenance import git_commit
+
+    commit = git_commit()
     cpu = platform.processor() or "?"
     try:
         with open("/proc/cpuinfo") as f:

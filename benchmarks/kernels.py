@@ -16,7 +16,6 @@ import functools
 import inspect
 import json
 import os
-import subprocess
 import time
 
 import jax
@@ -81,9 +80,12 @@ def errors(got, want):
     return float(np.abs(got - want).max()), rel
 
 
-def machine_info(commit):
+def machine_info(commit=None):
+    """The device, versions and tree (`commit`, default `benchmarks.provenance.git_commit()`) of a run."""
+    from benchmarks.provenance import git_commit
+
     dev = jax.devices()[0]
-    info = dict(gpu=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__, commit=commit,
+    info = dict(gpu=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__, commit=commit or git_commit(),
                 date=time.strftime("%Y-%m-%d"))
     if torch is not None:
         info["torch"] = torch.__version__
@@ -765,13 +767,7 @@ def main():
     AB_ONLY.update(filter(None, a.ab.split(",")))
     if AB_ONLY - set(CHUNK_AB):
         parser.error(f"--ab: unknown variant(s) {sorted(AB_ONLY - set(CHUNK_AB))}; choose from {list(CHUNK_AB)}")
-    commit = a.commit
-    if commit is None:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-        except Exception:
-            commit = "unknown"
-    info = machine_info(commit)
+    info = machine_info(a.commit)
     print("machine: " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     only = a.only.split(",")
     bwinfo = copy_bandwidth() if "copy" in only else {}

@@ -102,8 +102,7 @@ def main() -> None:
         return
     from benchmarks.kernels import machine_info
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    info = machine_info(commit or None)
+    info = machine_info(None)
     log(json.dumps(info))
     rng = np.random.default_rng(3)
     lengths = [int(n) for n in args.lengths.split(",")]

@@ -93,6 +93,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from benchmarks.provenance import git_commit
+
 REPO = Path(__file__).resolve().parents[1]
 
 TINY_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, head_dim=16, num_attention_heads=4,
@@ -766,17 +768,6 @@ def fmt(x, spec=".1f", scale=1.0) -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
     return f"{x * scale:{spec}}"
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-        return (head + ("+dirty" if dirty else "")) if head else "?"
-    except (OSError, subprocess.TimeoutExpired):
-        return "?"
 
 
 def gpu_name() -> str:

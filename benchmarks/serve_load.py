@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 import urllib.parse
@@ -184,11 +183,10 @@ def print_table(s: dict) -> None:
 
 
 def machine_info() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
-    return {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(), "commit": commit or "?"}
+    from benchmarks.provenance import git_commit
+
+    return {"host": platform.node(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
+            "commit": git_commit()}
 
 
 def main(argv=None) -> int:

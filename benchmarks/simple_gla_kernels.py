@@ -26,7 +26,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -270,13 +269,7 @@ def main():
     a = parser.parse_args()
     a.reps = a.reps or (2 if a.interpret else 10)
     a.inner = a.inner or (1 if a.interpret else 5)
-    commit = a.commit
-    if commit is None:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-        except Exception:
-            commit = "unknown"
-    info = machine_info(commit)
+    info = machine_info(a.commit)
     print("machine: " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     if jax.default_backend() != "gpu" and not a.interpret:
         sys.exit("no GPU: run on an H200, or pass --interpret --quick for the CPU smoke test")

@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import subprocess
 import time
 
 import jax
@@ -267,12 +266,10 @@ def collectives(cfg, params, mesh, block_size: int, prefill_tokens: int = 0) -> 
 
 
 def machine_info() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
+    from benchmarks.provenance import git_commit
+
     return {"device": jax.devices()[0].device_kind, "num_devices": jax.device_count(), "jax": jax.__version__,
-            "commit": commit or "?"}
+            "commit": git_commit()}
 
 
 def main(argv=None) -> int:
