@@ -126,7 +126,9 @@ def decode_steps(llm, batch: int, prompt_len: int = 512, new: int = 64) -> float
 def prefill_seconds(llm, rows: int = 16, length: int = 1024, repeats: int = 1) -> float:
     """Seconds of one `generate` of `rows` prompts of `length` tokens, `max_tokens=1`, after a call that compiles:
     the median of `repeats` calls (each with prompts of its own). The first call after the compiling one ran
-    17 ms (25%) slower than the next ones for an 8k prompt on the H200 (benchmarks/RESULTS.md, session 27)."""
+    17 ms (25%) slower than the next ones for an 8k prompt on the H200 (benchmarks/RESULTS.md, session 27). Each
+    call's prompts are built before its clock starts (through session 43 an 8k prompt's list was built inside it:
+    ~1 ms on the CI machine)."""
     import jhybrid
 
     sp = jhybrid.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -135,8 +137,9 @@ def prefill_seconds(llm, rows: int = 16, length: int = 1024, repeats: int = 1) -
     llm.generate(prompts, sp, use_tqdm=False)  # compiles
     times = []
     for i in range(repeats):
+        call = [[(t + 1 + i) % vocab for t in p] for p in prompts]
         t0 = time.perf_counter()
-        llm.generate([[(t + 1 + i) % vocab for t in p] for p in prompts], sp, use_tqdm=False)
+        llm.generate(call, sp, use_tqdm=False)
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
