@@ -78,20 +78,21 @@ def _case(rng, num_tiles_used, num_unused, e, k, n, block_m, dtype, fp8):
     return x, w.astype(dtype), None, jnp.asarray(tiles, jnp.int32)
 
 
+@pytest.mark.parametrize("block", [(32, 64), (16, 128)], ids=["bn32", "bn16"])  # bn16: `NARROW_DECODE_TILES`'s
 @pytest.mark.parametrize("epilogue", ["none", "silu_gate", "relu2"])
 @pytest.mark.parametrize("dtype,fp8,tol", [("float32", False, 1e-5), ("bfloat16", False, 1e-2), ("bfloat16", True, 1e-2),
                                            ("float32", True, 1e-5)])
-def test_grouped_matmul_kernel_equals_reference(epilogue, dtype, fp8, tol):
+def test_grouped_matmul_kernel_equals_reference(epilogue, dtype, fp8, tol, block):
     """The Pallas kernel (interpreted), each tile through its expert with the epilogue and row scales fused, equals the
-    jnp reference on the used tiles, for plain and FP8 (W8A16) stacks. Checked to fail with the kernel reading expert
-    0 for every tile and with its up-projection offset set to 0 ("silu_gate")."""
+    jnp reference on the used tiles, for plain and FP8 (W8A16) stacks, at 32 and 16 columns a program. Checked to fail
+    with the kernel reading expert 0 for every tile and with its up-projection offset set to 0 ("silu_gate")."""
     rng = np.random.default_rng(7)
     block_m, e, k, n = 16, 5, 256, 128
     x, w, scale, tiles = _case(rng, 4, 2, e, k, n, block_m, dtype, fp8)
     row_scale = jnp.asarray(rng.uniform(0, 1, x.shape[0]), jnp.float32)
     kw = dict(n=n, block_m=block_m, scale=scale, row_scale=row_scale, epilogue=epilogue)
     want = grouped_matmul_reference(x, w, tiles, **kw)
-    got = grouped_matmul_pallas(x, w, tiles, interpret=True, block_n=32, block_k=64, **kw)
+    got = grouped_matmul_pallas(x, w, tiles, interpret=True, block_n=block[0], block_k=block[1], **kw)
     used = np.repeat(np.asarray(tiles) >= 0, block_m)
     assert_close(f"{epilogue} {dtype} fp8={fp8}", np.asarray(got, np.float32)[used], np.asarray(want, np.float32)[used],
                  tol)
@@ -262,6 +263,24 @@ def test_grouped_moe_layer_lowers_for_h200(num_tokens, e, fp8):
     suffix = "_fp8" if fp8 else ""
     lower_for_h200(fn, *args, kernels=[rf"grouped_matmul_silu_gate_bm{bm}_bn\d+_bk\d+{suffix}",
                                        rf"grouped_matmul_none_bm{bm}_bn\d+_bk\d+{suffix}"])
+
+
+@pytest.mark.parametrize("narrow, bn", [(8, 16), (0, 64)])
+def test_narrow_decode_tiles_lower_for_h200(monkeypatch, narrow, bn):
+    """With `NARROW_DECODE_TILES` at 8, a batch-1 decode layer's per-pair tiles (top-8: 8 tiles) take 16 columns a
+    program, and lower for the H200; at 0 (the default) the 64 of `default_tuning`. Checked to fail with the switch
+    ignored."""
+    monkeypatch.setattr(gm, "NARROW_DECODE_TILES", narrow)
+    e, k, d, ie = 64, 8, 1024, 256
+    args = [jax.ShapeDtypeStruct((1, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, k), jnp.int32),
+            jax.ShapeDtypeStruct((1, k), jnp.float32), jax.ShapeDtypeStruct((e, d, 2 * ie), jnp.bfloat16),
+            jax.ShapeDtypeStruct((e, ie, d), jnp.bfloat16)]
+
+    def fn(x, top_i, top_p, w_in, w_down):
+        return layers.routed_experts_grouped(x, top_i, top_p, w_in, w_down, "silu", impl="pallas")
+
+    lower_for_h200(fn, *args, kernels=[rf"grouped_matmul_silu_gate_bm16_bn{bn}_bk\d+",
+                                       rf"grouped_matmul_none_bm16_bn{bn}_bk\d+"])
 
 
 @pytest.mark.parametrize("num_experts,split", [(8, True), (5, False)])

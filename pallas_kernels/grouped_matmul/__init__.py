@@ -11,6 +11,8 @@ tile by its expert's weight (`reference.py` defines it); `impl` picks how:
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
@@ -77,10 +79,22 @@ def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) ->
     return pair_row, row_pair, tile_expert
 
 
+# Decode steps of at most this many row tiles (a batch-1 or batch-4 step's per-pair tiles: `layers.PER_PAIR_TILES_MAX`)
+# take 16 columns a program instead of 64 (`default_tuning`); 0: never. A MiniMax-shaped batch-1 token has two
+# experts in use, so its gate/up kernel ran 2 tiles x 8 column blocks = 16 programs on 132 SMs, each streaming 512 KB
+# of one expert: 15.9 us a layer where the 8.4 MB it reads take ~2.7 us at the read rate, and the down projection
+# 5.1 us against ~1.3 (H100, `floors --device-loop`, benchmarks/RESULTS.md "Session 43"). 16 columns give 4x the
+# programs, each a quarter of the bytes. Not yet timed: JHYBRID_MOE_NARROW_TILES=8 turns it on
+NARROW_DECODE_TILES = int(os.environ.get("JHYBRID_MOE_NARROW_TILES", "0"))
+
+
 def default_tuning(block_m: int, fp8: bool, num_tiles: int = 0) -> dict:
     """The kernel's tiles for `block_m` rows per tile and `num_tiles` tiles: the fastest of benchmarks/moe.py's
     sweep on the H200 (RESULTS.md, session 23). Small tiles (decode) are bound by the experts' bytes: 64 columns a
-    program, unless there are tiles enough (many experts in use) to keep the SMs busy with 128."""
+    program, unless there are tiles enough (many experts in use) to keep the SMs busy with 128, or so few
+    (`NARROW_DECODE_TILES`) that 16 columns a program keep more SMs reading."""
+    if block_m <= 32 and 0 < num_tiles <= NARROW_DECODE_TILES:
+        return dict(block_n=16, block_k=128, num_warps=4, num_stages=4)
     if block_m <= 32:
         if num_tiles >= 256:
             return dict(block_n=128, block_k=64, num_warps=8, num_stages=3)
