@@ -9,7 +9,10 @@ for others), from its conv output to the gated norm's input, each way it can run
   take `simple_gla.MAMBA2_PREFILL_TUNING`, then the kernel's defaults).
 
     PYTHONPATH=. python3 -m benchmarks.mamba2_prefill [--tokens 8192] [--dims 64,64,8,128] [--tunings '{...};{...}']
-        [--parts-tunings '{"fused_output": false, "out_num_warps": 8};...'] [--json F]
+        [--parts-tunings '{"fused_output": false, "out_num_warps": 8};...'] [--json F] [--kernels N]
+
+`--kernels N` also prints each way's N biggest device kernels (a profiler trace of five calls): how a way's time
+splits between its sequential state pass, its output kernel and XLA's parts.
 
 Each way is first checked against the fp32 reference (`chunk_mamba2_in_parts` around the jnp chunked scan at
 HIGHEST precision); a way over the tolerance is reported FAILED and not timed. Timed: median (p20-p80) ms of one
@@ -88,11 +91,37 @@ def run_case(label, lengths, ways, rows):
         if ok:
             carry = lambda out, a: (*a[:5], out[1], *a[6:])  # noqa: E731
             row["ms"] = time_jax(fn, (*args[:5], jnp.array(args[5]), *args[6:]), reps=20, inner=3, carry=carry)
+            if KERNELS:
+                row["kernels"] = kernel_breakdown(fn, args)
         rows.append(row)
         ms = row.get("ms")
         print(f"{label:14s} {name:38s} err y {e_y[1]:.2e} state {e_s[1]:.2e} "
               + (f"{ms[0]:8.3f} ms ({ms[1]:.3f}-{ms[2]:.3f})" if ms else "FAILED the check"), flush=True)
+        for kernel, kms, launches in row.get("kernels", []):
+            print(f"{'':16s}{kms:8.3f} ms  x{launches:3.0f}  {kernel[:100]}", flush=True)
     return rows
+
+
+KERNELS = 0  # `--kernels N`: also each way's N biggest device kernels, from a profiler trace
+
+
+def kernel_breakdown(fn, args, calls: int = 5) -> list[tuple[str, float, float]]:
+    """The device kernels of `calls` calls of `fn` under the JAX profiler, summed by name, per call: (name, ms,
+    launches), the `KERNELS` biggest. Which kernel of a way (the sequential state pass, the output kernel, XLA's
+    parts) takes its time."""
+    import tempfile
+
+    from benchmarks.device_loop import kernel_sums
+
+    state = jnp.array(args[5])
+    jax.block_until_ready(fn(*args[:5], state, *args[6:]))  # warm, outside the trace
+    with tempfile.TemporaryDirectory() as folder:
+        state = jnp.array(args[5])
+        with jax.profiler.trace(folder, create_perfetto_trace=True):
+            for _ in range(calls):
+                _, state = fn(*args[:5], state, *args[6:])
+            jax.block_until_ready(state)
+        return [tuple(t) for t in kernel_sums(folder, calls, KERNELS)["top"]]
 
 
 def main():
@@ -114,9 +143,11 @@ def main():
     ap.add_argument("--interpret", action="store_true",
                     help="the Pallas interpreter, tiny heads (a CPU smoke test; small --tokens)")
     ap.add_argument("--commit", default=os.environ.get("JHYBRID_COMMIT"))
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="also print each way's N biggest device kernels (JAX profiler trace of 5 calls)")
     a = ap.parse_args()
-    global INTERPRET, H, P, G, N
-    INTERPRET = a.interpret
+    global INTERPRET, H, P, G, N, KERNELS
+    INTERPRET, KERNELS = a.interpret, a.kernels
     H, P, G, N = (int(x) for x in a.dims.split(","))
     if a.interpret:  # tiny heads: the interpreter runs every program in Python
         H, P, G, N = 4, 16, 2, 16
