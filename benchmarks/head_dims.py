@@ -152,7 +152,8 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
         *x, dims=(4, d, 2, d), out_dtype=dtype, impl=impl, interpret=interpret, fused=True),
         (xbc_c, dt_c, -dt_c, heads4(-1, 1), cu, m_state[:4], chunk_slots, z_c))
     # a prefill step's conv with SiLU, q | k | v (the Gated DeltaNet layer's heads at d) read in place from the
-    # packed in_proj output; 128 tokens (the kernel's 64-token programs), rows as above
+    # packed in_proj output; 128 tokens in rows of 100, 1 and 27 (the kernel's 16-token programs: window tiles inside
+    # the first row, gathered ones at the row starts)
     cu_128 = jnp.asarray([0, 100, 101, 128], jnp.int32)
     seq_128 = jnp.asarray(np.repeat([0, 1, 2], [100, 1, 27]), jnp.int32)
     p_proj = jnp.asarray(rng.normal(size=(128, proj.shape[1])), dtype)
