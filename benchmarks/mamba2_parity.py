@@ -102,7 +102,7 @@ def main() -> None:
         return
     from benchmarks.kernels import machine_info
 
-    info = machine_info(None)
+    info = machine_info()
     log(json.dumps(info))
     rng = np.random.default_rng(3)
     lengths = [int(n) for n in args.lengths.split(",")]

@@ -37,15 +37,16 @@ def mamba2_layer(
     realistic dt_bias: `time_step_min` is 1e-3 by default). Returns (out, conv_state, ssm_state). `io`: as
     `gated_deltanet_layer`'s (the norm in the in_proj's kernel, the residual in the out_proj's; no biases).
     """
+    kernels = kernels or {}
     num_tokens = x.shape[0]
     h, hp, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_n_groups, cfg.ssm_state_size
     inner, conv_dim = cfg.mamba_intermediate_size, cfg.mamba_conv_dim
     proj = in_projection(x, p["in_proj"], io)  # [T, Im + Cm + Hm]
     if "in_proj_bias" in p:
         proj = proj + p["in_proj_bias"]
-    shards = num_shards((kernels or {}).get("mesh"))  # packed shard-major under tensor parallelism
+    shards = num_shards(kernels.get("mesh"))  # packed shard-major under tensor parallelism
     if decode and shards == 1:
-        y, conv_state, ssm_state = _decode_mixer(cfg, p, proj, conv_state, ssm_state, batch, kernels or {}, x.dtype)
+        y, conv_state, ssm_state = _decode_mixer(cfg, p, proj, conv_state, ssm_state, batch, kernels, x.dtype)
         y = grouped_rms_norm(y.reshape(num_tokens, inner), p["norm"], inner // g, cfg.mamba_norm_eps, x.dtype)
         out = out_projection(y, p["out_proj"], io)
         return (out + p["out_bias"] if "out_bias" in p else out), conv_state, ssm_state
@@ -61,18 +62,17 @@ def mamba2_layer(
     dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))  # [T, Hm]
     dt = jnp.clip(dt, cfg.mamba_dt_min, cfg.mamba_dt_max)
     decay = dt * -jnp.exp(p["A_log"].astype(jnp.float32))  # [T, Hm], log space
-    kw = kernels or {}
     fused_norm = not decode and shards == 1 and mamba2_norm_impl(
-        kw.get("impl", "auto"), inner, inner // g, kw.get("mesh")) == "pallas"
+        kernels.get("impl", "auto"), inner, inner // g, kernels.get("mesh")) == "pallas"
     if fused_norm:  # the scan, then the D skip, the gate and the norm in one kernel (x and z read in place)
         o, ssm_state = chunk_mamba2(xbc, dt, decay, None, batch.cu_seqlens, ssm_state, batch.slot_ids,
-                                    dims=(h, hp, g, n), out_dtype=x.dtype, **kw)
+                                    dims=(h, hp, g, n), out_dtype=x.dtype, **kernels)
         y = simple_gla.mamba2_gated_norm_pallas(o, xbc, proj, p["D"], p["norm"], group_size=inner // g,
                                                 eps=cfg.mamba_norm_eps, out_dtype=x.dtype,
-                                                interpret=kw.get("interpret", False))
+                                                interpret=kernels.get("interpret", False))
     elif not decode and shards == 1:  # SiLU, x / B / C, v = x dt, the D skip and the gate (z: proj's first columns)
         y, ssm_state = chunk_mamba2(xbc, dt, decay, p["D"], batch.cu_seqlens, ssm_state, batch.slot_ids, proj,
-                                    dims=(h, hp, g, n), out_dtype=x.dtype, **(kernels or {}))
+                                    dims=(h, hp, g, n), out_dtype=x.dtype, **kernels)
         y = grouped_rms_norm(y.reshape(num_tokens, inner), p["norm"], inner // g, cfg.mamba_norm_eps, x.dtype)
     else:
         xbc = jax.nn.silu(xbc.astype(jnp.float32))  # [T, Cm]
@@ -83,10 +83,10 @@ def mamba2_layer(
         v = xs * dt[..., None]  # [T, Hm, P]
         if decode:
             y, ssm_state = fused_recurrent_simple_gla(c, b, v, decay, ssm_state, batch.slot_ids, scale=1.0,
-                                                      **(kernels or {}))
+                                                      **kernels)
         else:
             y, ssm_state = chunk_simple_gla(c, b, v, decay, batch.cu_seqlens, ssm_state, batch.slot_ids, scale=1.0,
-                                            **(kernels or {}))
+                                            **kernels)
         y = y + xs * p["D"].astype(jnp.float32)[:, None]  # D skip
         y = grouped_gated_rms_norm(y.reshape(num_tokens, inner).astype(x.dtype), z, p["norm"], inner // g,
                                    cfg.mamba_norm_eps)
