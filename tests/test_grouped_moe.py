@@ -267,8 +267,8 @@ def test_grouped_moe_layer_lowers_for_h200(num_tokens, e, fp8):
 
 @pytest.mark.parametrize("narrow, bn", [(8, 16), (0, 64)])
 def test_narrow_decode_tiles_lower_for_h200(monkeypatch, narrow, bn):
-    """With `NARROW_DECODE_TILES` at 8, a batch-1 decode layer's per-pair tiles (top-8: 8 tiles) take 16 columns a
-    program, and lower for the H200; at 0 (the default) the 64 of `default_tuning`. Checked to fail with the switch
+    """With `NARROW_DECODE_TILES` at 8 (the default), a batch-1 decode layer's per-pair tiles (top-8: 8 tiles) take 16 columns a
+    program, and lower for the H200; at 0 (off) the 64 of `default_tuning`. Checked to fail with the switch
     ignored."""
     monkeypatch.setattr(gm, "NARROW_DECODE_TILES", narrow)
     e, k, d, ie = 64, 8, 1024, 256

@@ -108,6 +108,8 @@ CHUNK_CASES = [
     ([1, 40, 0, 16, 1], [3, 1, 2, 0, 5], 2, 2, 16, 32, 16, 1.5),
     # grouped value heads, a one-token row on the null slot, one chunk + 1 token, decays far past exp underflow
     ([33, 1, 17, 2], [4, 0, 1, 6], 2, 4, 32, 16, 16, 40.0),
+    # 128-token chunks (the Mamba2 split form's default, `MAMBA2_SPLIT_TUNING`): 2.3 chunks, one token past a chunk
+    ([1, 300, 129], [2, 1, 3], 2, 2, 16, 32, 128, 1.5),
 ]
 CHUNK_VARIANTS = {"split": dict(fused_output=False), "fused": dict(fused_output=True),
                   "split_bk16": dict(fused_output=False, state_block_k=16)}  # case 1: K in two blocks
@@ -375,7 +377,7 @@ def test_chunk_mamba2_lowers_for_h200():
 
 @pytest.mark.parametrize("split_from, kernels", [
     (0, [r"sgla_chunk_fused_c64_bv32_w4_s2", r"sgla_chunk_single_bv32_w4"]),
-    (136, [r"sgla_chunk_state_c64_bv32_w4_s2", r"sgla_chunk_output_c64_bv64_w4", r"sgla_chunk_single_bv32_w4"]),
+    (136, [r"sgla_chunk_state_c128_bv32_w4_s2", r"sgla_chunk_output_c128_bv64_w8", r"sgla_chunk_single_bv32_w4"]),
     (137, [r"sgla_chunk_fused_c64_bv32_w4_s2", r"sgla_chunk_single_bv32_w4"]),
     ("in place 136", [r"mamba2_chunk_state_c64_bv32_w8_s2", r"mamba2_chunk_output_c64_bv64_w8",
                       r"mamba2_chunk_single_bv32_w4"]),
@@ -383,8 +385,10 @@ def test_chunk_mamba2_lowers_for_h200():
 ])
 def test_chunk_mamba2_takes_the_split_form_from_a_step_size(monkeypatch, split_from, kernels):
     """The chunk kernels run their split form in steps of at least `MAMBA2_SPLIT_FROM_TOKENS` tokens (here a
-    136-token step), the one-pass form below it and when it is 0: the parts' kernel, and the in-place form's.
-    Checked to fail with the threshold ignored."""
+    136-token step), the one-pass form below it and when it is 0: the parts' kernel, and the in-place form's. The
+    parts' split form at `MAMBA2_SPLIT_TUNING`'s default (128-token chunks, the output kernel at 8 warps), the
+    in-place form at 64-token chunks. Checked to fail with the threshold ignored, and with the split tuning's chunk
+    size given to the in-place form too."""
     in_place = isinstance(split_from, str)
     monkeypatch.setattr(simple_gla, "MAMBA2_SPLIT_FROM_TOKENS", int(str(split_from).split()[-1]))
     _lower_mamba2_step(in_place, kernels)

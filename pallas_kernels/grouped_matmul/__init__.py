@@ -84,8 +84,10 @@ def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) ->
 # experts in use, so its gate/up kernel ran 2 tiles x 8 column blocks = 16 programs on 132 SMs, each streaming 512 KB
 # of one expert: 15.9 us a layer where the 8.4 MB it reads take ~2.7 us at the read rate, and the down projection
 # 5.1 us against ~1.3 (H100, `floors --device-loop`, benchmarks/RESULTS.md "Session 43"). 16 columns give 4x the
-# programs, each a quarter of the bytes. Not yet timed: JHYBRID_MOE_NARROW_TILES=8 turns it on
-NARROW_DECODE_TILES = int(os.environ.get("JHYBRID_MOE_NARROW_TILES", "0"))
+# programs, each a quarter of the bytes: MiniMax's batch-1 token in one program 0.895 / 0.918 -> 0.828 / 0.838 ms,
+# its matmuls 0.661 / 0.673 -> 0.592 / 0.602 ms (H100, interleaved; RESULTS.md "Session 44").
+# JHYBRID_MOE_NARROW_TILES=0 turns it off
+NARROW_DECODE_TILES = int(os.environ.get("JHYBRID_MOE_NARROW_TILES", "8"))
 
 
 def default_tuning(block_m: int, fp8: bool, num_tiles: int = 0) -> dict:

@@ -171,8 +171,13 @@ MAMBA2_SPLIT_FROM_TOKENS = int(os.environ.get("JHYBRID_MAMBA2_SPLIT_FROM_TOKENS"
 # `chunk_size`; JSON in JHYBRID_MAMBA2_SPLIT_TUNING, for A/B runs). Timed at NemotronH's 8k layer on an H100 and not
 # taken: the sequential pass in key blocks of 32 (`state_block_k`, 4x the programs), 0.602 ms against 0.565
 # (benchmarks/RESULTS.md, "Session 42"); that pass loading each chunk one iteration ahead, 0.588 against 0.580
-# ("Session 43"; built, timed, removed)
-MAMBA2_SPLIT_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_SPLIT_TUNING", "{}"))
+# ("Session 43"; built, timed, removed). Taken: 128-token chunks, which halve the sequential pass's steps, with the
+# output kernel at 8 warps (255 registers and a spill at 4 on the H200 compile). At the layer 0.567 -> 0.553 ms (the
+# pass 0.187 -> 0.128, the output 0.142 -> 0.202); through `LLM.generate`, NemotronH's 8k prefill 47.9 / 48.1 ->
+# 46.8 / 46.4 ms, interleaved on one H100 (the pass waits longer on its loads in the model than alone: 0.315 ms a
+# layer in the 8k step's profile; "Session 44")
+MAMBA2_SPLIT_TUNING = json.loads(os.environ.get("JHYBRID_MAMBA2_SPLIT_TUNING",
+                                                '{"chunk_size": 128, "out_num_warps": 8}'))
 
 
 # the dtype of the parts' scan operands (B, C and v = x dt) where the scan is the Pallas kernel: "auto" (the
@@ -221,8 +226,8 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     `MAMBA2_SCAN_DTYPE`; "auto": `xbc`'s dtype) where that scan is the Pallas kernel. Either way the kernels' split form
     (`fused_output=False`) runs steps of `MAMBA2_SPLIT_FROM_TOKENS` tokens or more unless `tuning` names the form.
     `d_skip` None: the parts' scan output before the skip (`chunk_mamba2_in_parts`), for `mamba2_gated_norm`.
-    `chunk_size` None: 64, or in the split form `MAMBA2_SPLIT_TUNING`'s, whose other keywords the parts' split form
-    takes where `tuning` does not set them."""
+    `chunk_size` None: 64, or in the parts' split form `MAMBA2_SPLIT_TUNING`'s, whose other keywords that form takes
+    where `tuning` does not set them."""
     fused = MAMBA2_FUSED_PREFILL if fused is None else fused
     scan_dtype = MAMBA2_SCAN_DTYPE if scan_dtype is None else scan_dtype
     if scan_dtype not in ("auto", "float32", "bfloat16"):
@@ -236,14 +241,14 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= xbc.shape[0]:
         tuning = dict(tuning, fused_output=False)
     split = dict(MAMBA2_SPLIT_TUNING) if tuning.get("fused_output") is False else {}
-    chunk_size = split.pop("chunk_size", 64) if chunk_size is None else chunk_size
+    split_chunk = split.pop("chunk_size", 64)  # the parts' split form's alone: the in-place form keeps 64
     if fused and d_skip is not None and (mesh is None or mesh.size == 1) and pallas:  # x, B, C read in xbc
         tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
-                                   chunk_size=chunk_size, interpret=interpret, scan_dtype=jnp.dtype(scan_dtype).name,
+                                   chunk_size=chunk_size or 64, interpret=interpret, scan_dtype=jnp.dtype(scan_dtype).name,
                                    **tuning)
-    chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0, chunk_size=chunk_size,
-                              mesh=mesh, **{**split, **tuning})
+    chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0,
+                              chunk_size=chunk_size or split_chunk, mesh=mesh, **{**split, **tuning})
     # the jnp scans keep fp32 operands (and the CPU's HF parity)
     scan_dtype = jnp.dtype(scan_dtype if pallas else jnp.float32)
     return chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
