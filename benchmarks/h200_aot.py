@@ -460,9 +460,11 @@ def spills_main(args) -> int:
     rows = []
     with h200() as sharding:
         for form, tuning in cases:
-            if form == "parts":
-                fn = functools.partial(chunk_simple_gla_pallas, **tuning)
-                fargs = (sd((t, g, n), f32), sd((t, g, n), f32), sd((t, h, p), f32), gates, *common)
+            if form == "parts":  # `scan_dtype`: the dtype of B, C and v (`chunk_mamba2`'s), fp32 where not given
+                kw = {k: v for k, v in tuning.items() if k != "scan_dtype"}
+                fn = functools.partial(chunk_simple_gla_pallas, **kw)
+                dt = jnp.dtype(tuning.get("scan_dtype", "float32"))
+                fargs = (sd((t, g, n), dt), sd((t, g, n), dt), sd((t, h, p), dt), gates, *common)
             else:
                 fn = functools.partial(chunk_mamba2_pallas, dims=(h, p, g, n), out_dtype=jnp.bfloat16, **tuning)
                 cu, state, slots = common

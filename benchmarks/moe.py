@@ -35,10 +35,15 @@ from pallas_kernels.grouped_matmul import default_block_m
 LAYERS = 4
 PEAK_BF16 = 989e12  # H200 dense bf16 tensor-core FLOP/s (NVIDIA's figure, no sparsity)
 # (name, experts, top-k, hidden, expert intermediate)
-SHAPES = [("bench-moe", 64, 8, 2048, 512), ("qwen3-next-80b", 512, 10, 2048, 512)]
-# kernel tiles tried at each token count: (block_m or None for the default, block_n, block_k, num_warps, num_stages)
-SWEEP = [(None, 32, 64, 4, 3), (None, 64, 64, 4, 3), (None, 32, 128, 4, 3), (None, 64, 128, 4, 4), (None, 128, 64, 8, 3),
-         (None, 16, 128, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (64, 128, 64, 4, 3)]
+# ("minimax-bench": `benchmarks.floors`' MiniMax-shaped model, 32 experts of 512, top-2)
+SHAPES = [("bench-moe", 64, 8, 2048, 512), ("qwen3-next-80b", 512, 10, 2048, 512), ("minimax-bench", 32, 2, 2048, 512)]
+# kernel tiles tried at each token count: (block_m or None for the default, block_n, block_k, num_warps, num_stages,
+# split_k). The split-K tiles are for steps of few tiles (a batch-1 token's 2 experts: 2 x N_out / BN programs
+# unsplit); `grouped_matmul` shrinks split_k to divide K's blocks
+SWEEP = [(None, 32, 64, 4, 3, 1), (None, 64, 64, 4, 3, 1), (None, 32, 128, 4, 3, 1), (None, 64, 128, 4, 4, 1),
+         (None, 128, 64, 8, 3, 1), (None, 16, 128, 4, 3, 1), (None, 16, 128, 4, 4, 1), (32, 64, 64, 4, 3, 1),
+         (64, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1), (64, 128, 64, 4, 3, 1), (None, 16, 128, 4, 4, 4),
+         (None, 32, 128, 4, 4, 8), (None, 64, 128, 4, 4, 16), (None, 64, 64, 4, 3, 16)]
 TINY_SHAPES = [("tiny", 8, 2, 128, 128)]  # `--tiny`: a CPU smoke run of the script (kernels interpreted)
 INTERPRET = jax.default_backend() == "cpu"
 DENSE_MAX_ELEMS = 2**31  # the dense path's [T, E, 2 Ie] intermediate, above which it is not run
@@ -104,18 +109,24 @@ def bench_layer(tokens: list[int], bandwidth: float, sweep: bool, budget_s: floa
                 row["grouped_ms"] = time_jax(grouped, (x, top_i, top_p, stacks))[0] / LAYERS
                 if sweep and time.perf_counter() - t_start < budget_s:
                     best = (row["grouped_ms"], "default")
-                    for bm, bn, bk, warps, stages in SWEEP:
-                        if fp8 and (128 % bn or 128 % bk):
+                    for bm, bn, bk, warps, stages, split_k in SWEEP:
+                        if fp8 and (128 % bn or 128 % bk) or split_k > 1 and t > 4:  # split K: few tiles only
                             continue
-                        cfg = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+                        cfg = dict(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, split_k=split_k)
                         try:
                             fn = functools.partial(_grouped_with, cfg=cfg, block_m=bm)
+                            mine = jax.jit(lambda *a, f=fn: f(*a, "silu"))(x, top_i, top_p, *stacks[0])
+                            err = errors(mine.astype(jnp.float32), got.astype(jnp.float32))[1]
+                            if not err <= 1e-2:  # each tiling checked against the default's output first
+                                log(f"   {name} T{t} {bm} {cfg}: WRONG, rel err {err:.2e} from the default tiles")
+                                continue
                             ms = time_jax(run(fn), (x, top_i, top_p, stacks), reps=10)[0] / LAYERS
                         except Exception as exc:  # a tile that does not fit (shared memory): reported, skipped
                             log(f"   {name} T{t} {bm} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                             continue
                         if ms < best[0]:
-                            best = (ms, f"bm{bm or row['block_m']} bn{bn} bk{bk} w{warps} s{stages}")
+                            best = (ms, f"bm{bm or row['block_m']} bn{bn} bk{bk} w{warps} s{stages}"
+                                        + (f" sk{split_k}" if split_k > 1 else ""))
                     row["best_ms"], row["best_config"] = best
                 rows.append(row)
                 log(json.dumps(row))

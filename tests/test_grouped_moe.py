@@ -78,21 +78,25 @@ def _case(rng, num_tiles_used, num_unused, e, k, n, block_m, dtype, fp8):
     return x, w.astype(dtype), None, jnp.asarray(tiles, jnp.int32)
 
 
-@pytest.mark.parametrize("block", [(32, 64), (16, 128)], ids=["bn32", "bn16"])  # bn16: `NARROW_DECODE_TILES`'s
+@pytest.mark.parametrize("block", [(32, 64, 1), (16, 128, 1), (16, 32, 4), (32, 64, 2)],
+                         ids=["bn32", "bn16", "bn16_sk4", "bn32_sk2"])  # bn16: `NARROW_DECODE_TILES`'s
 @pytest.mark.parametrize("epilogue", ["none", "silu_gate", "relu2"])
 @pytest.mark.parametrize("dtype,fp8,tol", [("float32", False, 1e-5), ("bfloat16", False, 1e-2), ("bfloat16", True, 1e-2),
                                            ("float32", True, 1e-5)])
 def test_grouped_matmul_kernel_equals_reference(epilogue, dtype, fp8, tol, block):
     """The Pallas kernel (interpreted), each tile through its expert with the epilogue and row scales fused, equals the
-    jnp reference on the used tiles, for plain and FP8 (W8A16) stacks, at 32 and 16 columns a program. Checked to fail
-    with the kernel reading expert 0 for every tile and with its up-projection offset set to 0 ("silu_gate")."""
+    jnp reference on the used tiles, for plain and FP8 (W8A16) stacks, at 32 and 16 columns a program, and with K
+    split 2 and 4 ways (`split_k`: partial sums, then the epilogue after the kernel). Checked to fail with the kernel
+    reading expert 0 for every tile, with its up-projection offset set to 0 ("silu_gate"), and with every split
+    program reading K's first part."""
     rng = np.random.default_rng(7)
     block_m, e, k, n = 16, 5, 256, 128
     x, w, scale, tiles = _case(rng, 4, 2, e, k, n, block_m, dtype, fp8)
     row_scale = jnp.asarray(rng.uniform(0, 1, x.shape[0]), jnp.float32)
     kw = dict(n=n, block_m=block_m, scale=scale, row_scale=row_scale, epilogue=epilogue)
     want = grouped_matmul_reference(x, w, tiles, **kw)
-    got = grouped_matmul_pallas(x, w, tiles, interpret=True, block_n=block[0], block_k=block[1], **kw)
+    got = grouped_matmul_pallas(x, w, tiles, interpret=True, block_n=block[0], block_k=block[1], split_k=block[2],
+                                **kw)
     used = np.repeat(np.asarray(tiles) >= 0, block_m)
     assert_close(f"{epilogue} {dtype} fp8={fp8}", np.asarray(got, np.float32)[used], np.asarray(want, np.float32)[used],
                  tol)
@@ -103,6 +107,9 @@ def test_grouped_matmul_refuses_tiles_that_do_not_divide():
     with pytest.raises(ValueError, match="block_k=64 K=96"):
         grouped_matmul_pallas(x, jnp.zeros((2, 96, 64)), jnp.zeros(2, jnp.int32), n=64, block_m=16, block_k=64,
                               interpret=True)
+    with pytest.raises(ValueError, match="split_k=3 must divide K's 2 blocks"):
+        grouped_matmul_pallas(jnp.zeros((32, 128)), jnp.zeros((2, 128, 64)), jnp.zeros(2, jnp.int32), n=64,
+                              block_m=16, block_k=64, split_k=3, interpret=True)
     with pytest.raises(ValueError, match="not 3 tiles"):
         grouped_matmul_pallas(x, jnp.zeros((2, 96, 64)), jnp.zeros(3, jnp.int32), n=64, block_m=16, interpret=True)
 
@@ -265,12 +272,19 @@ def test_grouped_moe_layer_lowers_for_h200(num_tokens, e, fp8):
                                        rf"grouped_matmul_none_bm{bm}_bn\d+_bk\d+{suffix}"])
 
 
-@pytest.mark.parametrize("narrow, bn", [(8, 16), (0, 64)])
-def test_narrow_decode_tiles_lower_for_h200(monkeypatch, narrow, bn):
-    """With `NARROW_DECODE_TILES` at 8 (the default), a batch-1 decode layer's per-pair tiles (top-8: 8 tiles) take 16 columns a
-    program, and lower for the H200; at 0 (off) the 64 of `default_tuning`. Checked to fail with the switch
-    ignored."""
+@pytest.mark.parametrize("narrow, tuning, name", [
+    (8, None, "bn16_bk128"), (0, None, "bn64_bk64"),
+    (8, dict(block_n=32, block_k=256, num_warps=4, num_stages=3), "bn32_bk256"),
+    (8, dict(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4), "bn64_bk128_sk4")])
+def test_narrow_decode_tiles_lower_for_h200(monkeypatch, narrow, tuning, name):
+    """With `NARROW_DECODE_TILES` at 8 (the default), a batch-1 decode layer's per-pair tiles (top-8: 8 tiles) take
+    `NARROW_DECODE_TUNING`'s tiles (16 columns a program by default, or the tuning given), and lower for the H200; at
+    0 (off) the 64 columns of `default_tuning`; with K split 4 ways (`split_k`: the down projection's K of 256 in
+    two blocks of 128 is split 2 ways, `grouped_matmul` shrinking it). Checked to fail with the switch ignored, and
+    with the tuning ignored (the default's 16 columns)."""
     monkeypatch.setattr(gm, "NARROW_DECODE_TILES", narrow)
+    if tuning is not None:
+        monkeypatch.setattr(gm, "NARROW_DECODE_TUNING", tuning)
     e, k, d, ie = 64, 8, 1024, 256
     args = [jax.ShapeDtypeStruct((1, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, k), jnp.int32),
             jax.ShapeDtypeStruct((1, k), jnp.float32), jax.ShapeDtypeStruct((e, d, 2 * ie), jnp.bfloat16),
@@ -279,8 +293,8 @@ def test_narrow_decode_tiles_lower_for_h200(monkeypatch, narrow, bn):
     def fn(x, top_i, top_p, w_in, w_down):
         return layers.routed_experts_grouped(x, top_i, top_p, w_in, w_down, "silu", impl="pallas")
 
-    lower_for_h200(fn, *args, kernels=[rf"grouped_matmul_silu_gate_bm16_bn{bn}_bk\d+",
-                                       rf"grouped_matmul_none_bm16_bn{bn}_bk\d+"])
+    down = name.replace("_sk4", "_sk2")
+    lower_for_h200(fn, *args, kernels=[rf"grouped_matmul_silu_gate_bm16_{name}$", rf"grouped_matmul_none_bm16_{down}$"])
 
 
 @pytest.mark.parametrize("num_experts,split", [(8, True), (5, False)])

@@ -11,6 +11,7 @@ tile by its expert's weight (`reference.py` defines it); `impl` picks how:
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -86,8 +87,11 @@ def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) ->
 # 5.1 us against ~1.3 (H100, `floors --device-loop`, benchmarks/RESULTS.md "Session 43"). 16 columns give 4x the
 # programs, each a quarter of the bytes: MiniMax's batch-1 token in one program 0.895 / 0.918 -> 0.828 / 0.838 ms,
 # its matmuls 0.661 / 0.673 -> 0.592 / 0.602 ms (H100, interleaved; RESULTS.md "Session 44").
-# JHYBRID_MOE_NARROW_TILES=0 turns it off
+# JHYBRID_MOE_NARROW_TILES=0 turns it off. The gate/up kernel still reads at ~0.9 TB/s there (9.7 us a layer for
+# 8.4 MB): JHYBRID_MOE_NARROW_TUNING (JSON: the kernel's keywords) sets these steps' tiles for sweeps
 NARROW_DECODE_TILES = int(os.environ.get("JHYBRID_MOE_NARROW_TILES", "8"))
+NARROW_DECODE_TUNING = json.loads(os.environ.get("JHYBRID_MOE_NARROW_TUNING",
+                                                 '{"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4}'))
 
 
 def default_tuning(block_m: int, fp8: bool, num_tiles: int = 0) -> dict:
@@ -96,7 +100,7 @@ def default_tuning(block_m: int, fp8: bool, num_tiles: int = 0) -> dict:
     program, unless there are tiles enough (many experts in use) to keep the SMs busy with 128, or so few
     (`NARROW_DECODE_TILES`) that 16 columns a program keep more SMs reading."""
     if block_m <= 32 and 0 < num_tiles <= NARROW_DECODE_TILES:
-        return dict(block_n=16, block_k=128, num_warps=4, num_stages=4)
+        return dict(NARROW_DECODE_TUNING)
     if block_m <= 32:
         if num_tiles >= 256:
             return dict(block_n=128, block_k=64, num_warps=8, num_stages=3)
@@ -124,8 +128,8 @@ def grouped_matmul(
     interpret: bool = False,
     **tuning,
 ) -> Array:
-    """See `reference.py`. `tuning` (block_n, block_k, num_warps, num_stages) goes to the kernel (default:
-    `default_tuning`, with block_n and block_k shrunk to divide the shapes)."""
+    """See `reference.py`. `tuning` (block_n, block_k, num_warps, num_stages, split_k) goes to the kernel (default:
+    `default_tuning`, with block_n, block_k and split_k shrunk to divide the shapes)."""
     if impl not in _IMPLS:
         raise ValueError(f"unknown grouped_matmul {impl=}; choose one of {_IMPLS}")
     if epilogue not in EPILOGUES:
@@ -143,6 +147,8 @@ def grouped_matmul(
         cfg["block_n"] //= 2
     while k % cfg["block_k"]:
         cfg["block_k"] //= 2
+    while (k // cfg["block_k"]) % cfg.get("split_k", 1):  # K's blocks in whole parts
+        cfg["split_k"] //= 2
     return grouped_matmul_pallas(x, w, tile_expert, n=n, block_m=block_m, scale=scale, row_scale=row_scale,
                                  epilogue=epilogue, interpret=interpret, **cfg)
 
