@@ -273,7 +273,7 @@ def test_grouped_moe_layer_lowers_for_h200(num_tokens, e, fp8):
 
 
 @pytest.mark.parametrize("narrow, tuning, name", [
-    (8, None, "bn16_bk128"), (0, None, "bn64_bk64"),
+    (None, None, "bn16_bk128"), (8, None, "bn16_bk128"), (0, None, "bn64_bk64"),
     (8, dict(block_n=32, block_k=256, num_warps=4, num_stages=3), "bn32_bk256"),
     (8, dict(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4), "bn64_bk128_sk4")])
 def test_narrow_decode_tiles_lower_for_h200(monkeypatch, narrow, tuning, name):
@@ -281,8 +281,10 @@ def test_narrow_decode_tiles_lower_for_h200(monkeypatch, narrow, tuning, name):
     `NARROW_DECODE_TUNING`'s tiles (16 columns a program by default, or the tuning given), and lower for the H200; at
     0 (off) the 64 columns of `default_tuning`; with K split 4 ways (`split_k`: the down projection's K of 256 in
     two blocks of 128 is split 2 ways, `grouped_matmul` shrinking it). Checked to fail with the switch ignored, and
-    with the tuning ignored (the default's 16 columns)."""
-    monkeypatch.setattr(gm, "NARROW_DECODE_TILES", narrow)
+    with the tuning ignored (the default's 16 columns). `narrow` None: the module's own setting, which must be on
+    (checked to fail with JHYBRID_MOE_NARROW_TILES=0)."""
+    if narrow is not None:
+        monkeypatch.setattr(gm, "NARROW_DECODE_TILES", narrow)
     if tuning is not None:
         monkeypatch.setattr(gm, "NARROW_DECODE_TUNING", tuning)
     e, k, d, ie = 64, 8, 1024, 256

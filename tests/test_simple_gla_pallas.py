@@ -387,8 +387,8 @@ def test_chunk_mamba2_takes_the_split_form_from_a_step_size(monkeypatch, split_f
     """The chunk kernels run their split form in steps of at least `MAMBA2_SPLIT_FROM_TOKENS` tokens (here a
     136-token step), the one-pass form below it and when it is 0: the parts' kernel, and the in-place form's. The
     parts' split form at `MAMBA2_SPLIT_TUNING`'s default (128-token chunks, the output kernel at 8 warps), the
-    in-place form at 64-token chunks. Checked to fail with the threshold ignored, and with the split tuning's chunk
-    size given to the in-place form too."""
+    in-place form at 64-token chunks. Checked to fail with the threshold ignored, with the split tuning's chunk
+    size given to the in-place form too, and with JHYBRID_MAMBA2_SPLIT_TUNING='{}' (the old 64-token chunks)."""
     in_place = isinstance(split_from, str)
     monkeypatch.setattr(simple_gla, "MAMBA2_SPLIT_FROM_TOKENS", int(str(split_from).split()[-1]))
     _lower_mamba2_step(in_place, kernels)
