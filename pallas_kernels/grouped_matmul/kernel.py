@@ -113,12 +113,13 @@ def grouped_matmul_pallas(
     if problems:
         raise ValueError("grouped_matmul_pallas: " + "; ".join(problems))
     split = split_k > 1
+    scaled = row_scale is not None and not split  # split: the row scales apply after the parts are summed
     kernel = functools.partial(
         _grouped_kernel, block_m=block_m, block_n=block_n, block_k=block_k, num_k=k // block_k // split_k,
-        up_offset=n_out if epilogue == "silu_gate" else None, fp8=fp8, scaled=row_scale is not None and not split,
-        epilogue=epilogue, split_k=split_k)
+        up_offset=n_out if epilogue == "silu_gate" else None, fp8=fp8, scaled=scaled, epilogue=epilogue,
+        split_k=split_k)
     operands = [tile_expert.astype(jnp.int32), x, w] + ([scale] if fp8 else []) + \
-        ([row_scale.astype(jnp.float32)] if row_scale is not None and not split else [])
+        ([row_scale.astype(jnp.float32)] if scaled else [])
     out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split else \
         jax.ShapeDtypeStruct((m, n_out), x.dtype)
     out = pl.pallas_call(

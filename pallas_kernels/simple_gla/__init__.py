@@ -245,8 +245,8 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     if fused and d_skip is not None and (mesh is None or mesh.size == 1) and pallas:  # x, B, C read in xbc
         tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
-                                   chunk_size=chunk_size or 64, interpret=interpret, scan_dtype=jnp.dtype(scan_dtype).name,
-                                   **tuning)
+                                   chunk_size=chunk_size or 64, interpret=interpret,
+                                   scan_dtype=jnp.dtype(scan_dtype).name, **tuning)
     chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0,
                               chunk_size=chunk_size or split_chunk, mesh=mesh, **{**split, **tuning})
     # the jnp scans keep fp32 operands (and the CPU's HF parity)
