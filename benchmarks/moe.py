@@ -43,7 +43,8 @@ SHAPES = [("bench-moe", 64, 8, 2048, 512), ("qwen3-next-80b", 512, 10, 2048, 512
 SWEEP = [(None, 32, 64, 4, 3, 1), (None, 64, 64, 4, 3, 1), (None, 32, 128, 4, 3, 1), (None, 64, 128, 4, 4, 1),
          (None, 128, 64, 8, 3, 1), (None, 16, 128, 4, 3, 1), (None, 16, 128, 4, 4, 1), (32, 64, 64, 4, 3, 1),
          (64, 64, 64, 4, 3, 1), (128, 128, 64, 8, 3, 1), (64, 128, 64, 4, 3, 1), (None, 16, 128, 4, 4, 4),
-         (None, 32, 128, 4, 4, 8), (None, 64, 128, 4, 4, 16), (None, 64, 64, 4, 3, 16)]
+         (None, 32, 128, 4, 4, 8), (None, 64, 128, 4, 4, 16), (None, 64, 64, 4, 3, 16), (None, 32, 128, 4, 4, 4),
+         (None, 64, 128, 4, 4, 4), (None, 64, 128, 4, 4, 8), (None, 64, 64, 4, 3, 8), (None, 32, 64, 4, 3, 16)]
 TINY_SHAPES = [("tiny", 8, 2, 128, 128)]  # `--tiny`: a CPU smoke run of the script (kernels interpreted)
 INTERPRET = jax.default_backend() == "cpu"
 DENSE_MAX_ELEMS = 2**31  # the dense path's [T, E, 2 Ie] intermediate, above which it is not run
@@ -76,11 +77,12 @@ def floor_ms(top_i, e, d, ie, k, per_expert_bytes: float, bandwidth: float) -> f
     return max(bytes_ / bandwidth, flops / PEAK_BF16) * 1e3
 
 
-def bench_layer(tokens: list[int], bandwidth: float, sweep: bool, budget_s: float, shapes=SHAPES) -> list[dict]:
+def bench_layer(tokens: list[int], bandwidth: float, sweep: bool, budget_s: float, shapes=SHAPES,
+                forms=(False, True)) -> list[dict]:
     rows = []
     t_start = time.perf_counter()
     for name, e, k, d, ie in shapes:
-        for fp8 in (False, True):
+        for fp8 in forms:
             stacks = [expert_stacks(e, d, ie, fp8, seed) for seed in range(LAYERS)]
             per_expert = (_stack_bytes(stacks[0][0]) + _stack_bytes(stacks[0][1])) / e
             rng = np.random.default_rng(0)
@@ -109,6 +111,7 @@ def bench_layer(tokens: list[int], bandwidth: float, sweep: bool, budget_s: floa
                 row["grouped_ms"] = time_jax(grouped, (x, top_i, top_p, stacks))[0] / LAYERS
                 if sweep and time.perf_counter() - t_start < budget_s:
                     best = (row["grouped_ms"], "default")
+                    row["sweep"] = {}
                     for bm, bn, bk, warps, stages, split_k in SWEEP:
                         if fp8 and (128 % bn or 128 % bk) or split_k > 1 and t > 4:  # split K: few tiles only
                             continue
@@ -124,9 +127,10 @@ def bench_layer(tokens: list[int], bandwidth: float, sweep: bool, budget_s: floa
                         except Exception as exc:  # a tile that does not fit (shared memory): reported, skipped
                             log(f"   {name} T{t} {bm} {cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                             continue
-                        if ms < best[0]:
-                            best = (ms, f"bm{bm or row['block_m']} bn{bn} bk{bk} w{warps} s{stages}"
-                                        + (f" sk{split_k}" if split_k > 1 else ""))
+                        tiles = (f"bm{bm or row['block_m']} bn{bn} bk{bk} w{warps} s{stages}"
+                                 + (f" sk{split_k}" if split_k > 1 else ""))
+                        row["sweep"][tiles] = ms
+                        best = min(best, (ms, tiles))
                     row["best_ms"], row["best_config"] = best
                 rows.append(row)
                 log(json.dumps(row))
@@ -199,6 +203,8 @@ def main(argv=None):
     parser.add_argument("--tokens", default="1,8,64,256,2048,8192", help="token counts of the layer cases")
     parser.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     parser.add_argument("--sweep-budget-s", type=float, default=240, help="stop sweeping tiles after this long")
+    parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="layer: the shapes to run, by name")
+    parser.add_argument("--weights", default="bf16,fp8", help="layer: the weights' forms to run")
     parser.add_argument("--skip-layer", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--quick", action="store_true", help="engine: batch 1 only")
@@ -221,7 +227,9 @@ def main(argv=None):
     nan = float("nan")
     if not args.skip_layer:
         out["layer"] = bench_layer([int(t) for t in args.tokens.split(",")], bandwidth, not args.no_sweep,
-                                   args.sweep_budget_s, TINY_SHAPES if args.tiny else SHAPES)
+                                   args.sweep_budget_s,
+                                   TINY_SHAPES if args.tiny else [s for s in SHAPES if s[0] in args.shapes.split(",")],
+                                   [w == "fp8" for w in args.weights.split(",")])
         save()
         log("\n| shape | weights | tokens | dense ms | grouped ms (default tiles) | best ms | its tiles | floor ms | "
             "grouped / floor | dense / grouped | rel err vs dense |")
