@@ -142,6 +142,27 @@ def test_grouped_layer_equals_dense_layer(act, fp8, num_tokens):
     assert_close(f"{act} fp8={fp8} T={num_tokens}", got, want, 1e-5)
 
 
+@pytest.mark.parametrize("act", ["silu", "relu2"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_batch1_top2_layer_splits_k_and_equals_dense(act, fp8, monkeypatch):
+    """A batch-1 token at top-2 (2 tiles: `SPLIT_DECODE_TILES`) runs its gate/up projection with K split over
+    programs by default (K 512 in blocks of 128: 4 parts) and still equals the dense layer, SwiGLU and relu^2, plain
+    and FP8. Checked to fail with `SPLIT_DECODE_TILES` at 0 (no split) and with the partial sums' epilogue skipped."""
+    seen = []
+    kernel = gm.grouped_matmul_pallas
+    monkeypatch.setattr(gm, "grouped_matmul_pallas", lambda *a, **kw: seen.append(kw.get("split_k", 1)) or
+                        kernel(*a, **kw))
+    rng = np.random.default_rng(5)
+    e, k, d, ie = 4, 2, 512, 128
+    w_in, w_down = _experts(rng, e, d, ie, act, fp8)
+    x = jnp.asarray(rng.standard_normal((1, d)), jnp.float32)
+    top_i, top_p = jnp.asarray([[3, 1]], jnp.int32), jnp.asarray([[0.7, 0.3]], jnp.float32)
+    want = layers.routed_experts_dense(x, top_i, top_p, w_in, w_down, act)
+    got = layers.routed_experts_grouped(x, top_i, top_p, w_in, w_down, act, impl="pallas", interpret=True)
+    assert_close(f"{act} fp8={fp8}", got, want, 1e-5)
+    assert seen[0] == 4, seen  # the gate/up call: K's 4 blocks in 4 parts
+
+
 def test_padding_tokens_route_to_no_expert(monkeypatch):
     """A decode bucket of 4 rows with one real token (`num_real=1`): the grouped path's tiles hold only the real
     token's experts, so the padding rows' experts' weights are never read; the real token's output equals the layer
@@ -272,31 +293,33 @@ def test_grouped_moe_layer_lowers_for_h200(num_tokens, e, fp8):
                                        rf"grouped_matmul_none_bm{bm}_bn\d+_bk\d+{suffix}"])
 
 
-@pytest.mark.parametrize("narrow, tuning, name", [
-    (None, None, "bn16_bk128"), (8, None, "bn16_bk128"), (0, None, "bn64_bk64"),
-    (8, dict(block_n=32, block_k=256, num_warps=4, num_stages=3), "bn32_bk256"),
-    (8, dict(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4), "bn64_bk128_sk4")])
-def test_narrow_decode_tiles_lower_for_h200(monkeypatch, narrow, tuning, name):
-    """With `NARROW_DECODE_TILES` at 8 (the default), a batch-1 decode layer's per-pair tiles (top-8: 8 tiles) take
-    `NARROW_DECODE_TUNING`'s tiles (16 columns a program by default, or the tuning given), and lower for the H200; at
-    0 (off) the 64 columns of `default_tuning`; with K split 4 ways (`split_k`: the down projection's K of 256 in
-    two blocks of 128 is split 2 ways, `grouped_matmul` shrinking it). Checked to fail with the switch ignored, and
-    with the tuning ignored (the default's 16 columns). `narrow` None: the module's own setting, which must be on
-    (checked to fail with JHYBRID_MOE_NARROW_TILES=0)."""
+@pytest.mark.parametrize("top_k, narrow, tuning, gate_up, down", [
+    (2, None, None, "bn32_bk128_sk8", "bn32_bk128_sk2"), (8, None, None, "bn64_bk128", "bn64_bk128"),
+    (2, 8, None, "bn32_bk128_sk8", "bn32_bk128_sk2"), (2, 0, None, "bn64_bk64", "bn64_bk64"),
+    (8, 0, None, "bn64_bk64", "bn64_bk64"),
+    (8, 8, dict(block_n=32, block_k=256, num_warps=4, num_stages=3), "bn32_bk256", "bn32_bk256"),
+    (2, 8, dict(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4), "bn64_bk128_sk4", "bn64_bk128_sk2")])
+def test_narrow_decode_tiles_lower_for_h200(monkeypatch, top_k, narrow, tuning, gate_up, down):
+    """With `NARROW_DECODE_TILES` at 8 (the default), a batch-1 decode layer's per-pair tiles take `few_tile_tuning`'s
+    tiles and lower for the H200: at top-2 (2 tiles, `SPLIT_DECODE_TILES`) 32 columns a program with K split 8 ways
+    (the down projection's K of 256, two blocks of 128, split 2 ways: `grouped_matmul` shrinks `split_k`); at top-8
+    (8 tiles) 64 columns with K in blocks of 128, unsplit; at 0 (off) the 64 columns and K blocks of 64 of
+    `default_tuning`; with `NARROW_DECODE_TUNING` set, its tiles at any count. `narrow` None: the module's own
+    setting, which must be on (checked to fail with JHYBRID_MOE_NARROW_TILES=0). Checked to fail with the switch
+    ignored, with the tuning ignored, and with `SPLIT_DECODE_TILES` at 0 (top-2 then unsplit)."""
     if narrow is not None:
         monkeypatch.setattr(gm, "NARROW_DECODE_TILES", narrow)
     if tuning is not None:
         monkeypatch.setattr(gm, "NARROW_DECODE_TUNING", tuning)
-    e, k, d, ie = 64, 8, 1024, 256
-    args = [jax.ShapeDtypeStruct((1, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, k), jnp.int32),
-            jax.ShapeDtypeStruct((1, k), jnp.float32), jax.ShapeDtypeStruct((e, d, 2 * ie), jnp.bfloat16),
+    e, d, ie = 64, 1024, 256
+    args = [jax.ShapeDtypeStruct((1, d), jnp.bfloat16), jax.ShapeDtypeStruct((1, top_k), jnp.int32),
+            jax.ShapeDtypeStruct((1, top_k), jnp.float32), jax.ShapeDtypeStruct((e, d, 2 * ie), jnp.bfloat16),
             jax.ShapeDtypeStruct((e, ie, d), jnp.bfloat16)]
 
     def fn(x, top_i, top_p, w_in, w_down):
         return layers.routed_experts_grouped(x, top_i, top_p, w_in, w_down, "silu", impl="pallas")
 
-    down = name.replace("_sk4", "_sk2")
-    lower_for_h200(fn, *args, kernels=[rf"grouped_matmul_silu_gate_bm16_{name}$", rf"grouped_matmul_none_bm16_{down}$"])
+    lower_for_h200(fn, *args, kernels=[rf"grouped_matmul_silu_gate_bm16_{gate_up}$", rf"grouped_matmul_none_bm16_{down}$"])
 
 
 @pytest.mark.parametrize("num_experts,split", [(8, True), (5, False)])

@@ -81,26 +81,38 @@ def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) ->
 
 
 # Decode steps of at most this many row tiles (a batch-1 or batch-4 step's per-pair tiles: `layers.PER_PAIR_TILES_MAX`)
-# take 16 columns a program instead of 64 (`default_tuning`); 0: never. A MiniMax-shaped batch-1 token has two
-# experts in use, so its gate/up kernel ran 2 tiles x 8 column blocks = 16 programs on 132 SMs, each streaming 512 KB
-# of one expert: 15.9 us a layer where the 8.4 MB it reads take ~2.7 us at the read rate, and the down projection
-# 5.1 us against ~1.3 (H100, `floors --device-loop`, benchmarks/RESULTS.md "Session 43"). 16 columns give 4x the
-# programs, each a quarter of the bytes: MiniMax's batch-1 token in one program 0.895 / 0.918 -> 0.828 / 0.838 ms,
-# its matmuls 0.661 / 0.673 -> 0.592 / 0.602 ms (H100, interleaved; RESULTS.md "Session 44").
-# JHYBRID_MOE_NARROW_TILES=0 turns it off. The gate/up kernel still reads at ~0.9 TB/s there (9.7 us a layer for
-# 8.4 MB): JHYBRID_MOE_NARROW_TUNING (JSON: the kernel's keywords) sets these steps' tiles for sweeps
+# take `few_tile_tuning`'s tiles instead of `default_tuning`'s; 0: never (JHYBRID_MOE_NARROW_TILES=0).
+# JHYBRID_MOE_NARROW_TUNING (JSON: the kernel's keywords) replaces them for sweeps. Measured on an H100
+# (benchmarks/RESULTS.md, "Session 45"):
+# - at most `SPLIT_DECODE_TILES` tiles (a MiniMax-shaped batch-1 token: 2 experts), K split 8 ways over 32-column
+#   programs (`SPLIT_DECODE_TUNING`): 2 x 32 x 8 = 512 programs where 64 columns gave 16 and 16 columns 128. The
+#   token's kernels in one program (`floors --device-loop`, interleaved): 0.841 / 0.840 / 0.843 ms with 16 columns
+#   (session 44's default) -> 0.817 / 0.809 / 0.804 / 0.797; the gate/up kernel 9.8 -> 5.5 us a layer, the down
+#   kernel 4.2 -> 4.0, the XLA sum of the partials +1 us;
+# - 3 to 8 tiles, 64 columns and K in blocks of 128 (`FEW_TILE_TUNING`), the fastest of `benchmarks.moe`'s sweep at
+#   every such case it ran (the layer alone: MiniMax-shaped 2 and 4 tokens 26.4 -> 24.6 and 40.3 -> 32.4 us, 64
+#   experts top-8 at 1 token 40.2 -> 32.5 us, against 16 columns); split K was slower there.
 NARROW_DECODE_TILES = int(os.environ.get("JHYBRID_MOE_NARROW_TILES", "8"))
-NARROW_DECODE_TUNING = json.loads(os.environ.get("JHYBRID_MOE_NARROW_TUNING",
-                                                 '{"block_n": 16, "block_k": 128, "num_warps": 4, "num_stages": 4}'))
+NARROW_DECODE_TUNING = json.loads(os.environ.get("JHYBRID_MOE_NARROW_TUNING", "null"))  # None: `few_tile_tuning`
+SPLIT_DECODE_TILES = 2
+SPLIT_DECODE_TUNING = dict(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=8)
+FEW_TILE_TUNING = dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
+
+
+def few_tile_tuning(num_tiles: int) -> dict:
+    """The kernel's tiles for a decode step of `num_tiles` <= `NARROW_DECODE_TILES` row tiles (see above)."""
+    if NARROW_DECODE_TUNING is not None:
+        return dict(NARROW_DECODE_TUNING)
+    return dict(SPLIT_DECODE_TUNING if num_tiles <= SPLIT_DECODE_TILES else FEW_TILE_TUNING)
 
 
 def default_tuning(block_m: int, fp8: bool, num_tiles: int = 0) -> dict:
     """The kernel's tiles for `block_m` rows per tile and `num_tiles` tiles: the fastest of benchmarks/moe.py's
     sweep on the H200 (RESULTS.md, session 23). Small tiles (decode) are bound by the experts' bytes: 64 columns a
     program, unless there are tiles enough (many experts in use) to keep the SMs busy with 128, or so few
-    (`NARROW_DECODE_TILES`) that 16 columns a program keep more SMs reading."""
+    (`NARROW_DECODE_TILES`) that `few_tile_tuning` applies."""
     if block_m <= 32 and 0 < num_tiles <= NARROW_DECODE_TILES:
-        return dict(NARROW_DECODE_TUNING)
+        return few_tile_tuning(num_tiles)
     if block_m <= 32:
         if num_tiles >= 256:
             return dict(block_n=128, block_k=64, num_warps=8, num_stages=3)
@@ -153,5 +165,5 @@ def grouped_matmul(
                                  epilogue=epilogue, interpret=interpret, **cfg)
 
 
-__all__ = ["EPILOGUES", "default_block_m", "default_tuning", "expert_tiles", "grouped_matmul", "grouped_matmul_pallas",
-           "grouped_matmul_reference", "num_tiles", "pallas_supported"]
+__all__ = ["EPILOGUES", "default_block_m", "default_tuning", "expert_tiles", "few_tile_tuning", "grouped_matmul",
+           "grouped_matmul_pallas", "grouped_matmul_reference", "num_tiles", "pallas_supported"]
