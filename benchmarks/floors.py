@@ -11,6 +11,9 @@ Models (random bf16 weights made on the device, `benchmarks.decode_step.random_p
   relu^2 MLPs of 8192, 4 attention layers of 16 q / 2 kv heads of 128, vocab 131,072), about 1.7 B.
 - `minimax`: a MiniMax-M1-shaped lightning hybrid (hidden 2048, 16 heads of 128, 10 layers with the 8th full
   attention, every MLP 32 experts of 512 with top-2, vocab 200,064), about 2.1 B.
+- `qwen3_next_80b_4l` (not in the default `--only`): four layers of the published Qwen3-Next-80B-A3B config (three
+  Gated DeltaNet and one full attention; every MLP 512 experts of 512 with top-10 and a shared expert), about
+  13.8 B: a batch-1 token's routed experts at the real model's shape (10 expert tiles a layer).
 
 Per model, in a subprocess of its own (so each has the whole device):
 - batch-1 decode: median decode-only engine step (512-token prompt, 64 new tokens, the second round), against
@@ -69,6 +72,15 @@ MINIMAX = dict(
     rms_norm_eps=1e-5, max_position_embeddings=16384, tie_word_embeddings=False, shared_intermediate_size=0,
     hidden_act="silu",
 )
+# Qwen3-Next-80B-A3B as published (../shared/real_configs), cut to its first four layers
+QWEN3_NEXT_80B_4L = dict(
+    model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=4,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25, rope_theta=10000000,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, full_attention_interval=4, num_experts=512, num_experts_per_tok=10,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True,
+    mlp_only_layers=[], rms_norm_eps=1e-6, max_position_embeddings=16384, tie_word_embeddings=False,
+)
 # the CPU smoke test's shapes: every family's structure, a few MB
 TINY = {
     "qwen3_next": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -80,6 +92,10 @@ TINY = {
     "minimax": dict(hidden_size=64, intermediate_size=32, head_dim=16, num_attention_heads=4, num_key_value_heads=2,
                     num_hidden_layers=3, attn_type_list=[0, 1, 0], num_local_experts=4, rotary_dim=8,
                     vocab_size=512),
+    "qwen3_next_80b_4l": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                              linear_value_head_dim=16, num_experts=16, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32, vocab_size=512),
 }
 # issue 20's aims, per row
 AIMS = {"decode_b1": 1.25, "decode_b1_nemotron_h": 1.3, "decode_b1_minimax": 1.3, "decode_b256": 1.4,
@@ -94,7 +110,7 @@ def hf_config(name: str, tiny: bool) -> dict:
     from benchmarks.generate import HF_CONFIG
 
     base = {"qwen3_next": dict(HF_CONFIG, model_type="qwen3_next"), "nemotron_h": dict(NEMOTRON_H),
-            "minimax": dict(MINIMAX)}[name]
+            "minimax": dict(MINIMAX), "qwen3_next_80b_4l": dict(QWEN3_NEXT_80B_4L)}[name]
     if tiny:
         base.update(TINY[name])
     base.update(dtype="bfloat16", max_position_embeddings=16384)

@@ -30,6 +30,30 @@ def test_floor_byte_counts_split_every_parameter_once():
             assert counts["experts"] == 0
 
 
+def test_qwen3_next_80b_slice_is_the_published_config_cut_to_four_layers():
+    """`benchmarks.floors`' `qwen3_next_80b_4l` is Qwen3-Next-80B-A3B's published config (../shared/real_configs,
+    copied into tests/real_configs) in every key the engine reads but the layer count (and the context it serves),
+    (and its token ids: no stop token for the benchmark's random weights to hit), and its routed-expert bytes are 4 layers x 512 experts x 3 x 2048 x 512 (bf16). Checked to fail with the slice's
+    top-k set to 8."""
+    import json
+    import pathlib
+
+    from benchmarks.floors import byte_counts, hf_config
+    from jhybrid.config import ModelConfig
+    from jhybrid.models.params import flatten_shapes, param_shapes
+
+    published = json.loads((pathlib.Path(__file__).parent / "real_configs" / "Qwen3-Next-80B-A3B" /
+                            "config.json").read_text())
+    ours = hf_config("qwen3_next_80b_4l", tiny=False)
+    full = ModelConfig.from_hf(dict(published, num_hidden_layers=4, max_position_embeddings=16384,
+                                    bos_token_id=None, eos_token_id=None))
+    cut = ModelConfig.from_hf(ours)
+    assert full == cut
+    counts = byte_counts(cut, flatten_shapes(param_shapes(cut)))
+    assert counts["experts"] == 4 * 512 * 3 * 2048 * 512 * 2
+    assert (counts["num_experts"], counts["top_k"]) == (512, 10)
+
+
 def test_device_loop_sorts_kernels_by_kind():
     """`benchmarks.device_loop.kernel_kind`, which splits a batch-1 token's kernel time into matmuls, jhybrid's Pallas
     kernels, cuDNN, XLA's other fusions and copies (issue 20's explanation of the batch-1 rows), on kernel names from
