@@ -56,19 +56,33 @@ def _fp64_loop(x, state, weight, cu, slots, *, offset, bias, silu):
     return out, new_state
 
 
-@pytest.mark.parametrize("offset,with_bias,silu,splits", [(0, False, False, None), (16, True, False, None),
-                                                          (48, False, True, (16, 16, 32))])
-def test_conv_prefill_reference_matches_an_fp64_loop(offset, with_bias, silu, splits):
+def _scale(group: int, first: int, seed: int = 3):
+    """A `[T, first / group]` fp32 scale (a Mamba2 mixer's dt per head), positive."""
+    return jnp.asarray(np.random.default_rng(seed).uniform(0.01, 2.0, (NUM_TOKENS, first // group)), jnp.float32)
+
+
+@pytest.mark.parametrize("offset,with_bias,silu,splits,scaled", [
+    (0, False, False, None, False), (16, True, False, None, False), (48, False, True, (16, 16, 32), False),
+    (16, True, True, (32, 16, 16), True)])  # NemotronH's x | B | C with v = x dt
+def test_conv_prefill_reference_matches_an_fp64_loop(offset, with_bias, silu, splits, scaled):
     """The reference (fp32 inputs) equals a per-token fp64 loop over each row's window: outputs of the real tokens
-    and every row's new state (the null slot's included: the engine never reads it back). Checked to fail with
-    the taps' order reversed and with the state's history read newest first."""
+    and every row's new state (the null slot's included: the engine never reads it back); with a `scale`, one more
+    output, the first split times its channels' scale (groups of 16 channels). Checked to fail with the taps' order
+    reversed, with the state's history read newest first, and with the scale's columns repeated in the wrong order
+    (`jnp.tile`)."""
     x, state, weight, bias = _inputs(jnp.float32)
     cu, slots, token_seq = _rows()
+    scale = _scale(16, splits[0]) if scaled else None
     outs, new_state = conv_prefill_reference(x, state, weight, jnp.asarray(cu), jnp.asarray(slots),
                                              jnp.asarray(token_seq), offset=offset, bias=bias if with_bias else None,
-                                             activation="silu" if silu else None, splits=splits)
+                                             activation="silu" if silu else None, splits=splits, scale=scale,
+                                             scale_group=16)
     want, want_state = _fp64_loop(x, state, weight, cu, slots, offset=offset, bias=bias if with_bias else None,
                                   silu=silu)
+    if scaled:
+        first = want[:, :splits[0]] * np.repeat(np.asarray(scale, np.float64), 16, axis=1)[: cu[-1]]
+        np.testing.assert_allclose(np.asarray(outs[-1], np.float64)[: cu[-1]], first, rtol=1e-5, atol=1e-5)
+        outs = outs[:-1]
     got = np.concatenate([np.asarray(o, np.float64) for o in outs], axis=1)[: cu[-1]]
     assert [o.shape[1] for o in outs] == list(splits or (64,))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -85,23 +99,32 @@ def test_conv_prefill_reference_matches_an_fp64_loop(offset, with_bias, silu, sp
     # window tiles beside gathered ones (the default): 32 tokens in 4-token tiles, rows of 9, 1, 2, 1, 7, 5 and padding
     (16, True, False, None, dict(block_t=4, block_c=16)),
     (48, False, True, (16, 16, 32), dict(block_t=4, block_c=16)),
+    # NemotronH's x | B | C with `v = x dt` (`scale`, one column per 8 channels: two a block), gathered and window tiles
+    (16, True, True, (32, 16, 16), dict(block_t=8, block_c=16, contiguous=False, scale=8)),
+    (16, True, True, (32, 16, 16), dict(block_t=4, block_c=16, scale=8)),
 ])
 def test_conv_prefill_kernel_matches_reference(dtype, offset, with_bias, silu, splits, tiles):
     """The kernel, interpreted, gives the reference's outputs (every token, padding included; to fp32 rounding: the
     SiLU's sigmoid may fuse differently) and its state bit for bit. Checked to fail with the taps reading one token too
     far back (`t - d - 1`), with each split's channels stored at the first split's columns, and with the history
     read for every token (the in-row taps taken from the state); the window tiles, with their windows one row too far
-    back, with a tile that holds a row's first tokens taken as a window tile, and with window tiles storing zeros."""
+    back, with a tile that holds a row's first tokens taken as a window tile, and with window tiles storing zeros;
+    the scaled output, with each channel block scaled by its first channel's scale (`start // scale_group`)."""
     x, state, weight, bias = _inputs(dtype)
     cu, slots, token_seq = (jnp.asarray(a) for a in _rows())
+    tiles = dict(tiles)
+    group = tiles.pop("scale", 0)
     form = dict(offset=offset, bias=bias if with_bias else None, activation="silu" if silu else None,
-                splits=splits, out_dtype=jnp.float32 if silu else None)
+                splits=splits, out_dtype=jnp.float32 if silu and not group else None)
+    if group:  # the model's form: bf16 (or fp32) outputs, v rounded once
+        form.update(scale=_scale(group, splits[0]), scale_group=group)
     want, want_state = conv_prefill_reference(x, state, weight, cu, slots, token_seq, **form)
     got, got_state = conv_prefill_pallas(x, state, weight, cu, slots, token_seq, **form, **tiles, interpret=True)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-6, atol=1e-6)
+        tol = 1e-2 if group and dtype == jnp.bfloat16 else 1e-6  # bf16 after the SiLU: one rounding may differ
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
     np.testing.assert_array_equal(np.asarray(got_state), np.asarray(want_state))
 
 
@@ -137,6 +160,10 @@ def test_conv_prefill_lowers_for_h200():
                    kernels=[r"conv_prefill_bt16_bc128_w4_cw"])
     lower_for_h200(lambda *a: conv_prefill_pallas(*a[:6], bias=a[6], offset=4096, contiguous=False), *nemotron,
                    kernels=[r"conv_prefill_bt16_bc128_w4"])
+    # x | B | C after SiLU, in three arrays, and v = x dt (64 heads of 64 channels)
+    lower_for_h200(lambda *a: conv_prefill_pallas(*a[:6], bias=a[6], offset=4096, activation="silu",
+                                                  splits=(4096, 1024, 1024), scale=a[7], scale_group=64),
+                   *nemotron, sd((t, 64), jnp.float32), kernels=[r"conv_prefill_bt16_bc128_w4_cw_silu_scaled"])
 
 
 @pytest.mark.slow

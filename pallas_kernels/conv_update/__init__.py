@@ -88,11 +88,11 @@ def resolve_prefill(impl: str, x, weight, splits=None, mesh=None) -> str:
 
 def conv_prefill(x, conv_state, weight, cu_seqlens, slot_ids, token_seq, *, offset: int = 0, bias=None,
                  activation: str | None = None, out_dtype=None, splits: tuple[int, ...] | None = None,
-                 impl: str = "auto", interpret: bool = False, mesh=None, **tuning):
+                 scale=None, scale_group: int = 1, impl: str = "auto", interpret: bool = False, mesh=None, **tuning):
     """Same signature and result as `conv_prefill_reference` (`resolve_prefill` picks). `tuning` (block_t, block_c,
     num_warps) goes to the kernel."""
     form = dict(offset=offset, bias=bias, activation=activation, out_dtype=out_dtype,
-                splits=None if splits is None else tuple(splits))
+                splits=None if splits is None else tuple(splits), scale=scale, scale_group=scale_group)
     if resolve_prefill(impl, x, weight, splits, mesh) == "pallas":
         return conv_prefill_pallas(x, conv_state, weight, cu_seqlens, slot_ids, token_seq, **form,
                                    interpret=interpret, **tuning)

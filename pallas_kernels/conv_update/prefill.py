@@ -25,16 +25,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.conv_update.reference import (ACTIVATIONS, conv_history, conv_new_state, finish,
+from pallas_kernels.conv_update.reference import (ACTIVATIONS, check_scale, conv_history, conv_new_state, finish,
                                                   split_bounds)
 
 _WHOLE = pl.no_block_spec
 
 
 def _kernel(seq_ref, local_ref, x_ref, w_ref, h0_ref, *refs, width: int, block_t: int, block_c: int, offset: int,
-            has_bias: bool, activation: str | None, bounds: tuple[int, ...], contiguous: bool):
+            has_bias: bool, activation: str | None, bounds: tuple[int, ...], contiguous: bool, scale_group: int):
     bias_ref = refs[0] if has_bias else None
-    out_refs = refs[int(has_bias):]
+    scale_ref = refs[int(has_bias)] if scale_group else None
+    out_refs = refs[int(has_bias) + bool(scale_group):]
+    scaled_ref = out_refs[-1] if scale_group else None
     i, c = pl.program_id(0), pl.program_id(1)
     hist = width - 1
     t0 = pl.multiple_of(i * block_t, block_t)
@@ -68,12 +70,20 @@ def _kernel(seq_ref, local_ref, x_ref, w_ref, h0_ref, *refs, width: int, block_t
         return acc
 
     def store(acc):
-        out = finish(acc.astype(x_ref.dtype), bias_ref[channels] if has_bias else None, activation,
-                     out_refs[0].dtype)
+        act = finish(acc.astype(x_ref.dtype), bias_ref[channels] if has_bias else None, activation, jnp.float32)
+        out = act.astype(out_refs[0].dtype)
         for ref, lo, hi in zip(out_refs, bounds[:-1], bounds[1:]):
             @pl.when((start >= lo) & (start < hi))
             def _(ref=ref, lo=lo):
                 ref[tokens, pl.ds(pl.multiple_of(start - lo, block_c), block_c)] = out
+
+        if scale_group:  # the first split's channels times their token's scale, one more output
+            @pl.when(start < bounds[1])
+            def _():
+                rows = jnp.broadcast_to(t[:, None], (block_t, block_c))  # each value's token and scale column
+                cols = jnp.broadcast_to(((start + jnp.arange(block_c)) // scale_group)[None, :], (block_t, block_c))
+                s = scale_ref[rows, cols].astype(jnp.float32)
+                scaled_ref[tokens, channels] = (act * s).astype(scaled_ref.dtype)
 
     if not contiguous or not hist:
         store(gathered())
@@ -112,12 +122,13 @@ def supported(x, weight, splits=None) -> bool:
                                                                     split_bounds(weight.shape[0], splits)) > 0
 
 
-@functools.partial(jax.jit, static_argnames=("offset", "activation", "out_dtype", "splits", "block_t", "block_c",
-                                             "num_warps", "contiguous", "interpret"))
+@functools.partial(jax.jit, static_argnames=("offset", "activation", "out_dtype", "splits", "scale_group", "block_t",
+                                             "block_c", "num_warps", "contiguous", "interpret"))
 def conv_prefill_pallas(x: Float[Array, "T X"], conv_state: Float[Array, "S C W1"], weight: Float[Array, "C W"],
                         cu_seqlens: Int[Array, "B+1"], slot_ids: Int[Array, "B"], token_seq: Int[Array, "T"], *,
                         offset: int = 0, bias: Array | None = None, activation: str | None = None, out_dtype=None,
-                        splits: tuple[int, ...] | None = None, block_t: int | None = None,
+                        splits: tuple[int, ...] | None = None, scale: Array | None = None, scale_group: int = 1,
+                        block_t: int | None = None,
                         block_c: int | None = None, num_warps: int = 4, contiguous: bool = True,
                         interpret: bool = False
                         ) -> tuple[tuple[Array, ...], Float[Array, "S C W1"]]:
@@ -138,19 +149,23 @@ def conv_prefill_pallas(x: Float[Array, "T X"], conv_state: Float[Array, "S C W1
             or x.shape[1] < offset + num_channels):
         raise ValueError(f"conv_prefill_pallas: x {x.shape}, weight {weight.shape}, {offset=}, {splits=} do not tile "
                          f"with {block_t=}, {block_c=}")
+    if scale is not None:
+        check_scale(scale, num_tokens, bounds, scale_group)
     h0t = conv_history(conv_state, slot_ids)  # [B, W-1, C]
     local = jnp.arange(num_tokens, dtype=jnp.int32) - cu_seqlens[token_seq].astype(jnp.int32)
     dtype = jnp.result_type(x.dtype, bias.dtype) if bias is not None else x.dtype
     dtype = dtype if out_dtype is None else out_dtype
     kernel = functools.partial(_kernel, width=width, block_t=block_t, block_c=block_c, offset=offset,
                                has_bias=bias is not None, activation=activation, bounds=bounds,
-                               contiguous=contiguous)
+                               contiguous=contiguous, scale_group=scale_group if scale is not None else 0)
+    shapes = [jax.ShapeDtypeStruct((num_tokens, hi - lo), dtype) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    shapes += [jax.ShapeDtypeStruct((num_tokens, bounds[1]), dtype)] if scale is not None else []
+    extra = (() if bias is None else (bias,)) + (() if scale is None else (scale,))
     outs = pl.pallas_call(
         kernel, grid=(num_tokens // block_t, num_channels // block_c),
-        in_specs=[_WHOLE] * (5 + (bias is not None)), out_specs=[_WHOLE] * (len(bounds) - 1),
-        out_shape=[jax.ShapeDtypeStruct((num_tokens, hi - lo), dtype) for lo, hi in zip(bounds[:-1], bounds[1:])],
+        in_specs=[_WHOLE] * (5 + len(extra)), out_specs=[_WHOLE] * len(shapes), out_shape=shapes,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
         name=f"conv_prefill_bt{block_t}_bc{block_c}_w{num_warps}" + ("_cw" if contiguous else "")
-        + (f"_{activation}" if activation else ""),
-    )(token_seq.astype(jnp.int32), local, x, weight, h0t, *(() if bias is None else (bias,)))
+        + (f"_{activation}" if activation else "") + ("_scaled" if scale is not None else ""),
+    )(token_seq.astype(jnp.int32), local, x, weight, h0t, *extra)
     return tuple(outs), conv_new_state(x, h0t, conv_state, cu_seqlens, slot_ids, offset)

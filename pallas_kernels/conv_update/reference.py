@@ -75,14 +75,17 @@ def conv_new_state(x: Float[Array, "T X"], h0t: Float[Array, "B W1 C"], conv_sta
 def conv_prefill_reference(x: Float[Array, "T X"], conv_state: Float[Array, "S C W1"], weight: Float[Array, "C W"],
                            cu_seqlens: Int[Array, "B+1"], slot_ids: Int[Array, "B"], token_seq: Int[Array, "T"], *,
                            offset: int = 0, bias: Array | None = None, activation: str | None = None, out_dtype=None,
-                           splits: tuple[int, ...] | None = None) -> tuple[tuple[Array, ...], Float[Array, "S C W1"]]:
+                           splits: tuple[int, ...] | None = None, scale: Array | None = None,
+                           scale_group: int = 1) -> tuple[tuple[Array, ...], Float[Array, "S C W1"]]:
     """A depthwise causal conv over a step's packed rows, each continuing from its conv-state slot: token t of row
     b (`token_seq[t]`, at `local = t - cu_seqlens[b]` in the step's part of the row) outputs
     `sum_i w[:, i] * in(local - (W - 1 - i))`, where `in(j)` is the row's token j of this step for j >= 0 and its
     slot's input `W - 1 + j` before it (zeros on the null slot), summed in fp32 in tap order and cast to x's dtype;
     then `finish` (bias, activation, `out_dtype`), as `conv_update_reference`. The C channels are x's columns
     `[offset, offset + C)`. `splits` (channel counts summing to C) returns the output as that many arrays of those
-    columns (default: one). Returns (outputs, state with each row's slot holding its last `W - 1` inputs)."""
+    columns (default: one). `scale` `[T, H]` (fp32): one more output, the first split's channels after the
+    activation, in fp32 and before the cast, times `scale[t, channel // scale_group]` (a Mamba2 mixer's `v = x dt`),
+    then cast. Returns (outputs, state with each row's slot holding its last `W - 1` inputs)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown conv activation {activation!r}; choose one of {ACTIVATIONS}")
     num_tokens, (num_channels, width) = x.shape[0], weight.shape
@@ -97,10 +100,21 @@ def conv_prefill_reference(x: Float[Array, "T X"], conv_state: Float[Array, "S C
         from_x = jnp.pad(xf, ((d, 0), (0, 0)))[:num_tokens] if d else xf  # x[t - d] (a static shift, not a gather)
         from_state = h0t[token_seq, jnp.clip(hist + src, 0, max(hist - 1, 0))] if hist else from_x
         out = out + jnp.where((src >= 0)[:, None], from_x, from_state) * weight[:, i].astype(jnp.float32)
-    out = finish(out.astype(x.dtype), bias, activation, out_dtype)
+    dtype = out_dtype or (jnp.result_type(x.dtype, bias.dtype) if bias is not None else x.dtype)
+    out = finish(out.astype(x.dtype), bias, activation, jnp.float32)  # fp32, before the cast
     bounds = split_bounds(num_channels, splits)
-    outs = tuple(out[:, lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]))
+    outs = tuple(out[:, lo:hi].astype(dtype) for lo, hi in zip(bounds[:-1], bounds[1:]))
+    if scale is not None:
+        check_scale(scale, num_tokens, bounds, scale_group)
+        outs += ((out[:, :bounds[1]] * jnp.repeat(scale.astype(jnp.float32), scale_group, axis=1)).astype(dtype),)
     return outs, conv_new_state(x, h0t, conv_state, cu_seqlens, slot_ids, offset)
+
+
+def check_scale(scale, num_tokens: int, bounds: tuple[int, ...], scale_group: int) -> None:
+    """`conv_prefill`'s `scale` must be `[T, first split / scale_group]`."""
+    if scale_group < 1 or bounds[1] % scale_group or scale.shape != (num_tokens, bounds[1] // scale_group):
+        raise ValueError(f"conv scale {scale.shape} must be [T, first split / scale_group] = "
+                         f"[{num_tokens}, {bounds[1]} / {scale_group}]")
 
 
 def split_bounds(num_channels: int, splits: tuple[int, ...] | None) -> tuple[int, ...]:
