@@ -107,3 +107,34 @@ def test_model_prefill_through_the_norm_kernel_equals_reference_path():
     err, calls = traced_kernel_error("nemotron_h", simple_gla, "mamba2_gated_norm_pallas")
     assert calls, "no prefill step ran the Mamba2 norm kernel"
     assert err <= 1e-5, f"logits differ from the reference path's, relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float32, 1e-5)])
+def test_x_activated_reads_silu_x_as_given(dtype, tol):
+    """With `x_activated` the reference and the kernel (interpreted) take x's columns as SiLU(x) already (what the
+    conv kernel writes for `chunk_mamba2_operands`): given SiLU(x) so, the reference equals its plain form on x bit
+    for bit in fp32, and the kernel equals the reference. Checked to fail with the kernel applying the SiLU again."""
+    o, xbc, z, d_skip, weight = _inputs(dtype)
+    form = dict(group_size=INNER // G, eps=1e-5, out_dtype=dtype)
+    activated = jax.nn.silu(xbc.astype(jnp.float32)).astype(dtype)
+    want = mamba2_gated_norm_reference(o, activated, z, d_skip, weight, **form, x_activated=True)
+    if dtype == jnp.float32:
+        np.testing.assert_array_equal(np.asarray(want), np.asarray(mamba2_gated_norm_reference(o, xbc, z, d_skip,
+                                                                                               weight, **form)))
+    got = mamba2_gated_norm_pallas(o, activated, z, d_skip, weight, **form, x_activated=True, block_t=8,
+                                   interpret=True)
+    assert_close(f"{jnp.dtype(dtype).name} x activated", got, want, tol)
+
+
+@pytest.mark.slow
+def test_model_prefill_with_conv_made_operands_equals_reference_path(monkeypatch):
+    """NemotronH's prefill (two chunks) and decode steps with `MAMBA2_CONV_OPERANDS` on, every kernel interpreted:
+    the conv kernel writes SiLU(x), B, C and v = x dt and the scan runs on them (`chunk_mamba2_operands`, traced, so
+    the test knows it ran), against the reference path: logits of every step, fp32. Checked to fail with v made
+    without dt (`scale` dropped: the kernel's unscaled copy) and with the norm re-applying the SiLU."""
+    from tests.test_model_pallas_path import traced_kernel_error
+
+    monkeypatch.setattr(simple_gla, "MAMBA2_CONV_OPERANDS", True)
+    err, calls = traced_kernel_error("nemotron_h", simple_gla, "chunk_mamba2_operands")
+    assert calls, "no prefill step ran the scan on the conv kernel's operands"
+    assert err <= 1e-5, f"logits differ from the reference path's, relative error {err:.2e}"

@@ -51,19 +51,33 @@ def mamba2_layer(
         out = out_projection(y, p["out_proj"], io)
         return (out + p["out_bias"] if "out_bias" in p else out), conv_state, ssm_state
     z, xbc, dt = split_packed(proj, (inner, conv_dim, h), shards)
+    dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))  # [T, Hm]
+    dt = jnp.clip(dt, cfg.mamba_dt_min, cfg.mamba_dt_max)
+    decay = dt * -jnp.exp(p["A_log"].astype(jnp.float32))  # [T, Hm], log space
+    fused_norm = not decode and shards == 1 and mamba2_norm_impl(
+        kernels.get("impl", "auto"), inner, inner // g, kernels.get("mesh")) == "pallas"
+    operands = None if not fused_norm else simple_gla.mamba2_operands_dtype(  # the dtype, where the conv makes them
+        kernels.get("impl", "auto"), (h, hp, g, n), x.dtype, kernels.get("mesh"))
     fused = None if shards != 1 else conv_prefill_kernel(  # the conv (+ bias) read from proj in place
-        proj, conv_state, p["conv_weight"], batch, decode, kernels, offset=inner, bias=p.get("conv_bias"))
+        proj, conv_state, p["conv_weight"], batch, decode, kernels, offset=inner, bias=p.get("conv_bias"),
+        **(dict(activation="silu", out_dtype=operands, splits=(inner, g * n, g * n), scale=dt, scale_group=hp)
+           if operands is not None else {}))
+    if fused is not None and operands is not None:  # SiLU(x), B, C and v = x dt from the conv kernel; the scan on them
+        (xs, b, c, v), conv_state = fused
+        o, ssm_state = simple_gla.chunk_mamba2_operands(
+            c.reshape(num_tokens, g, n), b.reshape(num_tokens, g, n), v.reshape(num_tokens, h, hp), decay,
+            batch.cu_seqlens, ssm_state, batch.slot_ids, **kernels)
+        y = simple_gla.mamba2_gated_norm_pallas(o, xs, proj, p["D"], p["norm"], group_size=inner // g,
+                                                eps=cfg.mamba_norm_eps, out_dtype=x.dtype, x_activated=True,
+                                                interpret=kernels.get("interpret", False))
+        out = linear(y, p["out_proj"])
+        return (out + p["out_bias"] if "out_bias" in p else out), conv_state, ssm_state
     if fused is not None:
         (xbc,), conv_state = fused
     else:
         xbc, conv_state = short_conv(xbc, conv_state, p["conv_weight"], batch, decode, kernels)
         if "conv_bias" in p:
             xbc = xbc + p["conv_bias"]
-    dt = jax.nn.softplus(dt.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))  # [T, Hm]
-    dt = jnp.clip(dt, cfg.mamba_dt_min, cfg.mamba_dt_max)
-    decay = dt * -jnp.exp(p["A_log"].astype(jnp.float32))  # [T, Hm], log space
-    fused_norm = not decode and shards == 1 and mamba2_norm_impl(
-        kernels.get("impl", "auto"), inner, inner // g, kernels.get("mesh")) == "pallas"
     if fused_norm:  # the scan, then the D skip, the gate and the norm in one kernel (x and z read in place)
         o, ssm_state = chunk_mamba2(xbc, dt, decay, None, batch.cu_seqlens, ssm_state, batch.slot_ids,
                                     dims=(h, hp, g, n), out_dtype=x.dtype, **kernels)

@@ -229,30 +229,80 @@ def chunk_mamba2(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z=None, *, dim
     `chunk_size` None: 64, or in the parts' split form `MAMBA2_SPLIT_TUNING`'s, whose other keywords that form takes
     where `tuning` does not set them."""
     fused = MAMBA2_FUSED_PREFILL if fused is None else fused
-    scan_dtype = MAMBA2_SCAN_DTYPE if scan_dtype is None else scan_dtype
-    if scan_dtype not in ("auto", "float32", "bfloat16"):
-        raise ValueError(f"Mamba2 scan_dtype must be 'auto', 'float32' or 'bfloat16', got {scan_dtype!r}")
-    if scan_dtype == "auto":
-        scan_dtype = "bfloat16" if xbc.dtype == jnp.bfloat16 else "float32"
+    scan_dtype = _scan_dtype(scan_dtype, xbc.dtype)
     heads, head_dim, groups, state_dim = dims
     q = jax.ShapeDtypeStruct((1, groups, state_dim), xbc.dtype)
     v = jax.ShapeDtypeStruct((1, heads, head_dim), xbc.dtype)
     pallas = _pick(impl, "chunk", q, v) == "pallas"
-    if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= xbc.shape[0]:
-        tuning = dict(tuning, fused_output=False)
-    split = dict(MAMBA2_SPLIT_TUNING) if tuning.get("fused_output") is False else {}
-    split_chunk = split.pop("chunk_size", 64)  # the parts' split form's alone: the in-place form keeps 64
+    tuning = _with_form(xbc.shape[0], tuning)
     if fused and d_skip is not None and (mesh is None or mesh.size == 1) and pallas:  # x, B, C read in xbc
         tuning = {**MAMBA2_PREFILL_TUNING, **tuning}
         return chunk_mamba2_pallas(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
                                    chunk_size=chunk_size or 64, interpret=interpret,
                                    scan_dtype=jnp.dtype(scan_dtype).name, **tuning)
-    chunk = functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0,
-                              chunk_size=chunk_size or split_chunk, mesh=mesh, **{**split, **tuning})
+    chunk = _parts_chunk(impl, interpret, chunk_size, mesh, tuning)
     # the jnp scans keep fp32 operands (and the CPU's HF parity)
     scan_dtype = jnp.dtype(scan_dtype if pallas else jnp.float32)
     return chunk_mamba2_in_parts(xbc, dt, g, d_skip, cu_seqlens, state, slot_ids, z, dims=dims, out_dtype=out_dtype,
                                  chunk=chunk, scan_dtype=scan_dtype)
+
+
+def _scan_dtype(scan_dtype: str | None, dtype) -> str:
+    scan_dtype = MAMBA2_SCAN_DTYPE if scan_dtype is None else scan_dtype
+    if scan_dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"Mamba2 scan_dtype must be 'auto', 'float32' or 'bfloat16', got {scan_dtype!r}")
+    if scan_dtype == "auto":
+        scan_dtype = "bfloat16" if dtype == jnp.bfloat16 else "float32"
+    return scan_dtype
+
+
+def _with_form(num_tokens: int, tuning: dict) -> dict:
+    """`tuning` with the kernels' split form (`fused_output=False`) for steps of `MAMBA2_SPLIT_FROM_TOKENS` tokens
+    or more, unless it names the form."""
+    if "fused_output" not in tuning and 0 < MAMBA2_SPLIT_FROM_TOKENS <= num_tokens:
+        return dict(tuning, fused_output=False)
+    return tuning
+
+
+def _parts_chunk(impl: str, interpret: bool, chunk_size: int | None, mesh, tuning: dict):
+    """The parts' scan, `chunk(q, k, v, g, cu_seqlens, state, slot_ids)`: `chunk_simple_gla` with its chunk size and
+    the split form's `MAMBA2_SPLIT_TUNING` where `tuning` does not set them."""
+    split = dict(MAMBA2_SPLIT_TUNING) if tuning.get("fused_output") is False else {}
+    split_chunk = split.pop("chunk_size", 64)  # the parts' split form's alone: the in-place form keeps 64
+    return functools.partial(chunk_simple_gla, impl=impl, interpret=interpret, scale=1.0,
+                             chunk_size=chunk_size or split_chunk, mesh=mesh, **{**split, **tuning})
+
+
+# A Mamba2 mixer's prefill with the scan's operands written by its conv kernel (`mamba2_operands_dtype`,
+# `chunk_mamba2_operands`): the conv applies the SiLU and writes x, B and C as three arrays and `v = x dt` as a
+# fourth, in the scan's dtype, so that XLA no longer reads the conv output back to make B, C and v (at NemotronH's
+# 8k prefill on an H100, `loop_convert_fusion` 0.93 ms and `loop_slice_fusion` 0.39 ms a step: benchmarks/RESULTS.md,
+# "Session 44" §3), and the gated norm reads SiLU(x) (`x_activated`). The D skip then reads x rounded to that dtype
+# after the SiLU, as HF's bf16 model does. JHYBRID_MAMBA2_CONV_OPERANDS=1 turns it on; off until timed on a GPU
+MAMBA2_CONV_OPERANDS = os.environ.get("JHYBRID_MAMBA2_CONV_OPERANDS", "0") == "1"
+
+
+def mamba2_operands_dtype(impl: str, dims: tuple[int, int, int, int], dtype, mesh=None, scan_dtype=None):
+    """The dtype in which a prefill step's conv kernel writes the scan's operands for `chunk_mamba2_operands`, or
+    None where that form does not apply: `MAMBA2_CONV_OPERANDS` off, the in-place form on (`MAMBA2_FUSED_PREFILL`),
+    the scan not the Pallas kernel (the jnp scans keep fp32 operands), or a mesh splitting the heads."""
+    heads, head_dim, groups, state_dim = dims
+    q = jax.ShapeDtypeStruct((1, groups, state_dim), dtype)
+    v = jax.ShapeDtypeStruct((1, heads, head_dim), dtype)
+    if (not MAMBA2_CONV_OPERANDS or MAMBA2_FUSED_PREFILL or (mesh is not None and mesh.size > 1)
+            or _pick(impl, "chunk", q, v) != "pallas"):
+        return None
+    return jnp.dtype(_scan_dtype(scan_dtype, dtype))
+
+
+def chunk_mamba2_operands(c, b, v, g, cu_seqlens, state, slot_ids, *, impl: str = "auto", interpret: bool = False,
+                          chunk_size: int | None = None, mesh=None, **tuning):
+    """The parts' scan of `chunk_mamba2` (the same form and tuning for the step's length) on operands made already:
+    C `[T, G, N]` (the queries), B (the keys) and `v = x dt` `[T, Hm, P]`. Returns (the scan's output before the D
+    skip, in v's dtype, for `mamba2_gated_norm` with `x_activated`; the state)."""
+    tuning = {k: w for k, w in tuning.items() if k not in ("scan_dtype", "fused")}  # `chunk_mamba2`'s own
+    chunk = _parts_chunk(impl, interpret, chunk_size, mesh, _with_form(v.shape[0], tuning))
+    return chunk(c, b, v, g, cu_seqlens, state, slot_ids)
 
 
 # a Mamba2 mixer's prefill output after its scan (D skip, gate, grouped RMS norm) as one kernel where "auto" runs
@@ -273,15 +323,14 @@ def mamba2_norm_impl(impl: str, inner: int, group_size: int, mesh=None) -> str:
 
 
 def mamba2_gated_norm(o, xbc, z, d_skip, weight, *, group_size: int, eps: float, out_dtype, impl: str = "auto",
-                      interpret: bool = False, mesh=None):
+                      interpret: bool = False, mesh=None, x_activated: bool = False):
     """Same signature and result as `mamba2_gated_norm_reference`: the kernel where `mamba2_norm_impl` says so,
     else the reference."""
     heads, head_dim = o.shape[1:]
+    form = dict(group_size=group_size, eps=eps, out_dtype=out_dtype, x_activated=x_activated)
     if mamba2_norm_impl(impl, heads * head_dim, group_size, mesh) == "pallas":
-        return mamba2_gated_norm_pallas(o, xbc, z, d_skip, weight, group_size=group_size, eps=eps,
-                                        out_dtype=out_dtype, interpret=interpret)
-    return mamba2_gated_norm_reference(o, xbc, z, d_skip, weight, group_size=group_size, eps=eps,
-                                       out_dtype=out_dtype)
+        return mamba2_gated_norm_pallas(o, xbc, z, d_skip, weight, **form, interpret=interpret)
+    return mamba2_gated_norm_reference(o, xbc, z, d_skip, weight, **form)
 
 
 # the lightning decode step as one kernel (`lightning_decode`): on (a MiniMax-shaped batch-1 token 0.892 -> 0.860 ms on

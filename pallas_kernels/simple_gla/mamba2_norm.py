@@ -25,7 +25,7 @@ _WHOLE = pl.no_block_spec
 
 
 def _kernel(o_ref, x_ref, z_ref, d_ref, w_ref, out_ref, *, block_t: int, group_size: int, head_dim: int,
-            num_tokens: int, eps: float, y_dtype):
+            num_tokens: int, eps: float, y_dtype, x_activated: bool):
     i, g = pl.program_id(0), pl.program_id(1)
     tokens = pl.ds(pl.multiple_of(i * block_t, block_t), block_t)
     mask = ((i * block_t + jnp.arange(block_t)) < num_tokens)[:, None]
@@ -34,7 +34,8 @@ def _kernel(o_ref, x_ref, z_ref, d_ref, w_ref, out_ref, *, block_t: int, group_s
     x = plt.load(x_ref.at[tokens, cols], mask=mask, other=0).astype(jnp.float32)
     d = d_ref[(start + jnp.arange(group_size)) // head_dim].astype(jnp.float32)  # D of each column's head
     o = plt.load(o_ref.at[tokens, cols], mask=mask, other=0).astype(jnp.float32)
-    y = (o + x * jax.nn.sigmoid(x) * d[None, :]).astype(y_dtype).astype(jnp.float32)
+    x = x if x_activated else x * jax.nn.sigmoid(x)
+    y = (o + x * d[None, :]).astype(y_dtype).astype(jnp.float32)
     z = plt.load(z_ref.at[tokens, cols], mask=mask, other=0).astype(jnp.float32)
     h = y * (z * jax.nn.sigmoid(z))  # [BT, group_size]
     h = h * jax.lax.rsqrt(jnp.sum(h * h, axis=1, keepdims=True) / group_size + eps)
@@ -54,11 +55,12 @@ def token_block(group_size: int) -> int:
     return max(1, min(32, 2048 // group_size))
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "eps", "out_dtype", "block_t", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("group_size", "eps", "out_dtype", "x_activated", "block_t",
+                                             "num_warps", "interpret"))
 def mamba2_gated_norm_pallas(o: Float[Array, "T HV V"], xbc: Float[Array, "T C"], z: Float[Array, "T Z"],
                              d_skip: Float[Array, "HV"], weight: Float[Array, "I"], *, group_size: int, eps: float,
-                             out_dtype, block_t: int | None = None, num_warps: int = 4,
-                             interpret: bool = False) -> Float[Array, "T I"]:
+                             out_dtype, x_activated: bool = False, block_t: int | None = None,
+                             num_warps: int = 4, interpret: bool = False) -> Float[Array, "T I"]:
     """Same signature and result as `mamba2_gated_norm_reference` (`supported` shapes)."""
     num_tokens, heads, head_dim = o.shape
     inner = heads * head_dim
@@ -69,11 +71,11 @@ def mamba2_gated_norm_pallas(o: Float[Array, "T HV V"], xbc: Float[Array, "T C"]
     block_t = block_t or token_block(group_size)
     y_dtype = jnp.dtype(out_dtype)
     kernel = functools.partial(_kernel, block_t=block_t, group_size=group_size, head_dim=head_dim,
-                               num_tokens=num_tokens, eps=eps, y_dtype=y_dtype)
+                               num_tokens=num_tokens, eps=eps, y_dtype=y_dtype, x_activated=x_activated)
     return pl.pallas_call(
         kernel, grid=(pl.cdiv(num_tokens, block_t), inner // group_size),
         in_specs=[_WHOLE] * 5, out_specs=_WHOLE,
         out_shape=jax.ShapeDtypeStruct((num_tokens, inner), jnp.result_type(weight.dtype, y_dtype)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1), interpret=interpret,
-        name=f"mamba2_gated_norm_bt{block_t}_g{group_size}_w{num_warps}",
+        name=f"mamba2_gated_norm_bt{block_t}_g{group_size}_w{num_warps}" + ("_xa" if x_activated else ""),
     )(o.reshape(num_tokens, inner), xbc, z, d_skip, weight)

@@ -175,15 +175,18 @@ def mamba2_gated_norm_reference(
     group_size: int,
     eps: float,
     out_dtype,
+    x_activated: bool = False,
 ) -> Array:
     """A Mamba2 mixer's prefill output after its scan, to its out projection's input: the D skip `y = o + D x` in
-    fp32 (x = SiLU of the conv output's first `I = HV V` columns), y rounded to `out_dtype`, the gate `y SiLU(z)` in
+    fp32 (x = SiLU of the conv output's first `I = HV V` columns; with `x_activated`, those columns as they are:
+    SiLU(x) made by the conv kernel, `chunk_mamba2_operands`), y rounded to `out_dtype`, the gate `y SiLU(z)` in
     fp32 (z: the in_proj output's first I columns), then the RMS norm over consecutive groups of `group_size` channels
     times `weight`, normed in `out_dtype` (the parts' `chunk_mamba2_in_parts` and the layer's `grouped_rms_norm`, in
     one function). Returns `[T, I]` in the dtype of `weight * out_dtype`."""
     num_tokens, heads, head_dim = o.shape
     inner = heads * head_dim
-    x = jax.nn.silu(xbc[:, :inner].astype(jnp.float32)).reshape(num_tokens, heads, head_dim)
+    x = xbc[:, :inner].astype(jnp.float32)
+    x = (x if x_activated else jax.nn.silu(x)).reshape(num_tokens, heads, head_dim)
     y = (o.astype(jnp.float32) + x * d_skip.astype(jnp.float32)[:, None]).astype(out_dtype)
     h = y.astype(jnp.float32) * jax.nn.silu(z[:, :inner].reshape(num_tokens, heads, head_dim).astype(jnp.float32))
     h = h.reshape(num_tokens, inner // group_size, group_size)  # [T, G, I/G]
