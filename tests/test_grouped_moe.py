@@ -322,6 +322,24 @@ def test_narrow_decode_tiles_lower_for_h200(monkeypatch, top_k, narrow, tuning, 
     lower_for_h200(fn, *args, kernels=[rf"grouped_matmul_silu_gate_bm16_{gate_up}$", rf"grouped_matmul_none_bm16_{down}$"])
 
 
+def test_fp8_top2_decode_split_k_lowers_for_h200():
+    """A batch-1 token at top-2 over block-wise FP8 stacks takes the split-K tiles (`SPLIT_DECODE_TUNING`, the FP8
+    weights' tiles dividing their 128-blocks) and lowers for the H200: gate/up K 1024 in 8 parts, the down
+    projection's K 256 in 2. Checked to fail with `SPLIT_DECODE_TILES` at 0 (then unsplit)."""
+    e, k, d, ie = 64, 2, 1024, 256
+    f8, sd = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
+    args = [sd((1, d), jnp.bfloat16), sd((1, k), jnp.int32), sd((1, k), jnp.float32),
+            sd((e, 2 * ie, d), f8), sd((e, 2 * ie // 128, d // 128), jnp.float32),
+            sd((e, d, ie), f8), sd((e, d // 128, ie // 128), jnp.float32)]
+
+    def fn(x, top_i, top_p, q_in, s_in, q_down, s_down):
+        w_in, w_down = Fp8Weight(q_in, s_in, 2 * ie), Fp8Weight(q_down, s_down, d)
+        return layers.routed_experts_grouped(x, top_i, top_p, w_in, w_down, "silu", impl="pallas")
+
+    lower_for_h200(fn, *args, kernels=[r"grouped_matmul_silu_gate_bm16_bn32_bk128_fp8_sk8$",
+                                       r"grouped_matmul_none_bm16_bn32_bk128_fp8_sk2$"])
+
+
 @pytest.mark.parametrize("num_experts,split", [(8, True), (5, False)])
 def test_grouped_moe_layer_under_tensor_parallelism_lowers_for_two_h200s(num_experts, split):
     """Over an abstract 2-H200 mesh the grouped layer runs per device (a manual region over "tp") calling both Pallas
