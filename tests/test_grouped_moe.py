@@ -294,7 +294,7 @@ def test_grouped_moe_layer_lowers_for_h200(num_tokens, e, fp8):
 
 
 @pytest.mark.parametrize("top_k, narrow, tuning, gate_up, down", [
-    (2, None, None, "bn32_bk128_sk8", "bn32_bk128_sk2"), (8, None, None, "bn64_bk128", "bn64_bk128"),
+    (2, None, None, "bn32_bk128_sk8", "bn32_bk128_sk2"), (8, None, None, "bn16_bk128", "bn16_bk128"),
     (2, 8, None, "bn32_bk128_sk8", "bn32_bk128_sk2"), (2, 0, None, "bn64_bk64", "bn64_bk64"),
     (8, 0, None, "bn64_bk64", "bn64_bk64"),
     (8, 8, dict(block_n=32, block_k=256, num_warps=4, num_stages=3), "bn32_bk256", "bn32_bk256"),
@@ -303,7 +303,7 @@ def test_narrow_decode_tiles_lower_for_h200(monkeypatch, top_k, narrow, tuning, 
     """With `NARROW_DECODE_TILES` at 8 (the default), a batch-1 decode layer's per-pair tiles take `few_tile_tuning`'s
     tiles and lower for the H200: at top-2 (2 tiles, `SPLIT_DECODE_TILES`) 32 columns a program with K split 8 ways
     (the down projection's K of 256, two blocks of 128, split 2 ways: `grouped_matmul` shrinks `split_k`); at top-8
-    (8 tiles) 64 columns with K in blocks of 128, unsplit; at 0 (off) the 64 columns and K blocks of 64 of
+    (8 tiles) 16 columns with K in blocks of 128, unsplit; at 0 (off) the 64 columns and K blocks of 64 of
     `default_tuning`; with `NARROW_DECODE_TUNING` set, its tiles at any count. `narrow` None: the module's own
     setting, which must be on (checked to fail with JHYBRID_MOE_NARROW_TILES=0). Checked to fail with the switch
     ignored, with the tuning ignored, and with `SPLIT_DECODE_TILES` at 0 (top-2 then unsplit)."""

@@ -89,14 +89,16 @@ def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) ->
 #   token's kernels in one program (`floors --device-loop`, interleaved): 0.841 / 0.840 / 0.843 ms with 16 columns
 #   (session 44's default) -> 0.817 / 0.809 / 0.804 / 0.797; the gate/up kernel 9.8 -> 5.5 us a layer, the down
 #   kernel 4.2 -> 4.0, the XLA sum of the partials +1 us;
-# - 3 to 8 tiles, 64 columns and K in blocks of 128 (`FEW_TILE_TUNING`), the fastest of `benchmarks.moe`'s sweep at
-#   every such case it ran (the layer alone: MiniMax-shaped 2 and 4 tokens 26.4 -> 24.6 and 40.3 -> 32.4 us, 64
-#   experts top-8 at 1 token 40.2 -> 32.5 us, against 16 columns); split K was slower there.
+# - 3 to 8 tiles, session 44's 16 columns and K in blocks of 128 (`FEW_TILE_TUNING`). With every tile used, 64
+#   columns were faster in `benchmarks.moe`'s sweep (the layer alone: MiniMax-shaped 2 and 4 tokens 26.6 -> 24.6 and
+#   42.5 -> 32.4 us, 64 experts top-8 at 1 token 39.7 -> 32.5 us). But the engine's smallest decode bucket is 4 rows
+#   (`runner.MIN_ROWS`), so a served MiniMax batch-1 token runs 8 tiles of which 2 are used, and there 64 columns
+#   would leave 32 programs working (session 44's 0.895 / 0.918 ms token). Not changed until that bucket is timed.
 NARROW_DECODE_TILES = int(os.environ.get("JHYBRID_MOE_NARROW_TILES", "8"))
 NARROW_DECODE_TUNING = json.loads(os.environ.get("JHYBRID_MOE_NARROW_TUNING", "null"))  # None: `few_tile_tuning`
 SPLIT_DECODE_TILES = 2
 SPLIT_DECODE_TUNING = dict(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=8)
-FEW_TILE_TUNING = dict(block_n=64, block_k=128, num_warps=4, num_stages=4)
+FEW_TILE_TUNING = dict(block_n=16, block_k=128, num_warps=4, num_stages=4)
 
 
 def few_tile_tuning(num_tiles: int) -> dict:
