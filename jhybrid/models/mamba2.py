@@ -62,27 +62,25 @@ def mamba2_layer(
         proj, conv_state, p["conv_weight"], batch, decode, kernels, offset=inner, bias=p.get("conv_bias"),
         **(dict(activation="silu", out_dtype=operands, splits=(inner, g * n, g * n), scale=dt, scale_group=hp)
            if operands is not None else {}))
-    if fused is not None and operands is not None:  # SiLU(x), B, C and v = x dt from the conv kernel; the scan on them
-        (xs, b, c, v), conv_state = fused
-        o, ssm_state = simple_gla.chunk_mamba2_operands(
-            c.reshape(num_tokens, g, n), b.reshape(num_tokens, g, n), v.reshape(num_tokens, h, hp), decay,
-            batch.cu_seqlens, ssm_state, batch.slot_ids, **kernels)
-        y = simple_gla.mamba2_gated_norm_pallas(o, xs, proj, p["D"], p["norm"], group_size=inner // g,
-                                                eps=cfg.mamba_norm_eps, out_dtype=x.dtype, x_activated=True,
-                                                interpret=kernels.get("interpret", False))
-        out = linear(y, p["out_proj"])
-        return (out + p["out_bias"] if "out_bias" in p else out), conv_state, ssm_state
-    if fused is not None:
+    made = fused is not None and operands is not None  # SiLU(x), B, C and v = x dt from the conv kernel
+    if made:
+        (xbc, b, c, v), conv_state = fused  # xbc: SiLU(x) alone
+    elif fused is not None:
         (xbc,), conv_state = fused
     else:
         xbc, conv_state = short_conv(xbc, conv_state, p["conv_weight"], batch, decode, kernels)
         if "conv_bias" in p:
             xbc = xbc + p["conv_bias"]
     if fused_norm:  # the scan, then the D skip, the gate and the norm in one kernel (x and z read in place)
-        o, ssm_state = chunk_mamba2(xbc, dt, decay, None, batch.cu_seqlens, ssm_state, batch.slot_ids,
-                                    dims=(h, hp, g, n), out_dtype=x.dtype, **kernels)
+        if made:
+            o, ssm_state = simple_gla.chunk_mamba2_operands(
+                c.reshape(num_tokens, g, n), b.reshape(num_tokens, g, n), v.reshape(num_tokens, h, hp), decay,
+                batch.cu_seqlens, ssm_state, batch.slot_ids, **kernels)
+        else:
+            o, ssm_state = chunk_mamba2(xbc, dt, decay, None, batch.cu_seqlens, ssm_state, batch.slot_ids,
+                                        dims=(h, hp, g, n), out_dtype=x.dtype, **kernels)
         y = simple_gla.mamba2_gated_norm_pallas(o, xbc, proj, p["D"], p["norm"], group_size=inner // g,
-                                                eps=cfg.mamba_norm_eps, out_dtype=x.dtype,
+                                                eps=cfg.mamba_norm_eps, out_dtype=x.dtype, x_activated=made,
                                                 interpret=kernels.get("interpret", False))
     elif not decode and shards == 1:  # SiLU, x / B / C, v = x dt, the D skip and the gate (z: proj's first columns)
         y, ssm_state = chunk_mamba2(xbc, dt, decay, p["D"], batch.cu_seqlens, ssm_state, batch.slot_ids, proj,

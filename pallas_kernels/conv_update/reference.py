@@ -100,7 +100,8 @@ def conv_prefill_reference(x: Float[Array, "T X"], conv_state: Float[Array, "S C
         from_x = jnp.pad(xf, ((d, 0), (0, 0)))[:num_tokens] if d else xf  # x[t - d] (a static shift, not a gather)
         from_state = h0t[token_seq, jnp.clip(hist + src, 0, max(hist - 1, 0))] if hist else from_x
         out = out + jnp.where((src >= 0)[:, None], from_x, from_state) * weight[:, i].astype(jnp.float32)
-    dtype = out_dtype or (jnp.result_type(x.dtype, bias.dtype) if bias is not None else x.dtype)
+    dtype = jnp.result_type(x.dtype, bias.dtype) if bias is not None else x.dtype
+    dtype = dtype if out_dtype is None else out_dtype
     out = finish(out.astype(x.dtype), bias, activation, jnp.float32)  # fp32, before the cast
     bounds = split_bounds(num_channels, splits)
     outs = tuple(out[:, lo:hi].astype(dtype) for lo, hi in zip(bounds[:-1], bounds[1:]))
