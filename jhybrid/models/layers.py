@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from jhybrid.models.quant import Fp8Weight, expert_weights, linear
 from jhybrid.parallel.layout import num_shards as mesh_shards
 from jhybrid.parallel.layout import split_packed
+from pallas_kernels import moe_route
 from pallas_kernels.grouped_matmul import default_block_m, expert_tiles, grouped_matmul, pallas_supported
 
 # how `moe` computes its routed experts: "auto" (grouped by expert on a GPU where the kernel tiles the shapes, else
@@ -117,6 +118,42 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
     routed output is zero.
     """
     num_tokens = x.shape[0]
+    w_in, w_down = p["up_proj" if act == "relu2" else "gate_up_proj"], p["down_proj"]
+    kernels = kernels or {}
+    grouped = _run_grouped(x, w_in, w_down, act, kernels)
+    if (grouped and router == "softmax" and num_tokens * top_k <= PER_PAIR_TILES_MAX
+            and mesh_shards(kernels.get("mesh")) == 1):  # a decode step's per-pair tiles, routed in one go
+        out = _per_pair_moe(x, x @ p["router"], top_k, norm_topk_prob, w_in, w_down, act, kernels, num_real)
+    else:
+        out = _routed_moe(p, x, top_k, norm_topk_prob, w_in, w_down, act, grouped, kernels, num_real, router=router,
+                          n_group=n_group, topk_group=topk_group, scaling=scaling)
+    if "shared" in p:
+        shared = dense_mlp(p["shared"], x, act, num_shards)
+        out = out + (jax.nn.sigmoid(x @ p["shared_gate"]) * shared if "shared_gate" in p else shared)
+    return out
+
+
+def _per_pair_moe(x, logits, top_k: int, norm_topk_prob: bool, w_in, w_down, act: str, kernels: dict,
+                  num_real) -> Array:
+    """`moe`'s routed experts in a decode step of per-pair tiles (`PER_PAIR_TILES_MAX`) on one device: the softmax
+    router's decision laid out as the tiles by `pallas_kernels.moe_route.pair_route` (one kernel with
+    `moe_route.FUSED_ROUTE`, or under `kernels["impl"] == "pallas"` where it takes the shapes; else XLA's ops)."""
+    impl = kernels.get("impl", "auto")
+    route_impl = "pallas" if impl == "pallas" and moe_route.pallas_supported(*logits.shape, top_k) else "auto"
+    tile_expert, row_w = moe_route.pair_route(logits, num_real, top_k=top_k, norm_topk_prob=norm_topk_prob,
+                                              impl=route_impl, interpret=kernels.get("interpret", False))
+    block_m = row_w.shape[0] // tile_expert.shape[0]
+    x_rows = _first_rows(jnp.repeat(x, top_k, axis=0), block_m)  # [P * 16, D]
+    y = _expert_mlps(x_rows, tile_expert, row_w, block_m, _stack(w_in), _stack(w_down), act, impl,
+                     kernels.get("interpret", False))
+    pair = jnp.where((tile_expert >= 0)[:, None], y.reshape(tile_expert.shape[0], block_m, -1)[:, 0], 0)  # [P, D]
+    return jnp.sum(pair.reshape(x.shape[0], top_k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def _routed_moe(p, x, top_k, norm_topk_prob, w_in, w_down, act, grouped, kernels, num_real, *, router, n_group,
+                topk_group, scaling) -> Array:
+    """`moe`'s routed experts: the router's top-k, then the grouped or the dense path."""
+    num_tokens = x.shape[0]
     if router == "softmax":
         probs = jax.nn.softmax((x @ p["router"]).astype(jnp.float32), axis=-1)  # [T, E]
         top_p, top_i = jax.lax.top_k(probs, top_k)  # [T, k]
@@ -126,8 +163,8 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
         scores = jax.nn.sigmoid(x.astype(jnp.float32) @ p["router"].astype(jnp.float32))  # [T, E]
         choice = scores + p["router_bias"].astype(jnp.float32)  # [T, E]
         num_experts = choice.shape[-1]
-        grouped = choice.reshape(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
-        group_merit = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+        by_group = choice.reshape(num_tokens, n_group, num_experts // n_group)  # [T, G, E/G]
+        group_merit = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)  # [T, G]
         _, top_groups = jax.lax.top_k(group_merit, topk_group)  # [T, topk_group]
         group_ok = jnp.zeros((num_tokens, n_group), bool).at[jnp.arange(num_tokens)[:, None], top_groups].set(True)
         choice = jnp.where(jnp.repeat(group_ok, num_experts // n_group, axis=-1), choice, -jnp.inf)
@@ -136,19 +173,12 @@ def moe(p: dict, x: Float[Array, "T D"], top_k: int, norm_topk_prob: bool, *, ac
         if norm_topk_prob:
             top_p = top_p / (jnp.sum(top_p, axis=-1, keepdims=True) + 1e-20)
         top_p = top_p * scaling
-    w_in, w_down = p["up_proj" if act == "relu2" else "gate_up_proj"], p["down_proj"]
-    kernels = kernels or {}
-    if _run_grouped(x, w_in, w_down, act, kernels):
-        if num_real is not None:  # padding tokens: an out-of-range expert, which `expert_tiles` drops
-            top_i = jnp.where((jnp.arange(num_tokens) < num_real)[:, None], top_i, -1)
-        out = routed_experts_grouped(x, top_i, top_p, w_in, w_down, act, impl=kernels.get("impl", "auto"),
-                                     interpret=kernels.get("interpret", False), mesh=kernels.get("mesh"))
-    else:
-        out = routed_experts_dense(x, top_i, top_p, w_in, w_down, act)
-    if "shared" in p:
-        shared = dense_mlp(p["shared"], x, act, num_shards)
-        out = out + (jax.nn.sigmoid(x @ p["shared_gate"]) * shared if "shared_gate" in p else shared)
-    return out
+    if not grouped:
+        return routed_experts_dense(x, top_i, top_p, w_in, w_down, act)
+    if num_real is not None:  # padding tokens: an out-of-range expert, which `expert_tiles` drops
+        top_i = jnp.where((jnp.arange(num_tokens) < num_real)[:, None], top_i, -1)
+    return routed_experts_grouped(x, top_i, top_p, w_in, w_down, act, impl=kernels.get("impl", "auto"),
+                                  interpret=kernels.get("interpret", False), mesh=kernels.get("mesh"))
 
 
 def _run_grouped(x, w_in, w_down, act: str, kernels: dict) -> bool:
@@ -232,12 +262,28 @@ def _grouped_pairs(x, top_i, top_p, w_in, w_down, act, impl, interpret):
         x_rows = jnp.take(x, row_pair // k, axis=0, mode="fill", fill_value=0)  # [M, D]; padding rows: zeros
         row_w = jnp.take(top_p.reshape(-1), row_pair, mode="fill", fill_value=0)  # [M]
         pair_out = lambda y: jnp.take(y, pair_row, axis=0, mode="fill", fill_value=0)  # noqa: E731  [P, D]
+    y = _expert_mlps(x_rows, tile_expert, row_w, block_m, w_in, w_down, act, impl, interpret)  # [M, D]
+    y = pair_out(y).reshape(num_tokens, k, -1)  # [T, k, D]
+    return jnp.sum(y.astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def _expert_mlps(x_rows, tile_expert, row_w, block_m: int, w_in, w_down, act: str, impl: str, interpret: bool):
+    """Each row tile through its expert's MLP (two grouped matmuls, the activation and the rows' combine weights
+    fused): `[M, D]`. `w_in`, `w_down`: `(weight stack, FP8 scales or None, output columns n)`."""
     run = dict(block_m=block_m, impl="pallas" if impl == "pallas" else "auto", interpret=interpret)
     h = grouped_matmul(x_rows, w_in[0], tile_expert, scale=w_in[1], n=w_in[2],
                        epilogue="relu2" if act == "relu2" else "silu_gate", **run)  # [M, Ie]
-    y = grouped_matmul(h, w_down[0], tile_expert, scale=w_down[1], n=w_down[2], row_scale=row_w, **run)  # [M, D]
-    y = pair_out(y).reshape(num_tokens, k, -1)  # [T, k, D]
-    return jnp.sum(y.astype(jnp.float32), axis=1).astype(x.dtype)
+    return grouped_matmul(h, w_down[0], tile_expert, scale=w_down[1], n=w_down[2], row_scale=row_w, **run)
+
+
+def _stack(w) -> tuple:
+    """A routed expert stack as `_expert_mlps` takes it: (weights, FP8 scales or None, output columns n)."""
+    return (w.w, w.scale, w.n) if isinstance(w, Fp8Weight) else (w, None, w.shape[-1])
+
+
+def _first_rows(a: Array, block_m: int) -> Array:
+    """`a [P, ...]` as P tiles of `block_m` rows, each `a[p]` in its first row and zeros below: `[P * block_m, ...]`."""
+    return jnp.pad(a[:, None], ((0, 0), (0, block_m - 1)) + ((0, 0),) * (a.ndim - 1)).reshape(-1, *a.shape[1:])
 
 
 def _pair_tiles(x, top_i, top_p, num_experts: int):
@@ -250,9 +296,8 @@ def _pair_tiles(x, top_i, top_p, num_experts: int):
     pair_expert = top_i.reshape(-1)
     valid = (pair_expert >= 0) & (pair_expert < num_experts)
     tile_expert = jnp.where(valid, pair_expert, -1).astype(jnp.int32)  # [P]
-    first_row = lambda a: jnp.pad(a[:, None], ((0, 0), (0, block_m - 1)) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
-    x_rows = first_row(jnp.repeat(x, k, axis=0)).reshape(num_pairs * block_m, x.shape[-1])  # [P * 16, D]
-    row_w = first_row(top_p.reshape(-1)).reshape(-1)  # [P * 16]
+    x_rows = _first_rows(jnp.repeat(x, k, axis=0), block_m)  # [P * 16, D]
+    row_w = _first_rows(top_p.reshape(-1), block_m)  # [P * 16]
 
     def pair_out(y):
         return jnp.where(valid[:, None], y.reshape(num_pairs, block_m, -1)[:, 0], 0)  # [P, D]
