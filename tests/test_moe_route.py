@@ -108,3 +108,55 @@ def test_route_kernel_lowers_for_h200_in_a_decode_layer(monkeypatch):
     lower_for_h200(fn, *args, kernels=[r"moe_pair_route_k2_e32_norm$"] + experts)
     monkeypatch.setattr(moe_route, "FUSED_ROUTE", False)
     lower_for_h200(lambda *a: fn(*a), *args, kernels=experts)  # a new function: the switch is read at trace time
+
+
+@pytest.mark.parametrize("act,fp8,split", [("silu", False, 1), ("silu", False, 2), ("relu2", True, 1)])
+def test_grouped_matmul_reads_pair_rows_in_place(act, fp8, split):
+    """`grouped_matmul(pair_rows=k)` on `[T, K]` token rows (interpreted) equals the reference on the per-pair tiles
+    `pair_tile_rows` makes (`[T * k * 16, K]`, token t's row first in tiles t*k ... t*k + k - 1, zeros below), plain
+    and FP8, whole K and split; a skipped tile's rows are not compared. Checked to fail with the token read as
+    i % k (the wrong axis) and with the tile's other rows loaded from the next tokens."""
+    from jhybrid.models.quant import quantize_weight_tree
+    from pallas_kernels.grouped_matmul import grouped_matmul_pallas, grouped_matmul_reference, pair_tile_rows
+
+    rng = np.random.default_rng(3)
+    t, k, e, d, n = 3, 2, 4, 256, 128
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((e, d, n)) / np.sqrt(d), jnp.float32)
+    scale = None
+    if fp8:
+        q = quantize_weight_tree(w)
+        w, scale = q.w, q.scale
+    tile_expert = jnp.asarray([2, 0, -1, 3, 1, 2], jnp.int32)
+    epilogue = "silu_gate" if act == "silu" else "relu2"
+    tiles = pair_tile_rows(x, k, 16)
+    assert tiles.shape == (t * k * 16, d) and bool(jnp.all(tiles[16 * 3] == x[1])) and bool(jnp.all(tiles[1:16] == 0))
+    want = grouped_matmul_reference(tiles, w, tile_expert, n=n, block_m=16, scale=scale, epilogue=epilogue)
+    got = grouped_matmul_pallas(x, w, tile_expert, n=n, block_m=16, scale=scale, epilogue=epilogue, pair_rows=k,
+                                block_n=32, block_k=64, split_k=split, interpret=True)
+    used = np.repeat(np.asarray(tile_expert) >= 0, 16)
+    assert_close(f"{act} fp8={fp8} split={split}", np.asarray(got)[used], np.asarray(want)[used], 1e-5)
+
+
+def test_decode_layer_with_pair_rows_in_place_equals_dense(monkeypatch):
+    """With `PAIR_ROWS_IN_PLACE` the decode layer (the route kernel and the experts, interpreted) gives the dense
+    layer's outputs, and its gate/up matmul gets the `[T, D]` token rows (`pair_rows=2`), not the padded tiles.
+    Checked to fail with the switch ignored by `_per_pair_moe` (the matmul then gets `[128, D]`)."""
+    from pallas_kernels import grouped_matmul as gm
+
+    seen = []
+    kernel = gm.grouped_matmul_pallas
+    monkeypatch.setattr(gm, "grouped_matmul_pallas", lambda x, *a, **kw: seen.append((x.shape, kw.get("pair_rows")))
+                        or kernel(x, *a, **kw))
+    monkeypatch.setattr(layers, "PAIR_ROWS_IN_PLACE", True)
+    rng = np.random.default_rng(8)
+    e, k, d, ie, t = 16, 2, 128, 64, 4
+    p = dict(router=jnp.asarray(rng.standard_normal((d, e)), jnp.float32),
+             gate_up_proj=jnp.asarray(rng.standard_normal((e, d, 2 * ie)) / np.sqrt(d), jnp.float32),
+             down_proj=jnp.asarray(rng.standard_normal((e, ie, d)) / np.sqrt(ie), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
+    got = layers.moe(p, x, k, True, kernels=dict(impl="pallas", interpret=True), num_real=jnp.int32(3))
+    assert seen[0] == ((t, d), k), seen
+    monkeypatch.setattr(layers, "MOE_IMPL", "dense")
+    want = layers.moe(p, x, k, True, kernels=dict(impl="reference"))
+    assert_close("pair rows in place", got[:3], want[:3], 1e-5)
