@@ -15,8 +15,7 @@ from jhybrid.models.quant import Fp8Weight, expert_weights, linear
 from jhybrid.parallel.layout import num_shards as mesh_shards
 from jhybrid.parallel.layout import split_packed
 from pallas_kernels import moe_route
-from pallas_kernels.grouped_matmul import (default_block_m, expert_tiles, grouped_matmul, pair_tile_rows,
-                                           pallas_supported)
+from pallas_kernels.grouped_matmul import default_block_m, expert_tiles, grouped_matmul, pallas_supported
 
 # how `moe` computes its routed experts: "auto" (grouped by expert on a GPU where the kernel tiles the shapes, else
 # every expert on every token), "grouped" or "dense"; `kernels["impl"] == "reference"` always runs "dense"
@@ -144,9 +143,9 @@ def _per_pair_moe(x, logits, top_k: int, norm_topk_prob: bool, w_in, w_down, act
     tile_expert, row_w = moe_route.pair_route(logits, num_real, top_k=top_k, norm_topk_prob=norm_topk_prob,
                                               impl=route_impl, interpret=kernels.get("interpret", False))
     block_m = row_w.shape[0] // tile_expert.shape[0]
-    x_rows, pair_rows = (x, top_k) if PAIR_ROWS_IN_PLACE else (pair_tile_rows(x, top_k, block_m), 0)
+    x_rows = _first_rows(jnp.repeat(x, top_k, axis=0), block_m)  # [P * 16, D]
     y = _expert_mlps(x_rows, tile_expert, row_w, block_m, _stack(w_in), _stack(w_down), act, impl,
-                     kernels.get("interpret", False), pair_rows=pair_rows)  # [P * 16, D]
+                     kernels.get("interpret", False))
     pair = jnp.where((tile_expert >= 0)[:, None], y.reshape(tile_expert.shape[0], block_m, -1)[:, 0], 0)  # [P, D]
     return jnp.sum(pair.reshape(x.shape[0], top_k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
 
@@ -248,11 +247,6 @@ def routed_experts_grouped(x: Float[Array, "T D"], top_i: Int[Array, "T k"], top
 # Not yet timed on the GPU (the kernel counts come from the H200 compile, benchmarks/RESULTS.md "Session 32");
 # JHYBRID_MOE_PAIR_TILES_MAX=0 restores the sorted layout for every step.
 PER_PAIR_TILES_MAX = int(os.environ.get("JHYBRID_MOE_PAIR_TILES_MAX", "8"))
-# The per-pair tiles' gate/up matmul reads each pair's token row from the `[T, D]` activations (`grouped_matmul`'s
-# `pair_rows`) instead of a `[P * 16, D]` copy padded with zeros, one XLA kernel a MoE layer fewer. Off until timed
-# on the GPU (JHYBRID_MOE_PAIR_ROWS=1), with `pallas_kernels.moe_route.FUSED_ROUTE` (benchmarks/RESULTS.md,
-# "Session 46").
-PAIR_ROWS_IN_PLACE = os.environ.get("JHYBRID_MOE_PAIR_ROWS", "0") == "1"
 
 
 def _grouped_pairs(x, top_i, top_p, w_in, w_down, act, impl, interpret):
@@ -260,30 +254,24 @@ def _grouped_pairs(x, top_i, top_p, w_in, w_down, act, impl, interpret):
     dropped); `w_in`, `w_down`: `(weight stack, FP8 scales or None, output columns n)`."""
     num_tokens, k = top_i.shape
     num_experts = w_in[0].shape[0]
-    pair_rows = 0
     if num_tokens * k <= PER_PAIR_TILES_MAX:
         block_m, x_rows, row_w, tile_expert, pair_out = _pair_tiles(x, top_i, top_p, num_experts)
-        if PAIR_ROWS_IN_PLACE:
-            x_rows, pair_rows = x, k
     else:
         block_m = default_block_m(num_tokens * k, num_experts)
         pair_row, row_pair, tile_expert = expert_tiles(top_i.reshape(-1), num_experts, block_m)
         x_rows = jnp.take(x, row_pair // k, axis=0, mode="fill", fill_value=0)  # [M, D]; padding rows: zeros
         row_w = jnp.take(top_p.reshape(-1), row_pair, mode="fill", fill_value=0)  # [M]
         pair_out = lambda y: jnp.take(y, pair_row, axis=0, mode="fill", fill_value=0)  # noqa: E731  [P, D]
-    y = _expert_mlps(x_rows, tile_expert, row_w, block_m, w_in, w_down, act, impl, interpret, pair_rows)  # [M, D]
+    y = _expert_mlps(x_rows, tile_expert, row_w, block_m, w_in, w_down, act, impl, interpret)  # [M, D]
     y = pair_out(y).reshape(num_tokens, k, -1)  # [T, k, D]
     return jnp.sum(y.astype(jnp.float32), axis=1).astype(x.dtype)
 
 
-def _expert_mlps(x_rows, tile_expert, row_w, block_m: int, w_in, w_down, act: str, impl: str, interpret: bool,
-                 pair_rows: int = 0):
+def _expert_mlps(x_rows, tile_expert, row_w, block_m: int, w_in, w_down, act: str, impl: str, interpret: bool):
     """Each row tile through its expert's MLP (two grouped matmuls, the activation and the rows' combine weights
-    fused): `[M, D]`. `w_in`, `w_down`: `(weight stack, FP8 scales or None, output columns n)`. `pair_rows` k > 0:
-    `x_rows` is one row a token, which the first matmul reads as the per-pair tiles (`grouped_matmul`'s
-    `pair_rows`)."""
+    fused): `[M, D]`. `w_in`, `w_down`: `(weight stack, FP8 scales or None, output columns n)`."""
     run = dict(block_m=block_m, impl="pallas" if impl == "pallas" else "auto", interpret=interpret)
-    h = grouped_matmul(x_rows, w_in[0], tile_expert, scale=w_in[1], n=w_in[2], pair_rows=pair_rows,
+    h = grouped_matmul(x_rows, w_in[0], tile_expert, scale=w_in[1], n=w_in[2],
                        epilogue="relu2" if act == "relu2" else "silu_gate", **run)  # [M, Ie]
     return grouped_matmul(h, w_down[0], tile_expert, scale=w_down[1], n=w_down[2], row_scale=row_w, **run)
 
@@ -291,6 +279,11 @@ def _expert_mlps(x_rows, tile_expert, row_w, block_m: int, w_in, w_down, act: st
 def _stack(w) -> tuple:
     """A routed expert stack as `_expert_mlps` takes it: (weights, FP8 scales or None, output columns n)."""
     return (w.w, w.scale, w.n) if isinstance(w, Fp8Weight) else (w, None, w.shape[-1])
+
+
+def _first_rows(a: Array, block_m: int) -> Array:
+    """`a [P, ...]` as P tiles of `block_m` rows, each `a[p]` in its first row and zeros below: `[P * block_m, ...]`."""
+    return jnp.pad(a[:, None], ((0, 0), (0, block_m - 1)) + ((0, 0),) * (a.ndim - 1)).reshape(-1, *a.shape[1:])
 
 
 def _pair_tiles(x, top_i, top_p, num_experts: int):
@@ -303,8 +296,8 @@ def _pair_tiles(x, top_i, top_p, num_experts: int):
     pair_expert = top_i.reshape(-1)
     valid = (pair_expert >= 0) & (pair_expert < num_experts)
     tile_expert = jnp.where(valid, pair_expert, -1).astype(jnp.int32)  # [P]
-    x_rows = pair_tile_rows(x, k, block_m)  # [P * 16, D]
-    row_w = jnp.pad(top_p.reshape(-1, 1), ((0, 0), (0, block_m - 1))).reshape(-1)  # [P * 16]
+    x_rows = _first_rows(jnp.repeat(x, k, axis=0), block_m)  # [P * 16, D]
+    row_w = _first_rows(top_p.reshape(-1), block_m)  # [P * 16]
 
     def pair_out(y):
         return jnp.where(valid[:, None], y.reshape(num_pairs, block_m, -1)[:, 0], 0)  # [P, D]

@@ -20,7 +20,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels.fp8_matmul.reference import BLOCK
 from pallas_kernels.grouped_matmul.kernel import grouped_matmul_pallas
-from pallas_kernels.grouped_matmul.reference import EPILOGUES, grouped_matmul_reference, pair_tile_rows
+from pallas_kernels.grouped_matmul.reference import EPILOGUES, grouped_matmul_reference
 
 _IMPLS = ("auto", "reference", "pallas")
 
@@ -138,14 +138,12 @@ def grouped_matmul(
     scale: Array | None = None,
     row_scale: Array | None = None,
     epilogue: str = "none",
-    pair_rows: int = 0,
     impl: str = "auto",
     interpret: bool = False,
     **tuning,
 ) -> Array:
     """See `reference.py`. `tuning` (block_n, block_k, num_warps, num_stages, split_k) goes to the kernel (default:
-    `default_tuning`, with block_n, block_k and split_k shrunk to divide the shapes). `pair_rows` k > 0: `x` holds
-    one row a token, read as the per-pair tiles (`pair_tile_rows`)."""
+    `default_tuning`, with block_n, block_k and split_k shrunk to divide the shapes)."""
     if impl not in _IMPLS:
         raise ValueError(f"unknown grouped_matmul {impl=}; choose one of {_IMPLS}")
     if epilogue not in EPILOGUES:
@@ -157,7 +155,7 @@ def grouped_matmul(
         impl = "pallas" if jax.default_backend() == "gpu" and pallas_supported(k, n_out, fp8) else "reference"
     if impl == "reference":
         return grouped_matmul_reference(x, w, tile_expert, n=n, block_m=block_m, scale=scale, row_scale=row_scale,
-                                        epilogue=epilogue, pair_rows=pair_rows)
+                                        epilogue=epilogue)
     cfg = {**default_tuning(block_m, fp8, tile_expert.shape[0]), **tuning}
     while n_out % cfg["block_n"]:
         cfg["block_n"] //= 2
@@ -166,8 +164,8 @@ def grouped_matmul(
     while (k // cfg["block_k"]) % cfg.get("split_k", 1):  # K's blocks in whole parts
         cfg["split_k"] //= 2
     return grouped_matmul_pallas(x, w, tile_expert, n=n, block_m=block_m, scale=scale, row_scale=row_scale,
-                                 epilogue=epilogue, pair_rows=pair_rows, interpret=interpret, **cfg)
+                                 epilogue=epilogue, interpret=interpret, **cfg)
 
 
 __all__ = ["EPILOGUES", "default_block_m", "default_tuning", "expert_tiles", "few_tile_tuning", "grouped_matmul",
-           "grouped_matmul_pallas", "grouped_matmul_reference", "num_tiles", "pair_tile_rows", "pallas_supported"]
+           "grouped_matmul_pallas", "grouped_matmul_reference", "num_tiles", "pallas_supported"]

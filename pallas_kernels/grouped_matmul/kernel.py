@@ -34,7 +34,7 @@ _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
 
 
 def _grouped_kernel(tile_expert_ref, x_ref, w_ref, *refs, block_m: int, block_n: int, block_k: int, num_k: int,
-                    up_offset: int | None, fp8: bool, scaled: bool, epilogue: str, split_k: int, pair_rows: int):
+                    up_offset: int | None, fp8: bool, scaled: bool, epilogue: str, split_k: int):
     scale_ref = refs[0] if fp8 else None
     row_scale_ref = refs[int(fp8)] if scaled else None
     o_ref = refs[-1]
@@ -55,12 +55,7 @@ def _grouped_kernel(tile_expert_ref, x_ref, w_ref, *refs, block_m: int, block_n:
     def _():
         def body(kb, accs):
             k0 = pl.multiple_of((part * num_k + kb) * block_k, block_k)
-            if pair_rows:  # token i // k's row in the tile's first row, zeros below
-                first = x_ref[pl.ds(i // pair_rows, 1), pl.ds(k0, block_k)]  # [1, BK]
-                row = jax.lax.broadcasted_iota(jnp.int32, (block_m, block_k), 0)
-                xk = jnp.where(row == 0, jnp.broadcast_to(first, (block_m, block_k)), jnp.zeros_like(first))
-            else:
-                xk = x_ref[rows, pl.ds(k0, block_k)]  # [BM, BK]
+            xk = x_ref[rows, pl.ds(k0, block_k)]  # [BM, BK]
             if up_offset is None:
                 return (accs[0] + product(xk, col0, k0),)
             return accs[0] + product(xk, col0, k0), accs[1] + product(xk, up_offset + col0, k0)
@@ -79,7 +74,7 @@ def _grouped_kernel(tile_expert_ref, x_ref, w_ref, *refs, block_m: int, block_n:
 
 
 @functools.partial(jax.jit, static_argnames=("n", "block_m", "block_n", "block_k", "epilogue", "num_warps",
-                                             "num_stages", "split_k", "pair_rows", "interpret"))
+                                             "num_stages", "split_k", "interpret"))
 def grouped_matmul_pallas(
     x: Float[Array, "M K"],
     w: Array,
@@ -95,16 +90,13 @@ def grouped_matmul_pallas(
     num_warps: int = 4,
     num_stages: int = 3,
     split_k: int = 1,
-    pair_rows: int = 0,
     interpret: bool = False,
 ) -> Array:
     """Same arguments and result as `grouped_matmul_reference` (rows of unused tiles: unspecified). `block_m`
     (the rows' tile, >= 16), `block_n` and `block_k` are powers of two; `block_n` must divide the output columns
     (`n`, or `n / 2` for "silu_gate") and `block_k` K; for FP8 weights both must divide 128. `split_k`: K's blocks
-    in that many parts, one program each, summed after the kernel (it must divide `K / block_k`). `pair_rows` k > 0: `x` is `[T, K]`, one row a
-    token, and tile i's first row is token i // k's (`reference.pair_tile_rows`): no `[M, K]` copy of the rows."""
-    k = x.shape[1]
-    m = tile_expert.shape[0] * block_m if pair_rows else x.shape[0]
+    in that many parts, one program each, summed after the kernel (it must divide `K / block_k`)."""
+    m, k = x.shape
     if epilogue not in EPILOGUES:
         raise ValueError(f"unknown grouped_matmul {epilogue=}; choose one of {EPILOGUES}")
     n_out = n // 2 if epilogue == "silu_gate" else n
@@ -112,8 +104,6 @@ def grouped_matmul_pallas(
     problems = []
     if m % block_m or tile_expert.shape[0] * block_m != m:
         problems.append(f"M={m} is not {tile_expert.shape[0]} tiles of {block_m=}")
-    if pair_rows and x.shape[0] * pair_rows != tile_expert.shape[0]:
-        problems.append(f"{x.shape[0]} token rows at {pair_rows=} are not {tile_expert.shape[0]} pair tiles")
     if n_out % block_n or k % block_k:
         problems.append(f"{block_n=} must divide the {n_out} output columns and {block_k=} K={k}")
     if split_k < 1 or (k // block_k) % split_k:
@@ -127,7 +117,7 @@ def grouped_matmul_pallas(
     kernel = functools.partial(
         _grouped_kernel, block_m=block_m, block_n=block_n, block_k=block_k, num_k=k // block_k // split_k,
         up_offset=n_out if epilogue == "silu_gate" else None, fp8=fp8, scaled=scaled, epilogue=epilogue,
-        split_k=split_k, pair_rows=pair_rows)
+        split_k=split_k)
     operands = [tile_expert.astype(jnp.int32), x, w] + ([scale] if fp8 else []) + \
         ([row_scale.astype(jnp.float32)] if scaled else [])
     out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if split else \
@@ -141,7 +131,7 @@ def grouped_matmul_pallas(
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"grouped_matmul_{epilogue}_bm{block_m}_bn{block_n}_bk{block_k}{'_fp8' if fp8 else ''}"
-             f"{f'_sk{split_k}' if split else ''}{f'_pr{pair_rows}' if pair_rows else ''}",
+             f"{f'_sk{split_k}' if split else ''}",
     )(*operands)
     if not split:
         return out

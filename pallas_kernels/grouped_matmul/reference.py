@@ -41,13 +41,6 @@ def apply_epilogue(y: Float[Array, "R N"], epilogue: str) -> Array:
     return y
 
 
-def pair_tile_rows(x: Float[Array, "T K"], pairs: int, block_m: int) -> Float[Array, "M K"]:
-    """The per-pair tiles of a decode step (`pair_rows`): tile p = t * pairs + j holds token t's row `x[t]` in its first
-    row and zeros below, `[T * pairs * block_m, K]`."""
-    rows = jnp.repeat(x, pairs, axis=0)[:, None]  # [P, 1, K]
-    return jnp.pad(rows, ((0, 0), (0, block_m - 1), (0, 0))).reshape(-1, x.shape[-1])
-
-
 def expert_weights_kn(w: Array, scale: Array | None, n: int) -> Float[Array, "E K N"]:
     """The stack as float32 `[E, K, n]`: a plain stack as it is, an FP8 one dequantized (its block scales applied)."""
     if scale is None:
@@ -65,12 +58,8 @@ def grouped_matmul_reference(
     scale: Float[Array, "E NB KB"] | None = None,
     row_scale: Float[Array, "M"] | None = None,
     epilogue: str = "none",
-    pair_rows: int = 0,
 ) -> Array:
-    """See the module docstring. `n`: the weight's true output columns (before the epilogue). `pair_rows` k > 0: `x`
-    is `[T, K]`, one row a token, laid out as the per-pair tiles (`pair_tile_rows`) first."""
-    if pair_rows:
-        x = pair_tile_rows(x, pair_rows, block_m)
+    """See the module docstring. `n`: the weight's true output columns (before the epilogue)."""
     m = x.shape[0]
     if m % block_m or tile_expert.shape[0] * block_m != m:
         raise ValueError(f"grouped_matmul needs M = tiles * block_m, got M={m}, {tile_expert.shape[0]} tiles, {block_m=}")
