@@ -109,7 +109,8 @@ def kernel_sums(folder: str, per: int, top: int, window: tuple[float, float] | N
 
 _MATMUL = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "cublas", "grouped_matmul", "fp8_matmul", "decode_linear")
 # the names jhybrid's Pallas kernels are given (`pallas_call(..., name=...)` in pallas_kernels/)
-_PALLAS = ("gdn_", "sgla_", "mamba2_", "lightning_", "paged_", "attn_", "conv_update", "conv_prefill", "top_k_top_p")
+_PALLAS = ("gdn_", "sgla_", "mamba2_", "lightning_", "paged_", "attn_", "conv_update", "conv_prefill", "top_k_top_p",
+           "moe_")
 
 
 def kernel_kind(name: str) -> str:

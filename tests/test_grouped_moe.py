@@ -145,9 +145,9 @@ def test_grouped_layer_equals_dense_layer(act, fp8, num_tokens):
 @pytest.mark.parametrize("act", ["silu", "relu2"])
 @pytest.mark.parametrize("fp8", [False, True])
 def test_batch1_top2_layer_splits_k_and_equals_dense(act, fp8, monkeypatch):
-    """A batch-1 token at top-2 (2 tiles: `SPLIT_DECODE_TILES`) runs its gate/up projection with K split over
+    """A batch-1 token at top-2 (2 tiles, within `NARROW_DECODE_TILES`) runs its gate/up projection with K split over
     programs by default (K 512 in blocks of 128: 4 parts) and still equals the dense layer, SwiGLU and relu^2, plain
-    and FP8. Checked to fail with `SPLIT_DECODE_TILES` at 0 (no split) and with the partial sums' epilogue skipped."""
+    and FP8. Checked to fail with `SPLIT_DECODE_TUNING` unsplit and with the partial sums' epilogue skipped."""
     seen = []
     kernel = gm.grouped_matmul_pallas
     monkeypatch.setattr(gm, "grouped_matmul_pallas", lambda *a, **kw: seen.append(kw.get("split_k", 1)) or
@@ -289,24 +289,25 @@ def test_grouped_moe_layer_lowers_for_h200(num_tokens, e, fp8):
         args += [w_in, w_down]
     bm = default_block_m(num_tokens * k, e)
     suffix = "_fp8" if fp8 else ""
-    lower_for_h200(fn, *args, kernels=[rf"grouped_matmul_silu_gate_bm{bm}_bn\d+_bk\d+{suffix}",
-                                       rf"grouped_matmul_none_bm{bm}_bn\d+_bk\d+{suffix}"])
+    lower_for_h200(fn, *args, kernels=[rf"grouped_matmul_silu_gate_bm{bm}_bn\d+_bk\d+{suffix}(_sk\d+)?",
+                                       rf"grouped_matmul_none_bm{bm}_bn\d+_bk\d+{suffix}(_sk\d+)?"])
 
 
 @pytest.mark.parametrize("top_k, narrow, tuning, gate_up, down", [
-    (2, None, None, "bn32_bk128_sk8", "bn32_bk128_sk2"), (8, None, None, "bn16_bk128", "bn16_bk128"),
+    (2, None, None, "bn32_bk128_sk8", "bn32_bk128_sk2"), (8, None, None, "bn32_bk128_sk8", "bn32_bk128_sk2"),
+    (16, None, None, "bn64_bk64", "bn64_bk64"),
     (2, 8, None, "bn32_bk128_sk8", "bn32_bk128_sk2"), (2, 0, None, "bn64_bk64", "bn64_bk64"),
     (8, 0, None, "bn64_bk64", "bn64_bk64"),
     (8, 8, dict(block_n=32, block_k=256, num_warps=4, num_stages=3), "bn32_bk256", "bn32_bk256"),
     (2, 8, dict(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=4), "bn64_bk128_sk4", "bn64_bk128_sk2")])
 def test_narrow_decode_tiles_lower_for_h200(monkeypatch, top_k, narrow, tuning, gate_up, down):
     """With `NARROW_DECODE_TILES` at 8 (the default), a batch-1 decode layer's per-pair tiles take `few_tile_tuning`'s
-    tiles and lower for the H200: at top-2 (2 tiles, `SPLIT_DECODE_TILES`) 32 columns a program with K split 8 ways
-    (the down projection's K of 256, two blocks of 128, split 2 ways: `grouped_matmul` shrinks `split_k`); at top-8
-    (8 tiles) 16 columns with K in blocks of 128, unsplit; at 0 (off) the 64 columns and K blocks of 64 of
-    `default_tuning`; with `NARROW_DECODE_TUNING` set, its tiles at any count. `narrow` None: the module's own
-    setting, which must be on (checked to fail with JHYBRID_MOE_NARROW_TILES=0). Checked to fail with the switch
-    ignored, with the tuning ignored, and with `SPLIT_DECODE_TILES` at 0 (top-2 then unsplit)."""
+    tiles and lower for the H200: at top-2 and top-8 (2 and 8 tiles) 32 columns a program with K split 8 ways (the
+    down projection's K of 256, two blocks of 128, split 2 ways: `grouped_matmul` shrinks `split_k`); at top-16 (16
+    tiles, above the bound) and at 0 (off) the 64 columns and K blocks of 64 of `default_tuning`; with
+    `NARROW_DECODE_TUNING` set, its tiles at any count. `narrow` None: the module's own setting, which must be on
+    (checked to fail with JHYBRID_MOE_NARROW_TILES=0). Checked to fail with the switch ignored, with the tuning
+    ignored, and with the bound taken as 16 tiles."""
     if narrow is not None:
         monkeypatch.setattr(gm, "NARROW_DECODE_TILES", narrow)
     if tuning is not None:
@@ -325,7 +326,7 @@ def test_narrow_decode_tiles_lower_for_h200(monkeypatch, top_k, narrow, tuning, 
 def test_fp8_top2_decode_split_k_lowers_for_h200():
     """A batch-1 token at top-2 over block-wise FP8 stacks takes the split-K tiles (`SPLIT_DECODE_TUNING`, the FP8
     weights' tiles dividing their 128-blocks) and lowers for the H200: gate/up K 1024 in 8 parts, the down
-    projection's K 256 in 2. Checked to fail with `SPLIT_DECODE_TILES` at 0 (then unsplit)."""
+    projection's K 256 in 2. Checked to fail with `SPLIT_DECODE_TUNING` unsplit."""
     e, k, d, ie = 64, 2, 1024, 256
     f8, sd = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
     args = [sd((1, d), jnp.bfloat16), sd((1, k), jnp.int32), sd((1, k), jnp.float32),

@@ -103,7 +103,7 @@ def test_route_kernel_lowers_for_h200_in_a_decode_layer(monkeypatch):
                           num_real=jnp.int32(1))
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # "auto" as on the GPU
-    experts = [r"grouped_matmul_silu_gate_bm16_bn16_bk128$", r"grouped_matmul_none_bm16_bn16_bk128$"]
+    experts = [r"grouped_matmul_silu_gate_bm16_bn32_bk128_sk8$", r"grouped_matmul_none_bm16_bn32_bk128_sk2$"]
     monkeypatch.setattr(moe_route, "FUSED_ROUTE", True)
     lower_for_h200(fn, *args, kernels=[r"moe_pair_route_k2_e32_norm$"] + experts)
     monkeypatch.setattr(moe_route, "FUSED_ROUTE", False)

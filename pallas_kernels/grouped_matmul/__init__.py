@@ -82,30 +82,25 @@ def expert_tiles(expert_ids: Int[Array, "P"], num_experts: int, block_m: int) ->
 
 # Decode steps of at most this many row tiles (a batch-1 or batch-4 step's per-pair tiles: `layers.PER_PAIR_TILES_MAX`)
 # take `few_tile_tuning`'s tiles instead of `default_tuning`'s; 0: never (JHYBRID_MOE_NARROW_TILES=0).
-# JHYBRID_MOE_NARROW_TUNING (JSON: the kernel's keywords) replaces them for sweeps. Measured on an H100
-# (benchmarks/RESULTS.md, "Session 45"):
-# - at most `SPLIT_DECODE_TILES` tiles (a MiniMax-shaped batch-1 token: 2 experts), K split 8 ways over 32-column
-#   programs (`SPLIT_DECODE_TUNING`): 2 x 32 x 8 = 512 programs where 64 columns gave 16 and 16 columns 128. The
-#   token's kernels in one program (`floors --device-loop`, interleaved): 0.841 / 0.840 / 0.843 ms with 16 columns
-#   (session 44's default) -> 0.817 / 0.809 / 0.804 / 0.797; the gate/up kernel 9.8 -> 5.5 us a layer, the down
-#   kernel 4.2 -> 4.0, the XLA sum of the partials +1 us;
-# - 3 to 8 tiles, session 44's 16 columns and K in blocks of 128 (`FEW_TILE_TUNING`). With every tile used, 64
-#   columns were faster in `benchmarks.moe`'s sweep (the layer alone: MiniMax-shaped 2 and 4 tokens 26.6 -> 24.6 and
-#   42.5 -> 32.4 us, 64 experts top-8 at 1 token 39.7 -> 32.5 us). But the engine's smallest decode bucket is 4 rows
-#   (`runner.MIN_ROWS`), so a served MiniMax batch-1 token runs 8 tiles of which 2 are used, and there 64 columns
-#   would leave 32 programs working (session 44's 0.895 / 0.918 ms token). Not changed until that bucket is timed.
+# JHYBRID_MOE_NARROW_TUNING (JSON: the kernel's keywords) replaces them for sweeps. `SPLIT_DECODE_TUNING`: K split 8
+# ways over 32-column programs (2 tiles: 2 x 32 x 8 = 512 programs where 64 columns gave 16 and 16 columns 128).
+# Measured on an H100 (benchmarks/RESULTS.md, "Session 45" and "Session 46"), MiniMax-shaped batch-1 tokens:
+# - in a 1-row program (2 tiles; `floors --device-loop`, interleaved): 0.841 / 0.840 / 0.843 ms with session 44's 16
+#   columns -> 0.817 / 0.809 / 0.804 / 0.797; the gate/up kernel 9.8 -> 5.5 us a layer, the down kernel 4.2 -> 4.0,
+#   the XLA sum of the partials +1 us;
+# - served, in the engine's 4-row bucket (`runner.MIN_ROWS`: 8 tiles of which 2 are used; `device_loop
+#   --engine-rows 256 --engine-steps 8`, 8-step programs): 0.994 / 0.986 ms with 16 columns -> 0.920 / 0.917.
+# The layer alone with every one of 8 tiles used was fastest at 64 columns (`benchmarks.moe`, session 45), but a
+# decode bucket's tiles are mostly its padding's; 10 tiles (top-10 of 512 experts at batch 1) split 16 ways took a
+# 4-layer Qwen3-Next-80B-shaped token 0.703 -> 0.724 ms, so the bound stays at 8.
 NARROW_DECODE_TILES = int(os.environ.get("JHYBRID_MOE_NARROW_TILES", "8"))
 NARROW_DECODE_TUNING = json.loads(os.environ.get("JHYBRID_MOE_NARROW_TUNING", "null"))  # None: `few_tile_tuning`
-SPLIT_DECODE_TILES = 2
 SPLIT_DECODE_TUNING = dict(block_n=32, block_k=128, num_warps=4, num_stages=4, split_k=8)
-FEW_TILE_TUNING = dict(block_n=16, block_k=128, num_warps=4, num_stages=4)
 
 
-def few_tile_tuning(num_tiles: int) -> dict:
-    """The kernel's tiles for a decode step of `num_tiles` <= `NARROW_DECODE_TILES` row tiles (see above)."""
-    if NARROW_DECODE_TUNING is not None:
-        return dict(NARROW_DECODE_TUNING)
-    return dict(SPLIT_DECODE_TUNING if num_tiles <= SPLIT_DECODE_TILES else FEW_TILE_TUNING)
+def few_tile_tuning() -> dict:
+    """The kernel's tiles for a decode step of at most `NARROW_DECODE_TILES` row tiles (see above)."""
+    return dict(SPLIT_DECODE_TUNING if NARROW_DECODE_TUNING is None else NARROW_DECODE_TUNING)
 
 
 def default_tuning(block_m: int, fp8: bool, num_tiles: int = 0) -> dict:
@@ -114,7 +109,7 @@ def default_tuning(block_m: int, fp8: bool, num_tiles: int = 0) -> dict:
     program, unless there are tiles enough (many experts in use) to keep the SMs busy with 128, or so few
     (`NARROW_DECODE_TILES`) that `few_tile_tuning` applies."""
     if block_m <= 32 and 0 < num_tiles <= NARROW_DECODE_TILES:
-        return few_tile_tuning(num_tiles)
+        return few_tile_tuning()
     if block_m <= 32:
         if num_tiles >= 256:
             return dict(block_n=128, block_k=64, num_warps=8, num_stages=3)

@@ -19,9 +19,11 @@ from pallas_kernels.moe_route.reference import pair_route_reference
 
 _IMPLS = ("auto", "reference", "pallas")
 
-# "auto" runs the kernel on a GPU (JHYBRID_MOE_FUSED_ROUTE=1). Off until timed on the GPU: by the H200 compile it
-# takes a MiniMax-shaped batch-1 decode step from 200 to 160 kernels (benchmarks/RESULTS.md, "Session 46").
-FUSED_ROUTE = os.environ.get("JHYBRID_MOE_FUSED_ROUTE", "0") == "1"
+# "auto" runs the kernel on a GPU; JHYBRID_MOE_FUSED_ROUTE=0: XLA's ops. A MiniMax-shaped batch-1 decode step
+# (10 MoE layers) compiles to 171 kernels for the H200 instead of 200, and on an H100 its token took 0.824 / 0.804 ->
+# 0.742 / 0.761 ms in one program (`floors --device-loop`, interleaved) and 0.991 / 0.986 -> 0.921 / 0.952 ms through
+# `LLM.generate` in 8-step programs (benchmarks/RESULTS.md, "Session 46").
+FUSED_ROUTE = os.environ.get("JHYBRID_MOE_FUSED_ROUTE", "1") == "1"
 
 
 def pallas_supported(num_tokens: int, num_experts: int, top_k: int) -> bool:

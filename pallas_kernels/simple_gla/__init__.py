@@ -278,8 +278,10 @@ def _parts_chunk(impl: str, interpret: bool, chunk_size: int | None, mesh, tunin
 # fourth, in the scan's dtype, so that XLA no longer reads the conv output back to make B, C and v (at NemotronH's
 # 8k prefill on an H100, `loop_convert_fusion` 0.93 ms and `loop_slice_fusion` 0.39 ms a step: benchmarks/RESULTS.md,
 # "Session 44" §3), and the gated norm reads SiLU(x) (`x_activated`). The D skip then reads x rounded to that dtype
-# after the SiLU, as HF's bf16 model does. JHYBRID_MAMBA2_CONV_OPERANDS=1 turns it on; off until timed on a GPU
-MAMBA2_CONV_OPERANDS = os.environ.get("JHYBRID_MAMBA2_CONV_OPERANDS", "0") == "1"
+# after the SiLU, as HF's bf16 model does. On by default: the NemotronH-shaped 8k prefill through `LLM.generate` on
+# an H100, three interleaved pairs, 48.3 / 48.2 / 48.8 ms off against 47.2 / 47.6 / 46.8 on (-2.3% by the medians;
+# RESULTS "Session 46"). JHYBRID_MAMBA2_CONV_OPERANDS=0 turns it off
+MAMBA2_CONV_OPERANDS = os.environ.get("JHYBRID_MAMBA2_CONV_OPERANDS", "1") == "1"
 
 
 def mamba2_operands_dtype(impl: str, dims: tuple[int, int, int, int], dtype, mesh=None, scan_dtype=None):
