@@ -69,6 +69,12 @@ from jhybrid import parallel
 
 log = logging.getLogger("jhybrid.engine")
 MIN_ROWS = 4  # smallest row bucket
+# An engine of fewer sequences than MIN_ROWS (`max_num_seqs` 1 or 2) runs row buckets of its own size, not MIN_ROWS'
+# padded ones: a single-sequence engine's steps are 1-row programs, and it compiles no more programs than before.
+# Off until timed on the GPU (JHYBRID_SMALL_ENGINE_ROWS=1): a MiniMax-shaped batch-1 token took 0.744 ms in the
+# device loop's 1-row program against 0.874 in the engine's 4-row bucket on an H100 (benchmarks/RESULTS.md, "Session
+# 46"), where the padding rows' share of that difference is unmeasured.
+SMALL_ENGINE_ROWS = os.environ.get("JHYBRID_SMALL_ENGINE_ROWS", "0") == "1"
 MIN_MIXED_TOKENS = 64  # smallest token bucket of a mixed (prefill) step
 # multi-step decode (`num_scheduler_steps` > 1): the most rows a step may have to run several decode steps in one
 # program (beyond them the device's step is long enough to hide the host's), and the sampler plans `warmup` builds
@@ -506,7 +512,7 @@ class ModelRunner:
         self._state = init_state(cfg, cache) if self.mesh is None else parallel.init_sharded_state(cfg, cache, self.mesh)
         self.max_blocks = -(-max_model_len // cache.block_size)
         self.max_model_len = max_model_len
-        self.max_rows = _pow2(max_num_seqs, MIN_ROWS)
+        self.max_rows = _pow2(max_num_seqs, 1 if SMALL_ENGINE_ROWS else MIN_ROWS)
         self.max_tokens_bucket = _pow2(max(max_num_batched_tokens, self.max_rows + 1), MIN_MIXED_TOKENS)
         self.seed = seed
         # the previous step's output when there is none (compiled programs take it wherever it lives)
