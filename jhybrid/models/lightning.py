@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,11 @@ from jhybrid.models.layers import rms_norm
 from jhybrid.models.quant import in_projection, linear, out_projection
 from jhybrid.parallel.layout import num_shards, split_packed
 from pallas_kernels.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode
+
+# A decode step's output norm with its per-row scale applied after out_proj (the norm's rsqrt commutes with the
+# matmul), so that XLA can fuse the weight and the sigmoid gate into the projection's GEMM and the scale into its
+# epilogue, leaving only the sum of squares as a kernel of its own. Off until timed (JHYBRID_LIGHTNING_SCALE_AFTER=1).
+SCALE_AFTER_PROJ = os.environ.get("JHYBRID_LIGHTNING_SCALE_AFTER", "0") == "1"
 
 
 def lightning_slopes(num_heads: int, layer_index: int, num_layers: int) -> np.ndarray:
@@ -49,6 +56,8 @@ def lightning_attention_layer(
     if decode and shards == 1:  # the SiLU, the split and the recurrence: one kernel where it runs
         o, ssm_state = lightning_decode(proj, jnp.asarray(slopes), ssm_state, batch.slot_ids, num_heads=h, head_dim=hd,
                                         **(kernels or {}))
+        if SCALE_AFTER_PROJ and io is None:
+            return _output_scaled_after(p, o, gate, x.dtype), ssm_state
         return _output(cfg, p, o, gate, x.dtype, io), ssm_state
     qkv = jax.nn.silu(qkv.astype(jnp.float32)).astype(x.dtype)
     qkv = qkv.reshape(num_tokens, h, 3, hd)  # per head: hd q dims, hd k dims, hd v dims
@@ -67,3 +76,12 @@ def _output(cfg: ModelConfig, p: dict, o: Array, gate: Array, dtype, io: dict | 
     """RMSNorm over all heads of the recurrence's output `[T, H, hd]`, the sigmoid output gate, out_proj."""
     o = rms_norm(o.reshape(o.shape[0], -1).astype(dtype), p["norm"], LIGHTNING_NORM_EPS, False)
     return out_projection(jax.nn.sigmoid(gate) * o, p["out_proj"], io)
+
+
+def _output_scaled_after(p: dict, o: Array, gate: Array, dtype) -> Array:
+    """`_output` with the RMS scale applied to the projection's rows: `((sigmoid(gate) w o) @ W) / rms(o)`, equal to
+    `(sigmoid(gate) (w o / rms(o))) @ W` up to where the bf16 roundings fall."""
+    of = o.reshape(o.shape[0], -1).astype(jnp.float32)  # [T, H*hd]
+    inv = jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + LIGHTNING_NORM_EPS)  # [T, 1]
+    gated = jax.nn.sigmoid(gate) * (p["norm"] * of.astype(dtype))  # [T, H*hd]
+    return (linear(gated, p["out_proj"]).astype(jnp.float32) * inv).astype(dtype)
