@@ -142,12 +142,8 @@ def _per_pair_moe(x, logits, top_k: int, norm_topk_prob: bool, w_in, w_down, act
     route_impl = "pallas" if impl == "pallas" and moe_route.pallas_supported(*logits.shape, top_k) else "auto"
     tile_expert, row_w = moe_route.pair_route(logits, num_real, top_k=top_k, norm_topk_prob=norm_topk_prob,
                                               impl=route_impl, interpret=kernels.get("interpret", False))
-    block_m = row_w.shape[0] // tile_expert.shape[0]
-    x_rows = _first_rows(jnp.repeat(x, top_k, axis=0), block_m)  # [P * 16, D]
-    y = _expert_mlps(x_rows, tile_expert, row_w, block_m, _stack(w_in), _stack(w_down), act, impl,
-                     kernels.get("interpret", False))
-    pair = jnp.where((tile_expert >= 0)[:, None], y.reshape(tile_expert.shape[0], block_m, -1)[:, 0], 0)  # [P, D]
-    return jnp.sum(pair.reshape(x.shape[0], top_k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
+    return _pair_tile_experts(x, tile_expert, row_w, _stack(w_in), _stack(w_down), act, impl,
+                              kernels.get("interpret", False))
 
 
 def _routed_moe(p, x, top_k, norm_topk_prob, w_in, w_down, act, grouped, kernels, num_real, *, router, n_group,
@@ -254,17 +250,31 @@ def _grouped_pairs(x, top_i, top_p, w_in, w_down, act, impl, interpret):
     dropped); `w_in`, `w_down`: `(weight stack, FP8 scales or None, output columns n)`."""
     num_tokens, k = top_i.shape
     num_experts = w_in[0].shape[0]
-    if num_tokens * k <= PER_PAIR_TILES_MAX:
-        block_m, x_rows, row_w, tile_expert, pair_out = _pair_tiles(x, top_i, top_p, num_experts)
-    else:
-        block_m = default_block_m(num_tokens * k, num_experts)
-        pair_row, row_pair, tile_expert = expert_tiles(top_i.reshape(-1), num_experts, block_m)
-        x_rows = jnp.take(x, row_pair // k, axis=0, mode="fill", fill_value=0)  # [M, D]; padding rows: zeros
-        row_w = jnp.take(top_p.reshape(-1), row_pair, mode="fill", fill_value=0)  # [M]
-        pair_out = lambda y: jnp.take(y, pair_row, axis=0, mode="fill", fill_value=0)  # noqa: E731  [P, D]
+    if num_tokens * k <= PER_PAIR_TILES_MAX:  # one 16-row tile a pair; a dropped pair's tile has expert -1
+        pair_expert = top_i.reshape(-1)
+        valid = (pair_expert >= 0) & (pair_expert < num_experts)
+        tile_expert = jnp.where(valid, pair_expert, -1).astype(jnp.int32)  # [P]
+        row_w = _first_rows(top_p.reshape(-1), 16)  # [P * 16]
+        return _pair_tile_experts(x, tile_expert, row_w, w_in, w_down, act, impl, interpret)
+    block_m = default_block_m(num_tokens * k, num_experts)
+    pair_row, row_pair, tile_expert = expert_tiles(top_i.reshape(-1), num_experts, block_m)
+    x_rows = jnp.take(x, row_pair // k, axis=0, mode="fill", fill_value=0)  # [M, D]; padding rows: zeros
+    row_w = jnp.take(top_p.reshape(-1), row_pair, mode="fill", fill_value=0)  # [M]
     y = _expert_mlps(x_rows, tile_expert, row_w, block_m, w_in, w_down, act, impl, interpret)  # [M, D]
-    y = pair_out(y).reshape(num_tokens, k, -1)  # [T, k, D]
+    y = jnp.take(y, pair_row, axis=0, mode="fill", fill_value=0).reshape(num_tokens, k, -1)  # [T, k, D]
     return jnp.sum(y.astype(jnp.float32), axis=1).astype(x.dtype)
+
+
+def _pair_tile_experts(x, tile_expert, row_w, w_in, w_down, act: str, impl: str, interpret: bool) -> Array:
+    """The routed experts in the per-pair layout (`PER_PAIR_TILES_MAX`): tile p holds pair p = (token p // k, its
+    (p % k)-th expert) in its first row and zeros below; `tile_expert [P]` (-1: a dropped pair, whose tile the kernel
+    skips and leaves unspecified, masked here), `row_w [P * block_m]`. Each token sums its k pairs: `[T, D]`."""
+    num_tokens, num_pairs = x.shape[0], tile_expert.shape[0]
+    k, block_m = num_pairs // num_tokens, row_w.shape[0] // num_pairs
+    x_rows = _first_rows(jnp.repeat(x, k, axis=0), block_m)  # [P * 16, D]
+    y = _expert_mlps(x_rows, tile_expert, row_w, block_m, w_in, w_down, act, impl, interpret)  # [P * 16, D]
+    pair = jnp.where((tile_expert >= 0)[:, None], y.reshape(num_pairs, block_m, -1)[:, 0], 0)  # [P, D]
+    return jnp.sum(pair.reshape(num_tokens, k, -1).astype(jnp.float32), axis=1).astype(x.dtype)
 
 
 def _expert_mlps(x_rows, tile_expert, row_w, block_m: int, w_in, w_down, act: str, impl: str, interpret: bool):
@@ -284,25 +294,6 @@ def _stack(w) -> tuple:
 def _first_rows(a: Array, block_m: int) -> Array:
     """`a [P, ...]` as P tiles of `block_m` rows, each `a[p]` in its first row and zeros below: `[P * block_m, ...]`."""
     return jnp.pad(a[:, None], ((0, 0), (0, block_m - 1)) + ((0, 0),) * (a.ndim - 1)).reshape(-1, *a.shape[1:])
-
-
-def _pair_tiles(x, top_i, top_p, num_experts: int):
-    """The layout of `_grouped_pairs` with one 16-row tile per pair (`PER_PAIR_TILES_MAX`): tile p holds pair
-    p = (token p // k, its (p % k)-th expert) in row 0 and zeros below; a dropped pair's tile has expert -1 (the kernel
-    skips it and leaves its rows unspecified: `pair_out` masks them). Returns (block_m, x_rows, row_w, tile_expert,
-    pair_out: the `[P, D]` pair outputs from the down projection's rows)."""
-    num_tokens, k = top_i.shape
-    num_pairs, block_m = num_tokens * k, 16
-    pair_expert = top_i.reshape(-1)
-    valid = (pair_expert >= 0) & (pair_expert < num_experts)
-    tile_expert = jnp.where(valid, pair_expert, -1).astype(jnp.int32)  # [P]
-    x_rows = _first_rows(jnp.repeat(x, k, axis=0), block_m)  # [P * 16, D]
-    row_w = _first_rows(top_p.reshape(-1), block_m)  # [P * 16]
-
-    def pair_out(y):
-        return jnp.where(valid[:, None], y.reshape(num_pairs, block_m, -1)[:, 0], 0)  # [P, D]
-
-    return block_m, x_rows, row_w, tile_expert, pair_out
 
 
 def grouped_gated_rms_norm(x: Float[Array, "T I"], gate: Float[Array, "T I"], w: Float[Array, "I"], group_size: int,
