@@ -68,7 +68,9 @@ def main(argv=None):
         hf.update(vocab_size=args.vocab, max_position_embeddings=max(hf["max_position_embeddings"], args.max_model_len))
     cfg = ModelConfig.from_hf(hf)
     tokens = max(int(spec.split(":")[1]) for spec in args.programs.split(","))  # the largest step's tokens
-    eng = LLMEngine(LoadedModel(cfg=cfg, params=random_params(cfg)), max_num_seqs=64, max_model_len=args.max_model_len,
+    rows = max(int(spec.partition("@")[0].split(":")[2]) for spec in args.programs.split(","))  # a slot per real row
+    eng = LLMEngine(LoadedModel(cfg=cfg, params=random_params(cfg)), max_num_seqs=max(64, rows),
+                    max_model_len=args.max_model_len,
                     max_num_batched_tokens=max(2048, tokens))
     runner = eng.runner
     keys, runs = [], {}

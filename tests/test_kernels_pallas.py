@@ -584,6 +584,68 @@ def test_paged_decode_pallas_matches_reference(lengths, h, kvh, d, bs, variant):
     assert_close("decode attention lse", got_lse, want_lse, 1e-5)
 
 
+def _walked_pages(lo, hi, num_splits, ppb, pages_per_split):
+    """Per split, the pages `split_pages` has it walk (blocks of `ppb` from its base), as lists."""
+    from pallas_kernels.paged_attention.decode import split_pages
+
+    out = []
+    for s in range(num_splits):
+        base, first, last = (int(x) for x in split_pages(lo, hi, s, num_splits=num_splits, pages_per_block=ppb,
+                                                           pages_per_split=pages_per_split))
+        out.append([base + i * ppb + j for i in range(first, last) for j in range(ppb)])
+    return out
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_split_pages_walk_every_attended_page_once(dynamic):
+    """Every page of `[lo, hi)` is walked by exactly one split, none before `lo`, at most a block's overrun past
+    `hi` (within the kernel's table padding), for short and long contexts, windows and tables of any width."""
+    for table in (4, 13, 64, 256):
+        for ns, ppb in ((8, 4), (3, 2), (1, 4), (5, 1)):
+            ns = max(1, min(ns, -(-table // ppb)))
+            pps = -(-table // (ns * ppb)) * ppb
+            for hi in range(0, table + 1, max(1, table // 16)):
+                for lo in {0, hi // 2, max(hi - 1, 0)}:
+                    walked = _walked_pages(lo, hi, ns, ppb, None if dynamic else pps)
+                    flat = [p for w in walked for p in w if p < hi]
+                    assert sorted(p for p in flat if p >= lo) == list(range(lo, hi)), (table, ns, ppb, lo, hi)
+                    pad = ppb if dynamic else ns * pps - table
+                    assert all(p < table + pad for w in walked for p in w), (table, ns, ppb, lo, hi)
+
+
+def test_dynamic_splits_spread_a_short_context_over_every_split():
+    """A 600-token row (38 pages of 16) in a 4,096-token table (256 pages), 8 splits of 4-page blocks: the dynamic
+    form gives each of the 8 splits work (1 or 2 of its 10 blocks), where the table's columns leave it in 2 splits, the
+    first walking 8 blocks. Checked to fail with `split_pages` given the static `pages_per_split`."""
+    walked = _walked_pages(0, 38, 8, 4, None)
+    assert sum(bool(w) for w in walked) == 8 and max(len(w) for w in walked) == 2 * 4
+    static = _walked_pages(0, 38, 8, 4, 32)
+    assert sum(bool(w) for w in static) == 2 and max(len(w) for w in static) == 8 * 4
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_paged_decode_in_a_wide_table_matches_reference(dynamic, monkeypatch):
+    """Short contexts in a block table far wider than any of them (as a server's max_model_len makes it), NaN in
+    every unused page: both split forms against the reference, with and without a sliding window."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["pallas_kernels.paged_attention.decode"], "DYNAMIC_SPLITS", dynamic)
+    jax.clear_caches()
+    rng = np.random.default_rng(5)
+    q, kp, vp, tables, seq, pos = _paged_inputs(rng, [70, 3, 33], [1, 1, 1], 8, 2, 64, 8, jnp.float32)
+    tables = jnp.pad(tables, ((0, 0), (0, 40)))  # 51 columns for contexts of 1-9 pages
+    cu = jnp.arange(4, dtype=jnp.int32)
+    for window in (None, 20):
+        want_o, want_lse = paged_attention_reference(q, kp, vp, tables, seq, pos, return_lse=True,
+                                                     sliding_window=window)
+        got_o, got_lse = paged_attention(q, kp, vp, tables, seq, pos, cu_seqlens=cu, decode=True, impl="pallas",
+                                         interpret=True, return_lse=True, sliding_window=window, pages_per_block=2,
+                                         num_splits=4)
+        assert_close("wide-table decode output", got_o, want_o, 1e-5)
+        assert_close("wide-table decode lse", got_lse, want_lse, 1e-5)
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("h,kvh,d,per_page", [(16, 2, 256, False), (16, 2, 256, True), (8, 8, 64, False),
                                              (32, 4, 128, True)])
 def test_paged_decode_lowers_for_h200(h, kvh, d, per_page):
@@ -714,6 +776,47 @@ def test_chunk_lowers_for_h200(hv, dk, dv, variant):
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  the model passes fp32 q/k (l2-normed) with bf16 v
     lower_for_h200(fn, f32(q), f32(k), v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32),
                    kernels=kernels)
+
+
+def _dtype_round_trips(fn, args) -> list[str]:
+    """In the Pallas kernels (and every nested jaxpr) of `jax.make_jaxpr(fn)(*args)`, the values converted to a
+    wider float and straight back to their own dtype (`x.astype(f32).astype(bf16)`): a bf16 tile that Triton then
+    holds in fp32 registers for nothing. Returned as 'dtype -> wide -> dtype' per occurrence."""
+    from jax.extend import core as jex_core
+
+    found = []
+
+    def walk(jaxpr):
+        made_by = {}
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "convert_element_type":
+                (x,), (y,) = eqn.invars, eqn.outvars
+                src = made_by.get(x)
+                if (src is not None and src.invars[0].aval.dtype == y.aval.dtype
+                        and x.aval.dtype.itemsize > y.aval.dtype.itemsize):  # widened, then narrowed back
+                    found.append(f"{y.aval.dtype} -> {x.aval.dtype} -> {y.aval.dtype}")
+                made_by[y] = eqn
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if isinstance(inner, jex_core.Jaxpr):
+                        walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_chunk_kernels_load_bf16_q_and_k_without_a_round_trip():
+    """The chunk stages load a bf16 q / k tile as bf16 when they do not normalise it (`qk_l2norm` off): taken
+    through fp32 and back, the fused pass held fp32 tiles (118 -> 158 registers a thread on the H200 compile; issue
+    20's GDN chunk row went 1.16 -> 1.33 ms between the two trees). With `qk_l2norm` the fp32 step is the norm's own.
+    Checked to fail with `_load_qk` loading through `_l2norm` when off, as it did."""
+    from pallas_kernels.gated_delta_rule import chunk_gated_delta_rule_pallas
+
+    rng = np.random.default_rng(0)
+    q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, [40, 1, 9], 2, 4, 32, 32, 4, jnp.bfloat16)
+    fn = functools.partial(chunk_gated_delta_rule_pallas, chunk_size=16)
+    assert _dtype_round_trips(fn, (q, k, v, g, beta, cu, state, jnp.array([1, 2, 3], jnp.int32))) == []
 
 
 def _state_reads(fn, args, state_shape, writes: bool = False) -> list[tuple[str, bool]]:

@@ -99,7 +99,8 @@ def _wy_chunk(start, length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_r
     """The WY stage of one non-empty chunk (`_wy_kernel`)."""
     lane = jnp.arange(chunk_size)
     valid = lane < length
-    k = _load_qk(k_ref, start, valid, j // group, k_ref.dtype, l2norm).astype(jnp.float32)  # [C, K]
+    k_in = _load_qk(k_ref, start, valid, j // group, k_ref.dtype, l2norm)  # [C, K]
+    k = k_in.astype(jnp.float32)
     v = _load_chunk(v_ref, start, valid, j, slice(None))  # [C, V]
     g = _load_chunk(g_ref, start, valid, j)  # [C]
     beta = _load_chunk(beta_ref, start, valid, j)  # [C]
@@ -113,12 +114,13 @@ def _wy_chunk(start, length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_r
     dt = v_ref.dtype if input_dots else jnp.float32
     io_dot = dot if dt == jnp.float32 else functools.partial(
         jax.lax.dot_general, preferred_element_type=jnp.float32)
+    k_dt = k_in if k_in.dtype == dt else k.astype(dt)  # the dots' k, not taken through fp32 and back
     eye = (lane[:, None] == lane[None, :]).astype(jnp.float32)
     inv_dot = dot
     if bf16_inverse:  # the squarings in bf16 operands (fp32 accumulation): half the tensor-core time of TF32
         inv_dot = lambda x, y, dims: jax.lax.dot_general(  # noqa: E731
             x.astype(dt), y.astype(dt), dims, precision=precision, preferred_element_type=jnp.float32)
-    a = io_dot((k * beta[:, None]).astype(dt), k.astype(dt), _DOT_T) * decay  # [C, C] strictly lower
+    a = io_dot((k * beta[:, None]).astype(dt), k_dt, _DOT_T) * decay  # [C, C] strictly lower
     x = -a
     inv = eye + x  # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...
     steps = chunk_size.bit_length() - 2  # log2(C) - 1 more factors
@@ -134,7 +136,7 @@ def _wy_chunk(start, length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_r
     if scores:  # the output's masked decayed scores, so the fused pass computes neither q k^T nor a [C, C] exp
         s_ref = extra.pop(0)
         q = _load_qk(q_ref, start, valid, j // group, q_ref.dtype, l2norm)  # [C, K]
-        s_ref[...] = (io_dot(q.astype(dt), k.astype(dt), _DOT_T) * (decay_incl * scale)).astype(s_ref.dtype)
+        s_ref[...] = (io_dot(q.astype(dt), k_dt, _DOT_T) * (decay_incl * scale)).astype(s_ref.dtype)
 
 
 def _chunk_decays(g_ref, n, start, valid, j, chunk_size: int, gcum: bool):
@@ -418,7 +420,11 @@ def _l2norm(x, on: bool, dtype):
 
 
 def _load_qk(ref, start, valid, head, dtype, l2norm: bool):
-    """A chunk's q or k `[C, K]` in `dtype`, L2-normalised first with `l2norm` (masked tokens stay zeros)."""
+    """A chunk's q or k `[C, K]` in `dtype`, L2-normalised first with `l2norm` (masked tokens stay zeros). Without
+    it the tile is loaded straight into `dtype`: a bf16 tile taken through fp32 and back stays an fp32 tile in
+    Triton's registers (the fused pass's 118 -> 158 registers a thread on the H200 compile)."""
+    if not l2norm:
+        return _load_chunk(ref, start, valid, head, slice(None), dtype=dtype)
     return _l2norm(_load_chunk(ref, start, valid, head, slice(None)), l2norm, dtype)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,9 @@ from jaxtyping import Array, Float, Int
 from pallas_kernels.paged_attention.merge import merge_splits
 
 _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
+# each query's own pages cut into the splits (`split_pages`), not the block table's columns; read at trace time.
+# Off until timed on the GPU (JHYBRID_PAGED_DECODE_DYNAMIC_SPLITS=1)
+DYNAMIC_SPLITS = os.environ.get("JHYBRID_PAGED_DECODE_DYNAMIC_SPLITS", "0") == "1"
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
@@ -36,6 +40,25 @@ def _next_pow2(x: int) -> int:
 def group_rows(group: int) -> int:
     """The kernel's query rows a kv head (GP): the group padded to a power of two, at least 16 (the dots' tile)."""
     return max(16, _next_pow2(group))
+
+
+def split_pages(lo_page, hi_page, s, *, num_splits: int, pages_per_block: int, pages_per_split: int | None):
+    """Split `s`'s share of a query's pages `[lo_page, hi_page)` (its window's first page to the page of its
+    position): `(base, first, last)`, the split walking pages `base + i * pages_per_block` for `i` in
+    `[first, last)`. `pages_per_split` None (`DYNAMIC_SPLITS`): the query's own pages cut into `num_splits` runs of
+    whole blocks from `lo_page`, as even as whole blocks go, so a short context in a wide block table still spreads
+    over every split; else
+    split `s` owns the table's columns `[s * pages_per_split, (s + 1) * pages_per_split)`, of which a context much
+    shorter than the table fills only the first splits (a row of 600 tokens in a 4,096-token table: 2 of 8 splits,
+    the first walking 8 blocks). Either way a block may run past `hi_page` (its keys are masked) by fewer than
+    `pages_per_block` pages. Works on jnp or Python integers."""
+    if pages_per_split is None:
+        blocks = (jnp.maximum(hi_page - lo_page, 0) + pages_per_block - 1) // pages_per_block
+        return lo_page, s * blocks // num_splits, (s + 1) * blocks // num_splits  # as even as whole blocks go
+    base = s * pages_per_split
+    lo = jnp.maximum(lo_page, base)
+    hi = jnp.minimum(hi_page, base + pages_per_split)
+    return base, (lo - base) // pages_per_block, (hi - base + pages_per_block - 1) // pages_per_block
 
 
 def _decode_kernel(
@@ -50,7 +73,8 @@ def _decode_kernel(
     *,
     scale: float,
     pages_per_block: int,
-    pages_per_split: int,
+    pages_per_split: int | None,
+    num_splits: int,
     sliding_window: int | None,
     soft_cap: float | None,
     per_page: bool,
@@ -61,11 +85,9 @@ def _decode_kernel(
     row = token_seq_ref[t]
     pos = positions_ref[t]
     lo_tok = 0 if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
-    split_start = s * pages_per_split  # first page of this split
-    lo_page = jnp.maximum(lo_tok // block_size, split_start)
-    hi_page = jnp.minimum(pos // block_size + 1, split_start + pages_per_split)
-    first_it = (lo_page - split_start) // pages_per_block
-    last_it = (hi_page - split_start + pages_per_block - 1) // pages_per_block  # exclusive
+    split_start, first_it, last_it = split_pages(lo_tok // block_size, pos // block_size + 1, s,
+                                                 num_splits=num_splits, pages_per_block=pages_per_block,
+                                                 pages_per_split=pages_per_split)
 
     q = q_ref[...]  # [GP, D]
     gp = q.shape[0]
@@ -160,8 +182,11 @@ def paged_attention_decode_pallas(
     pages_per_block = min(pages_per_block, _next_pow2(max_pages))
     num_splits = max(1, min(num_splits, -(-max_pages // pages_per_block)))
     pages_per_split = -(-max_pages // (num_splits * pages_per_block)) * pages_per_block
-    pad = num_splits * pages_per_split - max_pages
-    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))  # pad entries: page 0
+    # pad entries (page 0) for the blocks that run past a row's last page: to the static splits' end, or by a block
+    pad = pages_per_block if DYNAMIC_SPLITS else num_splits * pages_per_split - max_pages
+    if DYNAMIC_SPLITS:
+        pages_per_split = None
+    block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))
     if q.ndim == 4:
         q4 = q
     else:
@@ -169,6 +194,7 @@ def paged_attention_decode_pallas(
         q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [T, KVH, GP, D]
     kernel = functools.partial(
         _decode_kernel, scale=scale, pages_per_block=pages_per_block, pages_per_split=pages_per_split,
+        num_splits=num_splits,
         sliding_window=sliding_window, soft_cap=soft_cap, per_page=per_page,
     )
     pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda t, h, s: (0, 0, h, 0))
