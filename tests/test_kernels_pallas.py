@@ -778,15 +778,28 @@ def test_chunk_lowers_for_h200(hv, dk, dv, variant):
                    kernels=kernels)
 
 
+def _jaxprs(fn, args):
+    """`jax.make_jaxpr(fn)(*args)`'s jaxpr and every jaxpr nested in it (Pallas kernels, `pl.when`'s cond, loops)."""
+    from jax.extend import core as jex_core
+
+    todo = [jax.make_jaxpr(fn)(*args).jaxpr]
+    while todo:
+        jaxpr = todo.pop()
+        yield jaxpr
+        for eqn in jaxpr.eqns:
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (list, tuple)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if isinstance(inner, jex_core.Jaxpr):
+                        todo.append(inner)
+
+
 def _dtype_round_trips(fn, args) -> list[str]:
     """In the Pallas kernels (and every nested jaxpr) of `jax.make_jaxpr(fn)(*args)`, the values converted to a
     wider float and straight back to their own dtype (`x.astype(f32).astype(bf16)`): a bf16 tile that Triton then
     holds in fp32 registers for nothing. Returned as 'dtype -> wide -> dtype' per occurrence."""
-    from jax.extend import core as jex_core
-
     found = []
-
-    def walk(jaxpr):
+    for jaxpr in _jaxprs(fn, args):
         made_by = {}
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "convert_element_type":
@@ -796,13 +809,6 @@ def _dtype_round_trips(fn, args) -> list[str]:
                         and x.aval.dtype.itemsize > y.aval.dtype.itemsize):  # widened, then narrowed back
                     found.append(f"{y.aval.dtype} -> {x.aval.dtype} -> {y.aval.dtype}")
                 made_by[y] = eqn
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (list, tuple)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if isinstance(inner, jex_core.Jaxpr):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return found
 
 
@@ -822,12 +828,9 @@ def test_chunk_kernels_load_bf16_q_and_k_without_a_round_trip():
 def _state_reads(fn, args, state_shape, writes: bool = False) -> list[tuple[str, bool]]:
     """How the Pallas kernels inside `jax.make_jaxpr(fn)(*args)` read (`writes`: write) refs of `state_shape`:
     (primitive, masked) per access, through nested jaxprs (`pl.when`'s cond, loops)."""
-    from jax.extend import core as jex_core
-
     reads = []
     kinds = ("swap", "masked_swap") if writes else ("get", "masked_load")
-
-    def walk(jaxpr):
+    for jaxpr in _jaxprs(fn, args):
         for eqn in jaxpr.eqns:
             if eqn.primitive.name in kinds and getattr(eqn.invars[0].aval, "shape", None) == state_shape:
                 masked = False
@@ -835,13 +838,6 @@ def _state_reads(fn, args, state_shape, writes: bool = False) -> list[tuple[str,
                     mask = eqn.params["args_tree"].unflatten(eqn.invars)[-1 if writes else 2]
                     masked = mask is not None
                 reads.append((eqn.primitive.name, masked))
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (list, tuple)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if isinstance(inner, jex_core.Jaxpr):
-                        walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return reads
 
 
