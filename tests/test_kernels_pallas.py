@@ -626,7 +626,8 @@ def test_dynamic_splits_spread_a_short_context_over_every_split():
 @pytest.mark.parametrize("dynamic", [True, False])
 def test_paged_decode_in_a_wide_table_matches_reference(dynamic, monkeypatch):
     """Short contexts in a block table far wider than any of them (as a server's max_model_len makes it), NaN in
-    every unused page: both split forms against the reference, with and without a sliding window."""
+    every unused page: both split forms against the reference, with and without a sliding window; each lowers for
+    the H200."""
     import sys
 
     monkeypatch.setattr(sys.modules["pallas_kernels.paged_attention.decode"], "DYNAMIC_SPLITS", dynamic)
@@ -643,6 +644,9 @@ def test_paged_decode_in_a_wide_table_matches_reference(dynamic, monkeypatch):
                                          num_splits=4)
         assert_close("wide-table decode output", got_o, want_o, 1e-5)
         assert_close("wide-table decode lse", got_lse, want_lse, 1e-5)
+    fn = lambda *a: paged_attention(*a, cu_seqlens=cu, decode=True, impl="pallas", sliding_window=20)  # noqa: E731
+    bf16 = [x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x for x in (q, kp, vp, tables, seq, pos)]
+    lower_for_h200(fn, *bf16, kernels=[r"paged_decode_pp\d+_ns\d+_gp\d+_w\d+_s\d+"])  # the form lowers too
     jax.clear_caches()
 
 
