@@ -567,18 +567,20 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("variant,lengths,h,kvh,d,bs", [  # fast tier: every variant on the GQA-8 case
     pytest.param(variant, *case, marks=() if i == 2 else pytest.mark.slow, id=f"{variant}-case{i}")
-    for variant in ["plain", "window", "softcap", "window-per-page"] for i, case in enumerate(DECODE_CASES)])
+    for variant in ["plain", "window", "softcap", "window-per-page", "softcap-block"]
+    for i, case in enumerate(DECODE_CASES)])
 def test_paged_decode_pallas_matches_reference(lengths, h, kvh, d, bs, variant):
     rng = np.random.default_rng(sum(lengths) + d)
     args = _paged_inputs(rng, lengths, [1] * len(lengths), h, kvh, d, bs, jnp.float32)
-    kw = dict(sliding_window=37 if "window" in variant else None, soft_cap=2.0 if variant == "softcap" else None)
+    kw = dict(sliding_window=37 if "window" in variant else None, soft_cap=2.0 if "softcap" in variant else None)
     reference = jax.jit(paged_attention_reference,
                         static_argnames=("scale", "sliding_window", "soft_cap", "return_lse"))
     want_o, want_lse = reference(*args, return_lse=True, **kw)
     cu = jnp.arange(len(lengths) + 1, dtype=jnp.int32)
     got_o, got_lse = paged_attention(
         *args, cu_seqlens=cu, decode=True, impl="pallas", interpret=True, return_lse=True,
-        pages_per_block=2, num_splits=3, per_page=variant.endswith("per-page"), **kw,
+        pages_per_block=2, num_splits=3, per_page=variant.endswith(("per-page", "block")),
+        block_softmax=variant.endswith("block"), **kw,
     )
     assert_close("decode attention output", got_o, want_o, 1e-5)
     assert_close("decode attention lse", got_lse, want_lse, 1e-5)
@@ -651,15 +653,17 @@ def test_paged_decode_in_a_wide_table_matches_reference(dynamic, monkeypatch):
 
 
 @pytest.mark.parametrize("h,kvh,d,per_page", [(16, 2, 256, False), (16, 2, 256, True), (8, 8, 64, False),
-                                             (32, 4, 128, True)])
+                                             (32, 4, 128, True), (16, 2, 256, "block")])
 def test_paged_decode_lowers_for_h200(h, kvh, d, per_page):
     rng = np.random.default_rng(1)
     args = _paged_inputs(rng, [40, 17], [1, 1], h, kvh, d, 16, jnp.bfloat16)
     cu = jnp.arange(3, dtype=jnp.int32)
     fn = lambda *a: paged_attention(  # noqa: E731
-        *a, cu_seqlens=cu, decode=True, impl="pallas", return_lse=True, sliding_window=64, per_page=per_page
+        *a, cu_seqlens=cu, decode=True, impl="pallas", return_lse=True, sliding_window=64, per_page=bool(per_page),
+        block_softmax=per_page == "block",
     )
-    kernels = [rf"paged_decode_{'pp' if per_page else 'np'}\d+_ns\d+_gp\d+_w\d+_s\d+"]  # the page loop asked for
+    loop = {"block": "pb", True: "pp", False: "np"}[per_page]
+    kernels = [rf"paged_decode_{loop}\d+_ns\d+_gp\d+_w\d+_s\d+"]  # the page loop asked for
     lower_for_h200(fn, *args, kernels=kernels)
     # fp32 queries over bf16 pages (the model)
     lower_for_h200(fn, args[0].astype(jnp.float32), *args[1:], kernels=kernels)

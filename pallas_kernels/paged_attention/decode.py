@@ -29,6 +29,9 @@ _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
 # each query's own pages cut into the splits (`split_pages`), not the block table's columns; read at trace time.
 # Off until timed on the GPU (JHYBRID_PAGED_DECODE_DYNAMIC_SPLITS=1)
 DYNAMIC_SPLITS = os.environ.get("JHYBRID_PAGED_DECODE_DYNAMIC_SPLITS", "0") == "1"
+# `block_softmax`'s default (one online-softmax step per block of pages, not per page); off until timed
+# (JHYBRID_PAGED_DECODE_BLOCK_SOFTMAX=1)
+BLOCK_SOFTMAX = os.environ.get("JHYBRID_PAGED_DECODE_BLOCK_SOFTMAX", "0") == "1"
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
@@ -78,6 +81,7 @@ def _decode_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     per_page: bool,
+    block_softmax: bool,
 ):
     t, s = pl.program_id(0), pl.program_id(2)
     block_size, head_dim = k_pages_ref.shape[1], k_pages_ref.shape[2]
@@ -92,35 +96,48 @@ def _decode_kernel(
     q = q_ref[...]  # [GP, D]
     gp = q.shape[0]
 
-    def update(carry, k, v, key_pos):  # online softmax over one block of keys [BK, D]
-        o_prev, m_prev, l_prev = carry
+    def masked_scores(k, key_pos):  # [GP, BK] scaled (and capped) scores, masked keys at _MASK_VALUE; the mask
         mask = key_pos <= pos
         if sliding_window is not None:
             mask &= key_pos >= lo_tok
         scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        scores = scores * scale  # [GP, BK]
+        scores = scores * scale
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
-        scores = jnp.where(mask[None, :], scores, _MASK_VALUE)
-        m_next = jnp.maximum(m_prev, scores.max(axis=-1))
+        return jnp.where(mask[None, :], scores, _MASK_VALUE), mask
+
+    def update(carry, tiles):  # one online-softmax step over the keys of `tiles`, [(k [BK, D], v, key_pos [BK])]
+        o_prev, m_prev, l_prev = carry
+        scored = [(*masked_scores(k, key_pos), v) for k, v, key_pos in tiles]
+        m_next = m_prev
+        for scores, _, _ in scored:
+            m_next = jnp.maximum(m_next, scores.max(axis=-1))
         corr = jnp.exp2((m_prev - m_next) * _LOG2E)
-        p = jnp.exp2((scores - m_next[:, None]) * _LOG2E)
-        v = jnp.where(mask[:, None], v, jnp.zeros_like(v))  # unread keys may hold NaN
-        o_next = o_prev * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return o_next, m_next, l_prev * corr + p.sum(axis=-1)
+        o_next, l_next = o_prev * corr[:, None], l_prev * corr
+        for scores, mask, v in scored:
+            p = jnp.exp2((scores - m_next[:, None]) * _LOG2E)
+            v = jnp.where(mask[:, None], v, jnp.zeros_like(v))  # unread keys may hold NaN
+            o_next = o_next + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            l_next = l_next + p.sum(axis=-1)
+        return o_next, m_next, l_next
 
     def body(it, carry):
         first_page = split_start + it * pages_per_block
         if per_page:  # NP scalar-indexed page loads: contiguous [BS, D] tiles
+            tiles = []
             for i in range(pages_per_block):
                 page = block_tables_ref[row, first_page + i]
-                key_pos = (first_page + i) * block_size + jnp.arange(block_size)
-                carry = update(carry, k_pages_ref[page], v_pages_ref[page], key_pos)
+                tiles.append((k_pages_ref[page], v_pages_ref[page],
+                              (first_page + i) * block_size + jnp.arange(block_size)))
+            if block_softmax:  # one softmax step (max, rescale of o) for the block's NP pages together
+                return update(carry, tiles)
+            for tile in tiles:  # a step per page
+                carry = update(carry, [tile])
             return carry
         pages = block_tables_ref[row, pl.ds(first_page, pages_per_block)]  # [NP]
         k = k_pages_ref[pages].reshape(block_k, head_dim)  # [NP*BS, D] (a gather)
         v = v_pages_ref[pages].reshape(block_k, head_dim)
-        return update(carry, k, v, first_page * block_size + jnp.arange(block_k))
+        return update(carry, [(k, v, first_page * block_size + jnp.arange(block_k))])
 
     o = jnp.zeros((gp, head_dim), jnp.float32)
     m = jnp.full((gp,), -jnp.inf, jnp.float32)
@@ -135,7 +152,7 @@ def _decode_kernel(
     jax.jit,
     static_argnames=(
         "scale", "sliding_window", "soft_cap", "return_lse", "pages_per_block", "num_splits",
-        "num_warps", "num_stages", "per_page", "group", "interpret",
+        "num_warps", "num_stages", "per_page", "block_softmax", "group", "interpret",
     ),
 )
 def paged_attention_decode_pallas(
@@ -155,6 +172,7 @@ def paged_attention_decode_pallas(
     num_warps: int = 4,
     num_stages: int = 4,
     per_page: bool = True,
+    block_softmax: bool | None = None,
     group: int | None = None,
     interpret: bool = False,
 ):
@@ -162,7 +180,10 @@ def paged_attention_decode_pallas(
 
     q is cast to the pages' dtype for the dots (fp32 accumulation); the output has q's dtype.
     D and BS must be powers of two. `num_splits` KV splits per query are merged by LSE. Each loop step
-    reads `pages_per_block` pages: as one gathered tile, or with `per_page` page by page. q may also come as the
+    reads `pages_per_block` pages: as one gathered tile, or with `per_page` page by page, each page an online-softmax
+    step of its own or, with `block_softmax`, the block's pages one step together (one running-max update and one
+    rescale of the output a block instead of one a page; the scores of the block's pages are held at once). q may
+    also come as the
     kernel takes it, `[T, KVH, GP, D]` in the pages' dtype with each kv head's `group` queries first and zero rows
     after them (`decode_prologue.py`'s output); `group` is then required.
     """
@@ -178,6 +199,7 @@ def paged_attention_decode_pallas(
         group = num_heads // num_kv_heads
         gp = group_rows(group)
     scale = head_dim**-0.5 if scale is None else scale
+    block_softmax = per_page and (BLOCK_SOFTMAX if block_softmax is None else block_softmax)
     max_pages = block_tables.shape[1]
     pages_per_block = min(pages_per_block, _next_pow2(max_pages))
     num_splits = max(1, min(num_splits, -(-max_pages // pages_per_block)))
@@ -195,7 +217,7 @@ def paged_attention_decode_pallas(
     kernel = functools.partial(
         _decode_kernel, scale=scale, pages_per_block=pages_per_block, pages_per_split=pages_per_split,
         num_splits=num_splits,
-        sliding_window=sliding_window, soft_cap=soft_cap, per_page=per_page,
+        sliding_window=sliding_window, soft_cap=soft_cap, per_page=per_page, block_softmax=block_softmax,
     )
     pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda t, h, s: (0, 0, h, 0))
     o, lse = pl.pallas_call(
@@ -216,8 +238,8 @@ def paged_attention_decode_pallas(
         ],
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=(f"paged_decode_{'pp' if per_page else 'np'}{pages_per_block}_ns{num_splits}_gp{gp}"
-              f"_w{num_warps}_s{num_stages}"),
+        name=(f"paged_decode_{('pb' if block_softmax else 'pp') if per_page else 'np'}{pages_per_block}"
+              f"_ns{num_splits}_gp{gp}_w{num_warps}_s{num_stages}"),
     )(token_seq.astype(jnp.int32), positions.astype(jnp.int32), block_tables, q4, k_pages, v_pages)
     o, lse = o[:, :, :, :group], lse[:, :, :, :group]  # [T, KVH, NS, G, D], [T, KVH, NS, G]
     out, lse_out = merge_splits(o, lse)  # [T, KVH, G, D], [T, KVH, G]
