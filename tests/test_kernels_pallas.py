@@ -695,6 +695,8 @@ CHUNK_VARIANTS = {  # the default (G and the scores from the WY stage, fused out
     "no_scores": dict(scores=False),
     "scan": dict(gcum=False),
     "scan_split": dict(gcum=False, fused_output=False),
+    # with qk_l2norm: the WY stage writes q and k normalised, the sequential pass reads them (`normed_qk`)
+    "wy_normed_qk": dict(normed_qk=True),
     "wy_input": dict(wy_precision="input"),
     "wy_tf32": dict(wy_precision="tf32"),
     # one program per value tile walks every row of more than one token (the rows loop of the sequential pass)
@@ -733,13 +735,15 @@ def test_chunk_pallas_matches_reference(lengths, h, hv, dk, dv, c, dtype, varian
     np.testing.assert_array_equal(np.asarray(got_state)[free], state[free])
 
 
-@pytest.mark.parametrize("variant", ["default", "split_output", "no_scores"])
+@pytest.mark.parametrize("variant", ["default", "split_output", "no_scores", "wy_normed_qk"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
 def test_chunk_pallas_normalises_q_and_k_as_it_loads_them(variant, dtype):
     """`qk_l2norm=True` on raw q / k (not unit length, as the layer's conv output) gives what the kernel gives on
     q / k normalised by jnp first (fp32, rounded to their dtype), in every stage that reads them: the WY stage, the
-    fused or split sequential pass and the one-token rows. (Checked to fail with `_l2norm` ignoring `on` in the
-    one-token rows only, and in the sequential pass only.)"""
+    fused or split sequential pass and the one-token rows; with `normed_qk`, the sequential pass reading the WY
+    stage's normalised copies. (Checked to fail with `_l2norm` ignoring `on` in the one-token rows only, and in the
+    sequential pass only; `normed_qk` with the WY stage writing k's copy from q, and with it written for the first
+    group's heads only.)"""
     from pallas_kernels.gated_delta_rule.fused_decode import _l2_normalize
 
     lengths = [1, 63, 0, 37, 1]  # one-token rows, many chunks, an empty row
@@ -769,16 +773,19 @@ CHUNK_KERNELS = {  # the kernels each variant lowers to: WY stage, sequential pa
     "no_scores": [_WY + "_gc", _FUSED + "_gc", _SINGLE],
     "scan": [_WY, _FUSED, _SINGLE],
     "scan_split": [_WY, _STATE, _OUTPUT, _SINGLE],
+    "wy_normed_qk": [_WY + "_gc_sc_qk", _FUSED + "_gc_sc", _SINGLE],
 }
 
 
 @pytest.mark.parametrize("hv,dk,dv,variant", [(2, 128, 128, "default"), (4, 64, 128, "default"),
                                                (2, 128, 128, "split_output"), (2, 128, 128, "no_scores"),
-                                               (2, 128, 128, "scan"), (2, 128, 128, "scan_split")])
+                                               (2, 128, 128, "scan"), (2, 128, 128, "scan_split"),
+                                               (4, 128, 128, "wy_normed_qk")])
 def test_chunk_lowers_for_h200(hv, dk, dv, variant):
     rng = np.random.default_rng(2)
     q, k, v, g, beta, cu, state = _gdn_chunk_inputs(rng, [100, 30], 2, hv, dk, dv, 4, jnp.bfloat16)
-    fn = functools.partial(chunk_gated_delta_rule, impl="pallas", **CHUNK_VARIANTS[variant])
+    fn = functools.partial(chunk_gated_delta_rule, impl="pallas", **CHUNK_VARIANTS[variant],
+                           **({"qk_l2norm": True} if variant == "wy_normed_qk" else {}))
     kernels = CHUNK_KERNELS[variant]
     lower_for_h200(fn, q, k, v, g, beta, cu, jnp.asarray(state), jnp.array([1, 2], jnp.int32), kernels=kernels)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731  the model passes fp32 q/k (l2-normed) with bf16 v

@@ -38,6 +38,7 @@ H200 timings of every stage and variant, against fla in the same run: benchmarks
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
@@ -73,7 +74,8 @@ def _wy_kernel(
     beta_ref,  # [T, HV] (whole)
     w_ref,  # [C, K] of chunk n, value head j
     u_ref,  # [C, V]
-    *extra_refs,  # [C] in-chunk cumulative g (gcum); [C, C] masked decayed scores (scores)
+    *extra_refs,  # [C] in-chunk cumulative g (gcum); [C, C] masked decayed scores (scores); q, k normalised
+    #               [T, H, K] (whole; `write_qk`)
     chunk_size: int,
     group: int,
     precision,
@@ -83,6 +85,7 @@ def _wy_kernel(
     scores: bool,
     scale: float,
     l2norm: bool,
+    write_qk: bool,
 ):
     n, j = pl.program_id(0), pl.program_id(1)
     length = chunk_len_ref[n]
@@ -91,11 +94,12 @@ def _wy_kernel(
     def _():
         _wy_chunk(chunk_start_ref[n], length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref,
                   *extra_refs, chunk_size=chunk_size, group=group, precision=precision, input_dots=input_dots,
-                  bf16_inverse=bf16_inverse, gcum=gcum, scores=scores, scale=scale, l2norm=l2norm)
+                  bf16_inverse=bf16_inverse, gcum=gcum, scores=scores, scale=scale, l2norm=l2norm,
+                  write_qk=write_qk)
 
 
 def _wy_chunk(start, length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, *extra_refs,
-              chunk_size, group, precision, input_dots, bf16_inverse, gcum, scores, scale, l2norm):
+              chunk_size, group, precision, input_dots, bf16_inverse, gcum, scores, scale, l2norm, write_qk):
     """The WY stage of one non-empty chunk (`_wy_kernel`)."""
     lane = jnp.arange(chunk_size)
     valid = lane < length
@@ -137,6 +141,14 @@ def _wy_chunk(start, length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_r
         s_ref = extra.pop(0)
         q = _load_qk(q_ref, start, valid, j // group, q_ref.dtype, l2norm)  # [C, K]
         s_ref[...] = (io_dot(q.astype(dt), k_dt, _DOT_T) * (decay_incl * scale)).astype(s_ref.dtype)
+        if write_qk:  # the chunk's normalised q and k for the later stages, by the first value head of the group
+            qn_ref, kn_ref = extra
+
+            @pl.when(j % group == 0)
+            def _():
+                rows, mask = pl.ds(start, chunk_size), valid[:, None]
+                plt.store(qn_ref.at[rows, j // group, :], q.astype(qn_ref.dtype), mask=mask)
+                plt.store(kn_ref.at[rows, j // group, :], k_in.astype(kn_ref.dtype), mask=mask)
 
 
 def _chunk_decays(g_ref, n, start, valid, j, chunk_size: int, gcum: bool):
@@ -484,19 +496,24 @@ _PRECISIONS = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, "tf32": No
 
 
 def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: str, num_warps: int,
-             interpret: bool, gcum: bool = False, q=None, scale: float = 1.0, l2norm: bool = False):
+             interpret: bool, gcum: bool = False, q=None, scale: float = 1.0, l2norm: bool = False,
+             write_qk: bool = False):
     """w, u `[N, C, HV, K|V]` (v's dtype) for every chunk, all in parallel; then the in-chunk cumulative g
-    `[N, C, HV]` (fp32) with `gcum`, and given `q` the masked decayed scores `[N, C, HV, C]` (v's dtype)."""
+    `[N, C, HV]` (fp32) with `gcum`, given `q` the masked decayed scores `[N, C, HV, C]` (v's dtype), and with
+    `write_qk` (and `q`) q and k as the stage used them (L2-normalised with `l2norm`), `[T, H, K]` each: written
+    for the tokens of the chunks only (rows of one token and padding are left unwritten)."""
     num_value_heads, value_dim = v.shape[1:]
     key_dim = k.shape[-1]
     group = num_value_heads // k.shape[1]
     c, n = chunk_size, layout.num_chunks
     scores = q is not None
+    if write_qk and not scores:
+        raise ValueError("write_qk needs q (the scores' stage loads it)")
     # fp32 dots: exact (IEEE) in the interpreter; on the GPU 3xTF32 or one TF32 pass
     precision = jax.lax.Precision.HIGHEST if interpret else _PRECISIONS[wy_precision]
     kernel = functools.partial(_wy_kernel, chunk_size=c, group=group, precision=precision,
                                input_dots=wy_precision in ("input", "bf16"), bf16_inverse=wy_precision == "bf16",
-                               gcum=gcum, scores=scores, scale=scale, l2norm=l2norm)
+                               gcum=gcum, scores=scores, scale=scale, l2norm=l2norm, write_qk=write_qk)
     spec = lambda d: pl.BlockSpec((None, c, None, d), lambda n, j: (n, 0, j, 0))  # noqa: E731
     shape = lambda d: jax.ShapeDtypeStruct((n, c, num_value_heads, d), v.dtype)  # noqa: E731
     out_specs, out_shape = [spec(key_dim), spec(value_dim)], [shape(key_dim), shape(value_dim)]
@@ -506,6 +523,9 @@ def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: s
     if scores:
         out_specs.append(spec(c))
         out_shape.append(shape(c))
+    if write_qk:
+        out_specs += [_WHOLE, _WHOLE]
+        out_shape += [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype)]
     return pl.pallas_call(
         kernel,
         grid=(n, num_value_heads),
@@ -514,7 +534,8 @@ def wy_stage(k, v, g, beta, layout: _Layout, *, chunk_size: int, wy_precision: s
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        name=f"gdn_chunk_wy_c{c}_{wy_precision}_w{num_warps}{'_gc' if gcum else ''}{'_sc' if scores else ''}",
+        name=(f"gdn_chunk_wy_c{c}_{wy_precision}_w{num_warps}{'_gc' if gcum else ''}{'_sc' if scores else ''}"
+              f"{'_qk' if write_qk else ''}"),
     )(layout.chunk_start, layout.chunk_len, k if q is None else q, k, v, g, beta)
 
 
@@ -601,6 +622,15 @@ def output_stage(q, k, g, h, v_new, layout: _Layout, *, chunk_size: int, scale: 
     )(layout.chunk_start, layout.chunk_len, q, k, g, h, v_new)
 
 
+# `normed_qk`'s default: the WY stage writes the normalised q and k that the sequential pass then reads, instead of
+# the pass normalising them per chunk (on the H200 compile its kernel takes 222 registers a thread normalising, 118
+# reading them as they are). Off until timed (JHYBRID_GDN_WY_NORMED_QK=1).
+WY_NORMED_QK = os.environ.get("JHYBRID_GDN_WY_NORMED_QK", "0") == "1"
+# the WY stage's warps when the caller names none (JHYBRID_GDN_WY_WARPS): 4, the H200's fastest in session 2's sweep;
+# with `normed_qk` its H200 compile spills 160 B a thread at 4 warps and none at 8 (234 registers)
+WY_NUM_WARPS = int(os.environ.get("JHYBRID_GDN_WY_WARPS", "4"))
+
+
 def _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, chunk_size, interpret):
     """Dot operands in one dtype, the chunk layout, and interpreter padding."""
     q, k = q.astype(v.dtype), k.astype(v.dtype)  # the model passes fp32 q/k with bf16 v
@@ -625,7 +655,7 @@ def default_num_stages(key_dim: int, itemsize: int) -> int:
     static_argnames=(
         "scale", "chunk_size", "block_v", "num_warps", "num_stages", "wy_num_warps", "wy_precision",
         "fused_output", "gcum", "scores", "out_block_v", "single_block_v", "row_groups", "qk_l2norm",
-        "interpret",
+        "normed_qk", "interpret",
     ),
 )
 def chunk_gated_delta_rule_pallas(
@@ -643,7 +673,7 @@ def chunk_gated_delta_rule_pallas(
     block_v: int = 16,
     num_warps: int = 4,
     num_stages: int | None = None,
-    wy_num_warps: int = 4,
+    wy_num_warps: int | None = None,
     wy_precision: str = "bf16",
     fused_output: bool = True,
     gcum: bool = True,
@@ -652,6 +682,7 @@ def chunk_gated_delta_rule_pallas(
     single_block_v: int = 128,
     row_groups: int | None = None,
     qk_l2norm: bool = False,
+    normed_qk: bool | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T HV V"], Float[Array, "S HV K V"]]:
     """Same arguments and results as `chunk_gated_delta_rule_reference`; with `qk_l2norm` those of q and k
@@ -673,6 +704,9 @@ def chunk_gated_delta_rule_pallas(
     checked configuration on the H200 (benchmarks/RESULTS.md).
     `num_stages` of the sequential pass defaults to `default_num_stages`: its loop pipelines the q and k tiles
     and the scores (80 KiB a stage in fp32 at K = 128; three stages exceed the H200's 227 KiB of shared memory).
+    `normed_qk` (with `qk_l2norm` and `scores`; default `WY_NORMED_QK`): the WY stage, which normalises every
+    chunk's q and k anyway, writes them, and the sequential pass reads them as they are instead of normalising
+    each chunk's tiles again in its chain of chunks (the same values: one rounding of one normalisation).
     """
     if wy_precision not in _PRECISIONS:
         raise ValueError(f"unknown {wy_precision=}; choose one of {tuple(_PRECISIONS)}")
@@ -684,14 +718,18 @@ def chunk_gated_delta_rule_pallas(
     scale = key_dim**-0.5 if scale is None else scale
     scores = scores and gcum and fused_output
     q, k, v, g, beta, cu, layout = _prepare(q, k, v, g, beta, cu_seqlens, slot_ids, c, interpret)
+    normed_qk = qk_l2norm and scores and (WY_NORMED_QK if normed_qk is None else normed_qk)
+    wy_num_warps = wy_num_warps or WY_NUM_WARPS
     tuning = dict(chunk_size=c, block_v=block_v, num_warps=num_warps, num_stages=num_stages, interpret=interpret,
-                  row_groups=row_groups, l2norm=qk_l2norm)
+                  row_groups=row_groups, l2norm=qk_l2norm and not normed_qk)
     w, u, *extra = wy_stage(k, v, g, beta, layout, chunk_size=c, wy_precision=wy_precision, num_warps=wy_num_warps,
-                            interpret=interpret, gcum=gcum, q=q if scores else None, scale=scale, l2norm=qk_l2norm)
+                            interpret=interpret, gcum=gcum, q=q if scores else None, scale=scale, l2norm=qk_l2norm,
+                            write_qk=normed_qk)
     g_pass = extra[0] if gcum else g
     if fused_output:
-        o, new_state = fused_state_stage(q, k, v, g_pass, w, u, cu, state, slot_ids, layout, scale=scale, gcum=gcum,
-                                         scores=extra[1] if scores else None, **tuning)
+        q_pass, k_pass = extra[2:4] if normed_qk else (q, k)  # (normed_qk implies gcum and scores)
+        o, new_state = fused_state_stage(q_pass, k_pass, v, g_pass, w, u, cu, state, slot_ids, layout, scale=scale,
+                                         gcum=gcum, scores=extra[1] if scores else None, **tuning)
     else:
         h, v_new, new_state = state_stage(k, g_pass, w, u, cu, state, slot_ids, layout, gcum=gcum, **tuning)
         o = output_stage(q, k, g_pass, h, v_new, layout, chunk_size=c, scale=scale, block_v=out_block_v,
