@@ -39,8 +39,8 @@ from pallas_kernels.gated_delta_rule import (
 from pallas_kernels.simple_gla import (chunk_mamba2, chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode,
                                       mamba2_decode, mamba2_gated_norm)
 
-KERNELS = ("paged_decode", "paged_prefill", "paged_prefix_merge", "gdn_decode", "gdn_fused_decode", "gdn_packed_decode",
-           "gdn_conv_decode", "gdn_chunk",
+KERNELS = ("paged_decode", "paged_decode_block", "paged_prefill", "paged_prefix_merge", "gdn_decode",
+           "gdn_fused_decode", "gdn_packed_decode", "gdn_conv_decode", "gdn_chunk", "gdn_chunk_normed_qk",
            "sgla_decode", "sgla_chunk", "mamba2_chunk", "mamba2_decode", "lightning_decode", "conv_prefill",
            "mamba2_norm")
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 2e-3}  # relative RMS error (TF32 dots in fp32 kernels)
@@ -82,6 +82,9 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     args, cu = _paged(rng, [40, 17], [1, 1], d, dtype)
     out["paged_decode"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
         *a, cu_seqlens=cu, decode=True, impl=impl, interpret=interpret), args)
+    # one online-softmax step a block of pages (`block_softmax`, off by default)
+    out["paged_decode_block"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
+        *a, cu_seqlens=cu, decode=True, impl=impl, interpret=interpret, block_softmax=True), args)
     args, cu = _paged(rng, [40, 17], [30, 17], d, dtype)
     out["paged_prefill"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
         *a, cu_seqlens=cu, decode=False, impl=impl, interpret=interpret), args)
@@ -142,6 +145,10 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     g = jnp.asarray(-rng.uniform(0.0, 0.5, (130, hv)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0.0, 1.0, (130, hv)), jnp.float32)
     out["gdn_chunk"] = (chunk_gated_delta_rule, (q, k, v, g, beta, cu, state, chunk_slots))
+    # raw q / k normalised by the WY stage, which writes them for the sequential pass (`normed_qk`, off by default)
+    raw_q, raw_k = (jnp.asarray(rng.normal(size=(130, h, d)), dtype) for _ in range(2))
+    out["gdn_chunk_normed_qk"] = (functools.partial(chunk_gated_delta_rule, qk_l2norm=True, normed_qk=True),
+                                  (raw_q, raw_k, v, g, beta, cu, state, chunk_slots))
     out["sgla_chunk"] = (chunk_simple_gla, (q, k, v, g, cu, state, chunk_slots))
     # a Mamba2 mixer's chunked scan reading its conv output in place (4 heads of P = d in 2 groups, N = d), gated
     # by z as the model asks for it

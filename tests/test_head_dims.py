@@ -16,6 +16,7 @@ from tests.test_kernels_pallas import lower_for_h200
 
 TRITON = {  # the Triton kernels each call lowers to, in program order (names carry the tuning: not pinned here)
     "paged_decode": [r"paged_decode_\w+"],
+    "paged_decode_block": [r"paged_decode_pb\w+"],
     "paged_prefill": [r"paged_prefill_\w+"],
     "paged_prefix_merge": [r"paged_prefix_merge_\w+"],
     "gdn_decode": [r"gdn_fused_recurrent_\w+"],
@@ -23,6 +24,7 @@ TRITON = {  # the Triton kernels each call lowers to, in program order (names ca
     "gdn_packed_decode": [r"gdn_fused_decode_packed_\w+"],
     "gdn_conv_decode": [r"gdn_conv_decode_w\d+"],
     "gdn_chunk": [r"gdn_chunk_wy_\w+", r"gdn_chunk_fused_\w+", r"gdn_chunk_single_\w+"],
+    "gdn_chunk_normed_qk": [r"gdn_chunk_wy_\w+_qk", r"gdn_chunk_fused_\w+", r"gdn_chunk_single_\w+"],
     "sgla_decode": [r"sgla_fused_recurrent_\w+"],
     "sgla_chunk": [r"sgla_chunk_fused_\w+", r"sgla_chunk_single_\w+"],
     "mamba2_chunk": [r"mamba2_chunk_fused_\w+", r"mamba2_chunk_single_\w+"],
