@@ -113,26 +113,27 @@ def _decode_kernel(
         for scores, _, _ in scored:
             m_next = jnp.maximum(m_next, scores.max(axis=-1))
         corr = jnp.exp2((m_prev - m_next) * _LOG2E)
-        o_next, l_next = o_prev * corr[:, None], l_prev * corr
-        for scores, mask, v in scored:
-            p = jnp.exp2((scores - m_next[:, None]) * _LOG2E)
-            v = jnp.where(mask[:, None], v, jnp.zeros_like(v))  # unread keys may hold NaN
+        pv = [(jnp.exp2((scores - m_next[:, None]) * _LOG2E), jnp.where(mask[:, None], v, jnp.zeros_like(v)))
+              for scores, mask, v in scored]  # (unread keys may hold NaN)
+        o_next = o_prev * corr[:, None]
+        for p, v in pv:
             o_next = o_next + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        l_next = l_prev * corr
+        for p, _ in pv:
             l_next = l_next + p.sum(axis=-1)
         return o_next, m_next, l_next
 
     def body(it, carry):
         first_page = split_start + it * pages_per_block
         if per_page:  # NP scalar-indexed page loads: contiguous [BS, D] tiles
-            tiles = []
-            for i in range(pages_per_block):
+            def tile(i):
                 page = block_tables_ref[row, first_page + i]
-                tiles.append((k_pages_ref[page], v_pages_ref[page],
-                              (first_page + i) * block_size + jnp.arange(block_size)))
+                return k_pages_ref[page], v_pages_ref[page], (first_page + i) * block_size + jnp.arange(block_size)
+
             if block_softmax:  # one softmax step (max, rescale of o) for the block's NP pages together
-                return update(carry, tiles)
-            for tile in tiles:  # a step per page
-                carry = update(carry, [tile])
+                return update(carry, [tile(i) for i in range(pages_per_block)])
+            for i in range(pages_per_block):  # a step per page, each page loaded before its own step
+                carry = update(carry, [tile(i)])
             return carry
         pages = block_tables_ref[row, pl.ds(first_page, pages_per_block)]  # [NP]
         k = k_pages_ref[pages].reshape(block_k, head_dim)  # [NP*BS, D] (a gather)
