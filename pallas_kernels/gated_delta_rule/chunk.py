@@ -147,8 +147,8 @@ def _wy_chunk(start, length, j, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_r
             @pl.when(j % group == 0)
             def _():
                 rows, mask = pl.ds(start, chunk_size), valid[:, None]
-                plt.store(qn_ref.at[rows, j // group, :], q.astype(qn_ref.dtype), mask=mask)
-                plt.store(kn_ref.at[rows, j // group, :], k_in.astype(kn_ref.dtype), mask=mask)
+                plt.store(qn_ref.at[rows, j // group, :], q, mask=mask)  # (both in q's and k's dtype)
+                plt.store(kn_ref.at[rows, j // group, :], k_in, mask=mask)
 
 
 def _chunk_decays(g_ref, n, start, valid, j, chunk_size: int, gcum: bool):
@@ -437,7 +437,7 @@ def _load_qk(ref, start, valid, head, dtype, l2norm: bool):
     Triton's registers (the fused pass's 118 -> 158 registers a thread on the H200 compile)."""
     if not l2norm:
         return _load_chunk(ref, start, valid, head, slice(None), dtype=dtype)
-    return _l2norm(_load_chunk(ref, start, valid, head, slice(None)), l2norm, dtype)
+    return _l2_normalize(_load_chunk(ref, start, valid, head, slice(None)), dtype)
 
 
 class _Layout(NamedTuple):

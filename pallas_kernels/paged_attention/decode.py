@@ -204,11 +204,12 @@ def paged_attention_decode_pallas(
     max_pages = block_tables.shape[1]
     pages_per_block = min(pages_per_block, _next_pow2(max_pages))
     num_splits = max(1, min(num_splits, -(-max_pages // pages_per_block)))
-    pages_per_split = -(-max_pages // (num_splits * pages_per_block)) * pages_per_block
-    # pad entries (page 0) for the blocks that run past a row's last page: to the static splits' end, or by a block
-    pad = pages_per_block if DYNAMIC_SPLITS else num_splits * pages_per_split - max_pages
+    # pad entries (page 0) for the blocks that run past a row's last page: by a block, or to the static splits' end
     if DYNAMIC_SPLITS:
-        pages_per_split = None
+        pages_per_split, pad = None, pages_per_block
+    else:
+        pages_per_split = -(-max_pages // (num_splits * pages_per_block)) * pages_per_block
+        pad = num_splits * pages_per_split - max_pages
     block_tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))
     if q.ndim == 4:
         q4 = q
