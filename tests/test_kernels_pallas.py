@@ -586,30 +586,33 @@ def test_paged_decode_pallas_matches_reference(lengths, h, kvh, d, bs, variant):
     assert_close("decode attention lse", got_lse, want_lse, 1e-5)
 
 
-def _walked_pages(lo, hi, num_splits, ppb, pages_per_split):
+def _walked_pages(lo, hi, num_splits, ppb, pages_per_split, min_blocks=1):
     """Per split, the pages `split_pages` has it walk (blocks of `ppb` from its base), as lists."""
     from pallas_kernels.paged_attention.decode import split_pages
 
     out = []
     for s in range(num_splits):
         base, first, last = (int(x) for x in split_pages(lo, hi, s, num_splits=num_splits, pages_per_block=ppb,
-                                                           pages_per_split=pages_per_split))
+                                                           pages_per_split=pages_per_split, min_blocks=min_blocks))
         out.append([base + i * ppb + j for i in range(first, last) for j in range(ppb)])
     return out
 
 
-@pytest.mark.parametrize("dynamic", [True, False])
-def test_split_pages_walk_every_attended_page_once(dynamic):
+@pytest.mark.parametrize("dynamic,min_blocks", [(True, 1), (True, 3), (True, 8), (False, 1)])
+def test_split_pages_walk_every_attended_page_once(dynamic, min_blocks):
     """Every page of `[lo, hi)` is walked by exactly one split, none before `lo`, at most a block's overrun past
-    `hi` (within the kernel's table padding), for short and long contexts, windows and tables of any width."""
+    `hi` (within the kernel's table padding), for short and long contexts, windows and tables of any width; with
+    `min_blocks`, no split that walks anything walks fewer blocks unless the query has fewer in all."""
     for table in (4, 13, 64, 256):
         for ns, ppb in ((8, 4), (3, 2), (1, 4), (5, 1)):
             ns = max(1, min(ns, -(-table // ppb)))
             pps = -(-table // (ns * ppb)) * ppb
             for hi in range(0, table + 1, max(1, table // 16)):
                 for lo in {0, hi // 2, max(hi - 1, 0)}:
-                    walked = _walked_pages(lo, hi, ns, ppb, None if dynamic else pps)
+                    walked = _walked_pages(lo, hi, ns, ppb, None if dynamic else pps, min_blocks)
                     flat = [p for w in walked for p in w if p < hi]
+                    blocks = -(-(hi - lo) // ppb)
+                    assert all(len(w) >= min(min_blocks, blocks) * ppb for w in walked if w), (ns, ppb, lo, hi)
                     assert sorted(p for p in flat if p >= lo) == list(range(lo, hi)), (table, ns, ppb, lo, hi)
                     pad = ppb if dynamic else ns * pps - table
                     assert all(p < table + pad for w in walked for p in w), (table, ns, ppb, lo, hi)
@@ -625,14 +628,31 @@ def test_dynamic_splits_spread_a_short_context_over_every_split():
     assert sum(bool(w) for w in static) == 2 and max(len(w) for w in static) == 8 * 4
 
 
-@pytest.mark.parametrize("dynamic", [True, False])
+def test_dynamic_splits_keep_a_short_row_whole_in_a_large_batch():
+    """`min_blocks_per_split`: a batch-1 step (the 4-query bucket, 2 kv heads, 8 splits) splits a row down to single
+    blocks; 256 queries take 8 blocks a split, so a 512-token row (32 pages, 8 blocks) stays whole in one split and a
+    4,096-token row still spreads over all 8. Checked to fail with `min_blocks` left at 1 (the row over 8 splits)."""
+    from pallas_kernels.paged_attention.decode import min_blocks_per_split
+
+    assert min_blocks_per_split(4, 2, 8) == 1 and min_blocks_per_split(64, 2, 8) == 2
+    mb = min_blocks_per_split(256, 2, 8)
+    assert mb == 8
+    assert [len(w) for w in _walked_pages(0, 32, 8, 4, None, mb)] == [32] + [0] * 7
+    assert [len(w) for w in _walked_pages(0, 256, 8, 4, None, mb)] == [32] * 8
+    assert [len(w) for w in _walked_pages(0, 100, 8, 4, None, mb)] == [32, 32, 36] + [0] * 5  # 25 blocks: 8, 8, 9
+
+
+@pytest.mark.parametrize("dynamic", [True, False, "min_blocks"])
 def test_paged_decode_in_a_wide_table_matches_reference(dynamic, monkeypatch):
     """Short contexts in a block table far wider than any of them (as a server's max_model_len makes it), NaN in
-    every unused page: both split forms against the reference, with and without a sliding window; each lowers for
-    the H200."""
+    every unused page: both split forms (the dynamic one also with 2 blocks a split at least) against the reference,
+    with and without a sliding window; each lowers for the H200."""
     import sys
 
-    monkeypatch.setattr(sys.modules["pallas_kernels.paged_attention.decode"], "DYNAMIC_SPLITS", dynamic)
+    module = sys.modules["pallas_kernels.paged_attention.decode"]
+    monkeypatch.setattr(module, "DYNAMIC_SPLITS", bool(dynamic))
+    if dynamic == "min_blocks":  # 3 queries x 2 kv heads x 4 splits = 24 programs: 2 blocks a split at least
+        monkeypatch.setattr(module, "SPLIT_PROGRAMS", 12)
     jax.clear_caches()
     rng = np.random.default_rng(5)
     q, kp, vp, tables, seq, pos = _paged_inputs(rng, [70, 3, 33], [1, 1, 1], 8, 2, 64, 8, jnp.float32)

@@ -27,8 +27,13 @@ from pallas_kernels.paged_attention.merge import merge_splits
 
 _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
 # each query's own pages cut into the splits (`split_pages`), not the block table's columns; read at trace time.
-# Off until timed on the GPU (JHYBRID_PAGED_DECODE_DYNAMIC_SPLITS=1)
-DYNAMIC_SPLITS = os.environ.get("JHYBRID_PAGED_DECODE_DYNAMIC_SPLITS", "0") == "1"
+# On by default (JHYBRID_PAGED_DECODE_DYNAMIC_SPLITS=0: the table's columns), timed in benchmarks/RESULTS.md session 48
+DYNAMIC_SPLITS = os.environ.get("JHYBRID_PAGED_DECODE_DYNAMIC_SPLITS", "1") == "1"
+# with DYNAMIC_SPLITS, the programs (queries x kv heads x splits) a call may have before a split must get more than one
+# block: `min_blocks_per_split` (JHYBRID_PAGED_DECODE_SPLIT_PROGRAMS). A few queries spread their pages over every
+# split; 256 queries (512 programs a split) leave a 512-token row whole in one, as the static form did, without
+# eight partial outputs to write and merge, and still split a row eight times longer
+SPLIT_PROGRAMS = int(os.environ.get("JHYBRID_PAGED_DECODE_SPLIT_PROGRAMS", "512"))
 # `block_softmax`'s default (one online-softmax step per block of pages, not per page); off until timed
 # (JHYBRID_PAGED_DECODE_BLOCK_SOFTMAX=1)
 BLOCK_SOFTMAX = os.environ.get("JHYBRID_PAGED_DECODE_BLOCK_SOFTMAX", "0") == "1"
@@ -45,11 +50,19 @@ def group_rows(group: int) -> int:
     return max(16, _next_pow2(group))
 
 
-def split_pages(lo_page, hi_page, s, *, num_splits: int, pages_per_block: int, pages_per_split: int | None):
+def min_blocks_per_split(num_tokens: int, num_kv_heads: int, num_splits: int) -> int:
+    """The fewest blocks a split of `DYNAMIC_SPLITS` takes from a query: 1 while the call has at most
+    `SPLIT_PROGRAMS` programs, else as many times more as it has programs beyond them (static: shapes only)."""
+    return max(1, num_tokens * num_kv_heads * num_splits // SPLIT_PROGRAMS)
+
+
+def split_pages(lo_page, hi_page, s, *, num_splits: int, pages_per_block: int, pages_per_split: int | None,
+                min_blocks: int = 1):
     """Split `s`'s share of a query's pages `[lo_page, hi_page)` (its window's first page to the page of its
     position): `(base, first, last)`, the split walking pages `base + i * pages_per_block` for `i` in
-    `[first, last)`. `pages_per_split` None (`DYNAMIC_SPLITS`): the query's own pages cut into `num_splits` runs of
-    whole blocks from `lo_page`, as even as whole blocks go, so a short context in a wide block table still spreads
+    `[first, last)`. `pages_per_split` None (`DYNAMIC_SPLITS`): the query's own pages cut into runs of whole blocks
+    from `lo_page`, as even as whole blocks go, over as many of the first splits as give each at least `min_blocks`
+    blocks (all `num_splits` at most; the rest walk nothing), so a short context in a wide block table still spreads
     over every split; else
     split `s` owns the table's columns `[s * pages_per_split, (s + 1) * pages_per_split)`, of which a context much
     shorter than the table fills only the first splits (a row of 600 tokens in a 4,096-token table: 2 of 8 splits,
@@ -57,7 +70,10 @@ def split_pages(lo_page, hi_page, s, *, num_splits: int, pages_per_block: int, p
     `pages_per_block` pages. Works on jnp or Python integers."""
     if pages_per_split is None:
         blocks = (jnp.maximum(hi_page - lo_page, 0) + pages_per_block - 1) // pages_per_block
-        return lo_page, s * blocks // num_splits, (s + 1) * blocks // num_splits  # as even as whole blocks go
+        if min_blocks == 1:
+            return lo_page, s * blocks // num_splits, (s + 1) * blocks // num_splits  # as even as whole blocks go
+        used = jnp.clip(blocks // min_blocks, 1, num_splits)  # splits with work; s >= used: first == last == blocks
+        return lo_page, jnp.minimum(s, used) * blocks // used, jnp.minimum(s + 1, used) * blocks // used
     base = s * pages_per_split
     lo = jnp.maximum(lo_page, base)
     hi = jnp.minimum(hi_page, base + pages_per_split)
@@ -78,6 +94,7 @@ def _decode_kernel(
     pages_per_block: int,
     pages_per_split: int | None,
     num_splits: int,
+    min_blocks: int,
     sliding_window: int | None,
     soft_cap: float | None,
     per_page: bool,
@@ -91,7 +108,7 @@ def _decode_kernel(
     lo_tok = 0 if sliding_window is None else jnp.maximum(pos - sliding_window + 1, 0)
     split_start, first_it, last_it = split_pages(lo_tok // block_size, pos // block_size + 1, s,
                                                  num_splits=num_splits, pages_per_block=pages_per_block,
-                                                 pages_per_split=pages_per_split)
+                                                 pages_per_split=pages_per_split, min_blocks=min_blocks)
 
     q = q_ref[...]  # [GP, D]
     gp = q.shape[0]
@@ -205,8 +222,10 @@ def paged_attention_decode_pallas(
     pages_per_block = min(pages_per_block, _next_pow2(max_pages))
     num_splits = max(1, min(num_splits, -(-max_pages // pages_per_block)))
     # pad entries (page 0) for the blocks that run past a row's last page: by a block, or to the static splits' end
+    min_blocks = 1
     if DYNAMIC_SPLITS:
         pages_per_split, pad = None, pages_per_block
+        min_blocks = min_blocks_per_split(num_tokens, num_kv_heads, num_splits)
     else:
         pages_per_split = -(-max_pages // (num_splits * pages_per_block)) * pages_per_block
         pad = num_splits * pages_per_split - max_pages
@@ -218,7 +237,7 @@ def paged_attention_decode_pallas(
         q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, gp - group), (0, 0)))  # [T, KVH, GP, D]
     kernel = functools.partial(
         _decode_kernel, scale=scale, pages_per_block=pages_per_block, pages_per_split=pages_per_split,
-        num_splits=num_splits,
+        num_splits=num_splits, min_blocks=min_blocks,
         sliding_window=sliding_window, soft_cap=soft_cap, per_page=per_page, block_softmax=block_softmax,
     )
     pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda t, h, s: (0, 0, h, 0))
