@@ -629,14 +629,16 @@ def test_dynamic_splits_spread_a_short_context_over_every_split():
 
 
 def test_dynamic_splits_keep_a_short_row_whole_in_a_large_batch():
-    """`min_blocks_per_split`: a batch-1 step (the 4-query bucket, 2 kv heads, 8 splits) splits a row down to single
+    """`dynamic_splits`: a batch-1 step (the 4-query bucket, 2 kv heads, 8 splits) splits a row down to single
     blocks; 256 queries take 8 blocks a split, so a 512-token row (32 pages, 8 blocks) stays whole in one split and a
-    4,096-token row still spreads over all 8. Checked to fail with `min_blocks` left at 1 (the row over 8 splits)."""
-    from pallas_kernels.paged_attention.decode import min_blocks_per_split
+    4,096-token row still spreads over all 8; in a table of 13 blocks (776 tokens) no row could use a second split,
+    so the call has one. Checked to fail with `min_blocks` left at 1 (the row over 8 splits)."""
+    from pallas_kernels.paged_attention.decode import dynamic_splits
 
-    assert min_blocks_per_split(4, 2, 8) == 1 and min_blocks_per_split(64, 2, 8) == 2
-    mb = min_blocks_per_split(256, 2, 8)
-    assert mb == 8
+    assert dynamic_splits(4, 2, 8, 64) == (8, 1) and dynamic_splits(64, 2, 8, 64) == (8, 2)
+    assert dynamic_splits(256, 2, 8, 13) == (1, 8) and dynamic_splits(256, 2, 8, 20) == (2, 8)
+    ns, mb = dynamic_splits(256, 2, 8, 64)
+    assert (ns, mb) == (8, 8)
     assert [len(w) for w in _walked_pages(0, 32, 8, 4, None, mb)] == [32] + [0] * 7
     assert [len(w) for w in _walked_pages(0, 256, 8, 4, None, mb)] == [32] * 8
     assert [len(w) for w in _walked_pages(0, 100, 8, 4, None, mb)] == [32, 32, 36] + [0] * 5  # 25 blocks: 8, 8, 9

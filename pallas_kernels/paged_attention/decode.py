@@ -50,10 +50,12 @@ def group_rows(group: int) -> int:
     return max(16, _next_pow2(group))
 
 
-def min_blocks_per_split(num_tokens: int, num_kv_heads: int, num_splits: int) -> int:
-    """The fewest blocks a split of `DYNAMIC_SPLITS` takes from a query: 1 while the call has at most
-    `SPLIT_PROGRAMS` programs, else as many times more as it has programs beyond them (static: shapes only)."""
-    return max(1, num_tokens * num_kv_heads * num_splits // SPLIT_PROGRAMS)
+def dynamic_splits(num_tokens: int, num_kv_heads: int, num_splits: int, table_blocks: int) -> tuple[int, int]:
+    """`DYNAMIC_SPLITS`' `(num_splits, min_blocks)` for a call (static: shapes only): the fewest blocks a split takes
+    from a query, 1 while the call has at most `SPLIT_PROGRAMS` programs, else as many times more as it has programs
+    beyond them; and the splits cut to those that a query of the table's `table_blocks` blocks could use at that."""
+    min_blocks = max(1, num_tokens * num_kv_heads * num_splits // SPLIT_PROGRAMS)
+    return max(1, min(num_splits, table_blocks // min_blocks)), min_blocks
 
 
 def split_pages(lo_page, hi_page, s, *, num_splits: int, pages_per_block: int, pages_per_split: int | None,
@@ -225,7 +227,7 @@ def paged_attention_decode_pallas(
     min_blocks = 1
     if DYNAMIC_SPLITS:
         pages_per_split, pad = None, pages_per_block
-        min_blocks = min_blocks_per_split(num_tokens, num_kv_heads, num_splits)
+        num_splits, min_blocks = dynamic_splits(num_tokens, num_kv_heads, num_splits, -(-max_pages // pages_per_block))
     else:
         pages_per_split = -(-max_pages // (num_splits * pages_per_block)) * pages_per_block
         pad = num_splits * pages_per_split - max_pages
