@@ -39,7 +39,7 @@ from pallas_kernels.gated_delta_rule import (
 from pallas_kernels.simple_gla import (chunk_mamba2, chunk_simple_gla, fused_recurrent_simple_gla, lightning_decode,
                                       mamba2_decode, mamba2_gated_norm)
 
-KERNELS = ("paged_decode", "paged_decode_block", "paged_prefill", "paged_prefix_merge", "gdn_decode",
+KERNELS = ("paged_decode", "paged_decode_page", "paged_prefill", "paged_prefix_merge", "gdn_decode",
            "gdn_fused_decode", "gdn_packed_decode", "gdn_conv_decode", "gdn_chunk", "gdn_chunk_normed_qk",
            "sgla_decode", "sgla_chunk", "mamba2_chunk", "mamba2_decode", "lightning_decode", "conv_prefill",
            "mamba2_norm")
@@ -82,9 +82,9 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     args, cu = _paged(rng, [40, 17], [1, 1], d, dtype)
     out["paged_decode"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
         *a, cu_seqlens=cu, decode=True, impl=impl, interpret=interpret), args)
-    # one online-softmax step a block of pages (`block_softmax`, off by default)
-    out["paged_decode_block"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
-        *a, cu_seqlens=cu, decode=True, impl=impl, interpret=interpret, block_softmax=True), args)
+    # one online-softmax step a page of the block (`block_softmax=False`; a block's pages one step is the default)
+    out["paged_decode_page"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
+        *a, cu_seqlens=cu, decode=True, impl=impl, interpret=interpret, block_softmax=False), args)
     args, cu = _paged(rng, [40, 17], [30, 17], d, dtype)
     out["paged_prefill"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
         *a, cu_seqlens=cu, decode=False, impl=impl, interpret=interpret), args)

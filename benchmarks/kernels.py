@@ -531,15 +531,15 @@ def bench_paged_decode(quick, copy_bw):
     print(f"paged decode check: out {e1} lse {e2}; ragged+window out {e3} lse {e4}; per_page {e5}", flush=True)
     err, rel = max(e1[0], e3[0], e5[0]), max(e1[1], e3[1], e2[1], e4[1], e5[1])
 
-    def make(cfg):  # (pages_per_block, num_splits, num_warps, num_stages, per_page[, block_softmax])
+    def make(cfg):  # (pages_per_block, num_splits, num_warps, num_stages, per_page[, block_softmax (else default)])
         npb, ns, nw, st, pp, *bs = cfg
         return jax.jit(functools.partial(paged_attention_decode_pallas, pages_per_block=npb, num_splits=ns,
-                                         num_warps=nw, num_stages=st, per_page=pp, block_softmax=bool(bs and bs[0])))
+                                         num_warps=nw, num_stages=st, per_page=pp, block_softmax=bs[0] if bs else None))
 
     configs = [ENGINE_PAGED_DECODE] if quick else [ENGINE_PAGED_DECODE,
         (4, 8, 4, 2, True), (4, 8, 4, 3, True), (4, 8, 4, 4, True), (2, 8, 4, 3, True), (4, 16, 4, 2, True),
-        # page by page with one softmax step a block (`block_softmax`)
-        (4, 8, 4, 4, True, True), (4, 8, 4, 2, True, True), (8, 8, 4, 2, True, True), (4, 16, 4, 2, True, True),
+        # page by page with one softmax step a page (`block_softmax=False`; a step a block is the default)
+        (4, 8, 4, 4, True, False), (4, 8, 4, 2, True, False), (8, 8, 4, 2, True, False), (4, 16, 4, 2, True, False),
         (4, 8, 8, 2, True), (4, 4, 4, 2, True), (2, 16, 4, 2, True), (8, 8, 4, 2, True), (4, 8, 2, 2, True),
         # gathered tiles (the --quick configuration until session 35 first), more splits, more stages, more warps
         (4, 16, 4, 3, False), (2, 16, 4, 3, False), (4, 32, 4, 3, False), (2, 32, 4, 2, False),

@@ -46,6 +46,12 @@ def main(argv=None):
     p.add_argument("--hlo", action="store_true",
                    help="also write each program's optimized HLO to DIR/<program>.hlo.txt (to look up a fusion by name)")
     args = p.parse_args(argv)
+    for spec in args.programs.split(","):  # a real row's context and new tokens must fit the engine's length
+        head, _, context = spec.partition("@")
+        fields = head.split(":")
+        longest = int(context or 0) + max(1, int(fields[1]) - int(fields[3])) if len(fields) == 4 else 0
+        if longest > args.max_model_len:
+            p.error(f"--programs {spec}: a row of {longest} tokens does not fit --max-model-len {args.max_model_len}")
     import jax
 
     from benchmarks.decode_step import random_params

@@ -15,8 +15,8 @@ from benchmarks.head_dims import KERNELS, cases
 from tests.test_kernels_pallas import lower_for_h200
 
 TRITON = {  # the Triton kernels each call lowers to, in program order (names carry the tuning: not pinned here)
-    "paged_decode": [r"paged_decode_\w+"],
-    "paged_decode_block": [r"paged_decode_pb\w+"],
+    "paged_decode": [r"paged_decode_pb\w+"],  # one softmax step a block of pages: the default
+    "paged_decode_page": [r"paged_decode_pp\w+"],
     "paged_prefill": [r"paged_prefill_\w+"],
     "paged_prefix_merge": [r"paged_prefix_merge_\w+"],
     "gdn_decode": [r"gdn_fused_recurrent_\w+"],

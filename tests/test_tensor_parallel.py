@@ -348,7 +348,7 @@ def test_per_shard_pallas_kernels_lower_for_two_h200s():
     pages = sds((p, bs, kvh, d), bf, pages_spec)
     lower(lambda q, kp, vp, bt, ts, pos: paged_attention(q, kp, vp, bt, ts, pos, impl="pallas", decode=True, mesh=mesh),
           sds((b, h, d), bf, heads), pages, pages, sds((b, m), i32), sds((b,), i32), sds((b,), i32),
-          local="tensor<4x4x64xbf16>", kernels=[r"paged_decode_pp\d+_ns\d+_gp\d+_w\d+_s\d+"])
+          local="tensor<4x4x64xbf16>", kernels=[r"paged_decode_p[bp]\d+_ns\d+_gp\d+_w\d+_s\d+"])
     lower(lambda q, kp, vp, bt, ts, pos, cu: paged_attention(q, kp, vp, bt, ts, pos, impl="pallas", cu_seqlens=cu,
                                                              mesh=mesh),
           sds((t, h, d), bf, heads), pages, pages, sds((b, m), i32), sds((t,), i32), sds((t,), i32),

@@ -17,10 +17,13 @@ from pallas_kernels import chunk_gated_delta_rule, conv_update
 from pallas_kernels import gated_delta_rule
 from pallas_kernels.gated_delta_rule import gated_delta_decode, gated_delta_decode_packed
 
-# a prefill's q / k L2 norms inside the chunk kernels (`qk_l2norm`): no normalised copy of q and k is written (two
-# XLA passes a layer: qwen3_next's 8k prefill writes 2.4 GB less on the H200 compile, benchmarks/RESULTS.md session
-# 33). JHYBRID_GDN_KERNEL_QK_NORM=0 normalises them in XLA first, to the same rounding (a same-run baseline).
-KERNEL_QK_NORM = os.environ.get("JHYBRID_GDN_KERNEL_QK_NORM", "1") == "1"
+# where a prefill's q / k L2 norms happen. Off (the default): XLA normalises them first and the chunk kernels read
+# the normalised copies as they are. JHYBRID_GDN_KERNEL_QK_NORM=1: the kernels normalise them as they load them
+# (`qk_l2norm`), with no normalised copy written (qwen3_next's 8k prefill writes 2.4 GB less on the H200 compile,
+# benchmarks/RESULTS.md session 33). That costs the sequential pass the registers of the fp32 round trip: the chunk
+# kernels at T 32k took 1.440 ms that way against 1.250 with XLA's norm first, and the 8k prefill 71.5 against 68.6
+# ms (session 48, H100).
+KERNEL_QK_NORM = os.environ.get("JHYBRID_GDN_KERNEL_QK_NORM", "0") == "1"
 
 
 def gated_deltanet_layer(
@@ -68,7 +71,7 @@ def gated_deltanet_layer(
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32)
     )
-    # q and k L2-normalised in fp32 and fed as x.dtype: by the kernels as they load them (no normalised copy)
+    # q and k L2-normalised in fp32 and fed as x.dtype: by XLA here, or by the kernels as they load them (no copy)
     if not KERNEL_QK_NORM:
         q, k = l2_normalize(q).astype(x.dtype), l2_normalize(k).astype(x.dtype)
     o, ssm_state = chunk_gated_delta_rule(q, k, v, g, beta, batch.cu_seqlens, ssm_state, batch.slot_ids,
