@@ -644,17 +644,20 @@ def test_dynamic_splits_keep_a_short_row_whole_in_a_large_batch():
     assert [len(w) for w in _walked_pages(0, 100, 8, 4, None, mb)] == [32, 32, 36] + [0] * 5  # 25 blocks: 8, 8, 9
 
 
-@pytest.mark.parametrize("dynamic", [True, False, "min_blocks"])
+@pytest.mark.parametrize("dynamic", [True, False, "min_blocks", "skip_empty"])
 def test_paged_decode_in_a_wide_table_matches_reference(dynamic, monkeypatch):
     """Short contexts in a block table far wider than any of them (as a server's max_model_len makes it), NaN in
-    every unused page: both split forms (the dynamic one also with 2 blocks a split at least) against the reference,
-    with and without a sliding window; each lowers for the H200."""
+    every unused page: both split forms (the dynamic one also with 2 blocks a split at least, and with the empty
+    splits' outputs left unwritten, which the interpreter fills with NaN) against the reference, with and without a
+    sliding window; each lowers for the H200. (`skip_empty` checked to fail with the merge's mask of empty splits
+    taken out.)"""
     import sys
 
     module = sys.modules["pallas_kernels.paged_attention.decode"]
     monkeypatch.setattr(module, "DYNAMIC_SPLITS", bool(dynamic))
     if dynamic == "min_blocks":  # 3 queries x 2 kv heads x 4 splits = 24 programs: 2 blocks a split at least
         monkeypatch.setattr(module, "SPLIT_PROGRAMS", 12)
+    monkeypatch.setattr(module, "SKIP_EMPTY", dynamic == "skip_empty")
     jax.clear_caches()
     rng = np.random.default_rng(5)
     q, kp, vp, tables, seq, pos = _paged_inputs(rng, [70, 3, 33], [1, 1, 1], 8, 2, 64, 8, jnp.float32)

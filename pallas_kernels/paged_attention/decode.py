@@ -41,6 +41,10 @@ SPLIT_PROGRAMS = int(os.environ.get("JHYBRID_PAGED_DECODE_SPLIT_PROGRAMS", "512"
 # row's 0.059 -> 0.051 ms; every head dimension fits the H200's compile). JHYBRID_PAGED_DECODE_BLOCK_SOFTMAX=0: a
 # step a page
 BLOCK_SOFTMAX = os.environ.get("JHYBRID_PAGED_DECODE_BLOCK_SOFTMAX", "1") == "1"
+# a split with no blocks of its query writes only its lse (-inf), not its fp32 partial output, which the merge then
+# masks (`merge_splits`): a 256-row step of 1,000-token rows in a 32k table otherwise writes six empty [16, D] fp32
+# partials a row and kv head. Off until timed (JHYBRID_PAGED_DECODE_SKIP_EMPTY=1)
+SKIP_EMPTY = os.environ.get("JHYBRID_PAGED_DECODE_SKIP_EMPTY", "0") == "1"
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
@@ -105,6 +109,7 @@ def _decode_kernel(
     soft_cap: float | None,
     per_page: bool,
     block_softmax: bool,
+    skip_empty: bool,
 ):
     t, s = pl.program_id(0), pl.program_id(2)
     block_size, head_dim = k_pages_ref.shape[1], k_pages_ref.shape[2]
@@ -168,8 +173,15 @@ def _decode_kernel(
     l = jnp.zeros((gp,), jnp.float32)
     o, m, l = jax.lax.fori_loop(first_it, last_it, body, (o, m, l))
     empty = l == 0.0
-    o_ref[...] = o / jnp.where(empty, 1.0, l)[:, None]
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
+
+    def store():
+        o_ref[...] = o / jnp.where(empty, 1.0, l)[:, None]
+
+    if skip_empty:  # no block walked: the lse (-inf) alone; the merge ignores the unwritten output
+        pl.when(last_it > first_it)(store)
+    else:
+        store()
 
 
 @functools.partial(
@@ -245,6 +257,7 @@ def paged_attention_decode_pallas(
         _decode_kernel, scale=scale, pages_per_block=pages_per_block, pages_per_split=pages_per_split,
         num_splits=num_splits, min_blocks=min_blocks,
         sliding_window=sliding_window, soft_cap=soft_cap, per_page=per_page, block_softmax=block_softmax,
+        skip_empty=SKIP_EMPTY,
     )
     pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda t, h, s: (0, 0, h, 0))
     o, lse = pl.pallas_call(

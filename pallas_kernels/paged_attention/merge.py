@@ -54,5 +54,7 @@ def merge_splits(o: Float[Array, "... S R D"], lse: Float[Array, "... S R"]) -> 
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # every split empty: weights 0
     w = jnp.exp(lse - m[..., None, :])  # 0 for empty splits
     denom = w.sum(axis=-2)
-    out = (w[..., None] * o).sum(axis=-3) / jnp.where(denom == 0.0, 1.0, denom)[..., None]
+    # an empty split's output may be unwritten (the decode kernel's `SKIP_EMPTY`): weight 0 must not meet a NaN
+    parts = jnp.where(w[..., None] > 0, w[..., None] * o, 0.0)
+    out = parts.sum(axis=-3) / jnp.where(denom == 0.0, 1.0, denom)[..., None]
     return out, jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
