@@ -32,7 +32,7 @@ _WHOLE = pl.no_block_spec  # the whole array, indexed inside the kernel
 # table 0.833 -> 0.686 ms (one split, `dynamic_splits`), in a 4,096-token table 0.819 both ways
 DYNAMIC_SPLITS = os.environ.get("JHYBRID_PAGED_DECODE_DYNAMIC_SPLITS", "1") == "1"
 # with DYNAMIC_SPLITS, the programs (queries x kv heads x splits) a call may have before a split must get more than one
-# block: `min_blocks_per_split` (JHYBRID_PAGED_DECODE_SPLIT_PROGRAMS). A few queries spread their pages over every
+# block: `dynamic_splits` (JHYBRID_PAGED_DECODE_SPLIT_PROGRAMS). A few queries spread their pages over every
 # split; 256 queries (512 programs a split) leave a 512-token row whole in one, as the static form did, without
 # eight partial outputs to write and merge, and still split a row eight times longer
 SPLIT_PROGRAMS = int(os.environ.get("JHYBRID_PAGED_DECODE_SPLIT_PROGRAMS", "512"))
