@@ -48,8 +48,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     for spec in args.programs.split(","):  # a real row's context and new tokens must fit the engine's length
         head, _, context = spec.partition("@")
-        fields = head.split(":")
-        longest = int(context or 0) + max(1, int(fields[1]) - int(fields[3])) if len(fields) == 4 else 0
+        fields = head.split(":")  # decode rows take one token each; a mixed step's prompt row the rest
+        prompt = int(fields[1]) - int(fields[3]) if len(fields) == 4 and fields[0] != "decode" else 1
+        longest = int(context or 0) + max(1, prompt) if len(fields) == 4 else 0
         if longest > args.max_model_len:
             p.error(f"--programs {spec}: a row of {longest} tokens does not fit --max-model-len {args.max_model_len}")
     import jax
