@@ -297,14 +297,14 @@ CHUNK_AB = {  # name: chunk_gated_delta_rule_pallas options (the default first)
 def chunk_fn(kw):
     """`chunk_gated_delta_rule_pallas` with a `CHUNK_AB` entry's options (`xla_l2norm`: q and k normalised by XLA
     first)."""
-    from pallas_kernels.gated_delta_rule.fused_decode import _l2_normalize
+    from jhybrid.models.layers import l2_normalize  # the model's own (gated_deltanet.KERNEL_QK_NORM off)
 
     kw = dict(kw)
     xla_l2norm = kw.pop("xla_l2norm", False)
     fn = functools.partial(chunk_gated_delta_rule_pallas, **kw)
     if not xla_l2norm:
         return fn
-    return lambda q, k, *rest: fn(_l2_normalize(q, q.dtype), _l2_normalize(k, k.dtype), *rest)
+    return lambda q, k, *rest: fn(l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype), *rest)
 
 
 def chunk_stage_times(args):

@@ -80,9 +80,8 @@ def split_pages(lo_page, hi_page, s, *, num_splits: int, pages_per_block: int, p
     `pages_per_block` pages. Works on jnp or Python integers."""
     if pages_per_split is None:
         blocks = (jnp.maximum(hi_page - lo_page, 0) + pages_per_block - 1) // pages_per_block
-        if min_blocks == 1:
-            return lo_page, s * blocks // num_splits, (s + 1) * blocks // num_splits  # as even as whole blocks go
-        used = jnp.clip(blocks // min_blocks, 1, num_splits)  # splits with work; s >= used: first == last == blocks
+        # the splits with work, as even as whole blocks go; s >= used: first == last == blocks
+        used = jnp.clip(blocks // min_blocks, 1, num_splits)
         return lo_page, jnp.minimum(s, used) * blocks // used, jnp.minimum(s + 1, used) * blocks // used
     base = s * pages_per_split
     lo = jnp.maximum(lo_page, base)
@@ -238,12 +237,13 @@ def paged_attention_decode_pallas(
     block_softmax = per_page and (BLOCK_SOFTMAX if block_softmax is None else block_softmax)
     max_pages = block_tables.shape[1]
     pages_per_block = min(pages_per_block, _next_pow2(max_pages))
-    num_splits = max(1, min(num_splits, -(-max_pages // pages_per_block)))
+    table_blocks = -(-max_pages // pages_per_block)
+    num_splits = max(1, min(num_splits, table_blocks))
     # pad entries (page 0) for the blocks that run past a row's last page: by a block, or to the static splits' end
     min_blocks = 1
     if DYNAMIC_SPLITS:
         pages_per_split, pad = None, pages_per_block
-        num_splits, min_blocks = dynamic_splits(num_tokens, num_kv_heads, num_splits, -(-max_pages // pages_per_block))
+        num_splits, min_blocks = dynamic_splits(num_tokens, num_kv_heads, num_splits, table_blocks)
     else:
         pages_per_split = -(-max_pages // (num_splits * pages_per_block)) * pages_per_block
         pad = num_splits * pages_per_split - max_pages
