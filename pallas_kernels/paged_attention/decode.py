@@ -43,8 +43,9 @@ SPLIT_PROGRAMS = int(os.environ.get("JHYBRID_PAGED_DECODE_SPLIT_PROGRAMS", "512"
 BLOCK_SOFTMAX = os.environ.get("JHYBRID_PAGED_DECODE_BLOCK_SOFTMAX", "1") == "1"
 # a split with no blocks of its query writes only its lse (-inf), not its fp32 partial output, which the merge then
 # masks (`merge_splits`): a 256-row step of 1,000-token rows in a 32k table otherwise writes six empty [16, D] fp32
-# partials a row and kv head. Off until timed (JHYBRID_PAGED_DECODE_SKIP_EMPTY=1)
-SKIP_EMPTY = os.environ.get("JHYBRID_PAGED_DECODE_SKIP_EMPTY", "0") == "1"
+# partials a row and kv head. On by default (session 49, H100: 256 rows of 1,000 tokens in an 8,192-token table,
+# the step's six paged decode calls 1.265 -> 1.206 ms). JHYBRID_PAGED_DECODE_SKIP_EMPTY=0: every split writes
+SKIP_EMPTY = os.environ.get("JHYBRID_PAGED_DECODE_SKIP_EMPTY", "1") == "1"
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
