@@ -12,13 +12,18 @@ and lightning mixers, from their parts or the layers' packed arrays) and the sam
 line per case: PASS with the relative RMS error against the reference and the kernel's median time, or FAIL with
 the error the kernel raised (a shared-memory overflow shows here: what fits is only known on the GPU). Lowering
 for the H200 at every case is the CPU test `tests/test_head_dims.py`. Exit status 1 when any case fails.
+
+The cases compile in threads (`--jobs`, 8 by default), a batch at a time, before the batch runs: on an H100 one at a
+time took ~1.5 s a case, 4+ minutes for the 170 (session 49).
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import functools
 import json
+import os
 import sys
 import time
 
@@ -185,12 +190,31 @@ def _rel(got, want) -> float:
     return float(np.sqrt(err / max(num, 1e-30)))
 
 
-def run_case(name: str, d: int, dtype, *, interpret: bool, iters: int) -> dict:
-    fn, args = cases(d, dtype)[name]
+def compile_case(name: str, d: int, dtype, *, interpret: bool, built: dict | None = None) -> dict:
+    """The case's row, and (under private keys) its arguments and the reference's and the kernel's executables, or the
+    row FAIL with the error that compiling raised."""
+    fn, args = (built or cases(d, dtype))[name]
     row = dict(kernel=name, head_dim=d, dtype=jnp.dtype(dtype).name)
     try:
-        want = jax.jit(functools.partial(fn, impl="reference", interpret=False))(*args)
-        kernel = jax.jit(functools.partial(fn, impl="pallas", interpret=interpret))
+        want = jax.jit(functools.partial(fn, impl="reference", interpret=False)).lower(*args).compile()
+        kernel = jax.jit(functools.partial(fn, impl="pallas", interpret=interpret)).lower(*args).compile()
+    except Exception as e:  # noqa: BLE001  a kernel that cannot compile here is the finding
+        return row | _failure(e)
+    return row | dict(_args=args, _want=want, _kernel=kernel)
+
+
+def _failure(e: Exception) -> dict:
+    return dict(status="FAIL", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+
+
+def time_case(row: dict, *, iters: int) -> dict:
+    """Runs a compiled case (`compile_case`) against its reference: PASS / FAIL, relative error, median ms."""
+    row = dict(row)
+    args, want, kernel = row.pop("_args", None), row.pop("_want", None), row.pop("_kernel", None)
+    if "status" in row:
+        return row
+    try:
+        expected = want(*args)
         got = jax.block_until_ready(kernel(*args))
         times = []
         for _ in range(iters):
@@ -198,10 +222,29 @@ def run_case(name: str, d: int, dtype, *, interpret: bool, iters: int) -> dict:
             jax.block_until_ready(kernel(*args))
             times.append(time.perf_counter() - t0)
     except Exception as e:  # noqa: BLE001  a kernel that cannot run here is the finding
-        return row | dict(status="FAIL", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    rel = _rel(got, want)
-    ok = bool(np.isfinite(rel)) and rel <= TOLERANCE[dtype]
+        return row | _failure(e)
+    rel = _rel(got, expected)
+    ok = bool(np.isfinite(rel)) and rel <= TOLERANCE[jnp.dtype(row["dtype"]).type]
     return row | dict(status="PASS" if ok else "FAIL", rel_err=rel, ms=1e3 * float(np.median(times)) if times else None)
+
+
+def run_cases(names, dims, dtypes, *, interpret: bool, iters: int, jobs: int, report=None) -> list[dict]:
+    """Every case, in batches of `2 * jobs`: a batch compiled in `jobs` threads (XLA and Triton compile outside the
+    GIL), then its cases run one at a time on the device with no compile beside them; `report(row)` as each ends.
+    The inputs are built once a (head dim, dtype)."""
+    grid = [(d, dtype) for d in dims for dtype in dtypes]
+    built = {(d, jnp.dtype(dtype).name): cases(d, dtype) for d, dtype in grid}
+    todo = [(name, d, dtype) for name in names for d, dtype in grid]
+    compile_one = lambda t: compile_case(*t, interpret=interpret, built=built[t[1], jnp.dtype(t[2]).name])  # noqa: E731
+    rows = []
+    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
+        step = 2 * max(1, jobs)
+        for lo in range(0, len(todo), step):
+            for c in list(pool.map(compile_one, todo[lo:lo + step])):
+                rows.append(time_case(c, iters=iters))
+                if report:
+                    report(rows[-1])
+    return rows
 
 
 def main(argv=None) -> int:
@@ -211,6 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--iters", type=int, default=10, help="timed calls per case (median); 0 with --interpret")
     ap.add_argument("--interpret", action="store_true", help="the Pallas interpreter (CPU smoke test)")
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1),
+                    help="threads compiling the cases before any runs (default: min(8, CPUs)); 1: one at a time")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     dims = [int(x) for x in args.dims.split(",")]
@@ -220,16 +265,16 @@ def main(argv=None) -> int:
     print(f"{jax.devices()[0].device_kind}; jax {jax.__version__}; {len(names) * len(dims) * len(dtypes)} cases",
           flush=True)
     print(f"{'kernel':<14} {'d':>4} {'dtype':<9} {'status':<6} {'rel err':>9} {'ms':>8}  error")
-    rows = []
-    for name in names:
-        for d in dims:
-            for dtype in dtypes:
-                r = run_case(name, d, dtype, interpret=args.interpret, iters=iters)
-                rows.append(r)
-                err = f"{r['rel_err']:.2e}" if "rel_err" in r else "-"
-                ms = f"{r['ms']:.3f}" if r.get("ms") is not None else "-"
-                print(f"{name:<14} {d:>4} {r['dtype']:<9} {r['status']:<6} {err:>9} {ms:>8}  {r.get('error', '')}",
-                      flush=True)
+    t0 = time.perf_counter()
+
+    def report(r):
+        err = f"{r['rel_err']:.2e}" if "rel_err" in r else "-"
+        ms = f"{r['ms']:.3f}" if r.get("ms") is not None else "-"
+        print(f"{r['kernel']:<14} {r['head_dim']:>4} {r['dtype']:<9} {r['status']:<6} {err:>9} {ms:>8}  "
+              f"{r.get('error', '')}", flush=True)
+
+    rows = run_cases(names, dims, dtypes, interpret=args.interpret, iters=iters, jobs=args.jobs, report=report)
+    print(f"{len(rows)} cases in {time.perf_counter() - t0:.0f} s ({args.jobs} compile threads)")
     failed = [r for r in rows if r["status"] != "PASS"]
     print(f"{len(rows) - len(failed)} of {len(rows)} cases pass")
     if args.json:

@@ -42,3 +42,33 @@ def test_every_kernel_lowers_at_every_power_of_two_head_dim(d, dtype):
     assert set(built) == set(KERNELS) == set(TRITON)
     for name, (fn, args) in built.items():
         lower_for_h200(functools.partial(fn, impl="pallas", interpret=False), *args, kernels=TRITON[name])
+
+
+def test_run_cases_reports_a_failing_kernel_and_runs_the_rest(monkeypatch):
+    """`run_cases` compiles in threads and runs in order: a kernel that raises while compiling is a FAIL row naming
+    the error, one that gives a wrong answer is a FAIL row with its error, and the cases after them still run and
+    pass. (Checked to fail with `compile_case`'s except clause removed: the error escapes `run_cases`.)"""
+    import benchmarks.head_dims as head_dims
+
+    def good(x, *, impl, interpret):
+        return x * 2.0
+
+    def wrong(x, *, impl, interpret):
+        return x * (2.0 if impl == "reference" else 3.0)
+
+    def broken(x, *, impl, interpret):
+        if impl == "pallas":
+            raise ValueError("needs power-of-two K, V")
+        return x
+
+    x = jnp.ones((4, 8), jnp.float32)
+    monkeypatch.setattr(head_dims, "cases", lambda d, dtype: {"a": (broken, (x,)), "b": (wrong, (x,)),
+                                                                "c": (good, (x,))})
+    seen = []
+    rows = head_dims.run_cases(["a", "b", "c"], [16, 32], [jnp.float32], interpret=True, iters=2, jobs=3,
+                               report=seen.append)
+    assert rows == seen
+    assert [(r["kernel"], r["head_dim"], r["status"]) for r in rows] == [
+        ("a", 16, "FAIL"), ("a", 32, "FAIL"), ("b", 16, "FAIL"), ("b", 32, "FAIL"), ("c", 16, "PASS"), ("c", 32, "PASS")]
+    assert rows[0]["error"] == "ValueError: needs power-of-two K, V"
+    assert rows[2]["rel_err"] > 0.4 and rows[4]["rel_err"] == 0.0 and rows[4]["ms"] is not None
