@@ -69,6 +69,7 @@ def test_run_cases_reports_a_failing_kernel_and_runs_the_rest(monkeypatch):
                                report=seen.append)
     assert rows == seen
     assert [(r["kernel"], r["head_dim"], r["status"]) for r in rows] == [
-        ("a", 16, "FAIL"), ("a", 32, "FAIL"), ("b", 16, "FAIL"), ("b", 32, "FAIL"), ("c", 16, "PASS"), ("c", 32, "PASS")]
+        ("a", 16, "FAIL"), ("a", 32, "FAIL"), ("b", 16, "FAIL"), ("b", 32, "FAIL"),
+        ("c", 16, "PASS"), ("c", 32, "PASS")]
     assert rows[0]["error"] == "ValueError: needs power-of-two K, V"
     assert rows[2]["rel_err"] > 0.4 and rows[4]["rel_err"] == 0.0 and rows[4]["ms"] is not None
