@@ -46,6 +46,11 @@ BLOCK_SOFTMAX = os.environ.get("JHYBRID_PAGED_DECODE_BLOCK_SOFTMAX", "1") == "1"
 # partials a row and kv head. On by default (session 49, H100: 256 rows of 1,000 tokens in an 8,192-token table,
 # the step's six paged decode calls 1.265 -> 1.206 ms). JHYBRID_PAGED_DECODE_SKIP_EMPTY=0: every split writes
 SKIP_EMPTY = os.environ.get("JHYBRID_PAGED_DECODE_SKIP_EMPTY", "1") == "1"
+# mask only the blocks that can hold a key outside `[window start, position]` (a split's last block, and with a
+# sliding window its first): the blocks between them skip the masks, above all the select that zeroes V's masked
+# keys, a [NP * BS, D] elementwise pass a block that also keeps V's tile from going straight from shared memory into
+# the P @ V dot. Off until timed (JHYBRID_PAGED_DECODE_TAIL_MASK=1)
+TAIL_MASK = os.environ.get("JHYBRID_PAGED_DECODE_TAIL_MASK", "0") == "1"
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
@@ -110,6 +115,7 @@ def _decode_kernel(
     per_page: bool,
     block_softmax: bool,
     skip_empty: bool,
+    tail_mask: bool,
 ):
     t, s = pl.program_id(0), pl.program_id(2)
     block_size, head_dim = k_pages_ref.shape[1], k_pages_ref.shape[2]
@@ -124,24 +130,27 @@ def _decode_kernel(
     q = q_ref[...]  # [GP, D]
     gp = q.shape[0]
 
-    def masked_scores(k, key_pos):  # [GP, BK] scaled (and capped) scores, masked keys at _MASK_VALUE; the mask
-        mask = key_pos <= pos
-        if sliding_window is not None:
-            mask &= key_pos >= lo_tok
+    def masked_scores(k, key_pos, masked):  # [GP, BK] scaled (capped) scores, masked keys at _MASK_VALUE; the mask
         scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         scores = scores * scale
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
+        if not masked:  # every key of the block inside [window start, position]: no mask (None)
+            return scores, None
+        mask = key_pos <= pos
+        if sliding_window is not None:
+            mask &= key_pos >= lo_tok
         return jnp.where(mask[None, :], scores, _MASK_VALUE), mask
 
-    def update(carry, tiles):  # one online-softmax step over the keys of `tiles`, [(k [BK, D], v, key_pos [BK])]
+    def update(carry, tiles, masked):  # one online-softmax step over the keys of `tiles`, [(k [BK, D], v, key_pos)]
         o_prev, m_prev, l_prev = carry
-        scored = [(*masked_scores(k, key_pos), v) for k, v, key_pos in tiles]
+        scored = [(*masked_scores(k, key_pos, masked), v) for k, v, key_pos in tiles]
         m_next = m_prev
         for scores, _, _ in scored:
             m_next = jnp.maximum(m_next, scores.max(axis=-1))
         corr = jnp.exp2((m_prev - m_next) * _LOG2E)
-        pv = [(jnp.exp2((scores - m_next[:, None]) * _LOG2E), jnp.where(mask[:, None], v, jnp.zeros_like(v)))
+        pv = [(jnp.exp2((scores - m_next[:, None]) * _LOG2E),
+               v if mask is None else jnp.where(mask[:, None], v, jnp.zeros_like(v)))
               for scores, mask, v in scored]  # (unread keys may hold NaN)
         o_next = o_prev * corr[:, None]
         for p, v in pv:
@@ -151,7 +160,7 @@ def _decode_kernel(
             l_next = l_next + p.sum(axis=-1)
         return o_next, m_next, l_next
 
-    def body(it, carry):
+    def body(it, carry, masked=True):
         first_page = split_start + it * pages_per_block
         if per_page:  # NP scalar-indexed page loads: contiguous [BS, D] tiles
             def tile(i):
@@ -159,19 +168,28 @@ def _decode_kernel(
                 return k_pages_ref[page], v_pages_ref[page], (first_page + i) * block_size + jnp.arange(block_size)
 
             if block_softmax:  # one softmax step (max, rescale of o) for the block's NP pages together
-                return update(carry, [tile(i) for i in range(pages_per_block)])
+                return update(carry, [tile(i) for i in range(pages_per_block)], masked)
             for i in range(pages_per_block):  # a step per page, each page loaded before its own step
-                carry = update(carry, [tile(i)])
+                carry = update(carry, [tile(i)], masked)
             return carry
         pages = block_tables_ref[row, pl.ds(first_page, pages_per_block)]  # [NP]
         k = k_pages_ref[pages].reshape(block_k, head_dim)  # [NP*BS, D] (a gather)
         v = v_pages_ref[pages].reshape(block_k, head_dim)
-        return update(carry, [(k, v, first_page * block_size + jnp.arange(block_k))])
+        return update(carry, [(k, v, first_page * block_size + jnp.arange(block_k))], masked)
 
     o = jnp.zeros((gp, head_dim), jnp.float32)
     m = jnp.full((gp,), -jnp.inf, jnp.float32)
     l = jnp.zeros((gp,), jnp.float32)
-    o, m, l = jax.lax.fori_loop(first_it, last_it, body, (o, m, l))
+    if tail_mask:  # [first, a) and [b, last) masked (a split's first block under a window, its last), [a, b) not
+        a, carry = first_it, (o, m, l)
+        if sliding_window is not None:
+            a = jnp.minimum(first_it + 1, last_it)
+            carry = jax.lax.fori_loop(first_it, a, body, carry)
+        b = jnp.maximum(a, last_it - 1)
+        carry = jax.lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
+        o, m, l = jax.lax.fori_loop(b, last_it, body, carry)
+    else:
+        o, m, l = jax.lax.fori_loop(first_it, last_it, body, (o, m, l))
     empty = l == 0.0
     lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
 
@@ -258,7 +276,7 @@ def paged_attention_decode_pallas(
         _decode_kernel, scale=scale, pages_per_block=pages_per_block, pages_per_split=pages_per_split,
         num_splits=num_splits, min_blocks=min_blocks,
         sliding_window=sliding_window, soft_cap=soft_cap, per_page=per_page, block_softmax=block_softmax,
-        skip_empty=SKIP_EMPTY,
+        skip_empty=SKIP_EMPTY, tail_mask=TAIL_MASK,
     )
     pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda t, h, s: (0, 0, h, 0))
     o, lse = pl.pallas_call(
