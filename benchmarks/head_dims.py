@@ -47,7 +47,7 @@ from pallas_kernels.simple_gla import (chunk_mamba2, chunk_simple_gla, fused_rec
 KERNELS = ("paged_decode", "paged_decode_page", "paged_prefill", "paged_prefix_merge", "gdn_decode",
            "gdn_fused_decode", "gdn_packed_decode", "gdn_conv_decode", "gdn_chunk", "gdn_chunk_normed_qk",
            "sgla_decode", "sgla_chunk", "mamba2_chunk", "mamba2_decode", "lightning_decode", "conv_prefill",
-           "mamba2_norm")
+           "mamba2_norm", "paged_decode_tail")
 TOLERANCE = {jnp.bfloat16: 2e-2, jnp.float32: 2e-3}  # relative RMS error (TF32 dots in fp32 kernels)
 
 
@@ -178,6 +178,11 @@ def cases(d: int, dtype, rng=None) -> dict[str, tuple]:
     out["mamba2_norm"] = (lambda *x, impl, interpret: mamba2_gated_norm(
         *x, group_size=2 * d, eps=1e-5, out_dtype=dtype, impl=impl, interpret=interpret),
         (o_n, xbc_c, z_c, heads4(-1, 1), w_n))
+    # paged decode masking only a split's edge blocks (`tail_mask`, off by default): a 300-token row (19 pages, 5
+    # blocks) over 2 splits, so that blocks between the edges run unmasked
+    args, cu = _paged(rng, [300, 17], [1, 1], d, dtype)
+    out["paged_decode_tail"] = (lambda *a, impl, interpret, cu=cu: paged_attention(
+        *a, cu_seqlens=cu, decode=True, impl=impl, interpret=interpret, tail_mask=True, num_splits=2), args)
     return out
 
 

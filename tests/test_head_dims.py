@@ -32,6 +32,7 @@ TRITON = {  # the Triton kernels each call lowers to, in program order (names ca
     "lightning_decode": [r"lightning_decode_\w+"],
     "conv_prefill": [r"conv_prefill_\w+"],
     "mamba2_norm": [r"mamba2_gated_norm_\w+"],
+    "paged_decode_tail": [r"paged_decode_pb\w+"],
 }
 
 

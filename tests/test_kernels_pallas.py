@@ -597,7 +597,6 @@ def test_paged_decode_tail_mask_matches_reference(variant, monkeypatch):
     import sys
 
     module = sys.modules["pallas_kernels.paged_attention.decode"]
-    monkeypatch.setattr(module, "TAIL_MASK", True)
     monkeypatch.setattr(module, "DYNAMIC_SPLITS", variant != "static")
     jax.clear_caches()
     rng = np.random.default_rng(11)
@@ -609,7 +608,7 @@ def test_paged_decode_tail_mask_matches_reference(variant, monkeypatch):
     want_o, want_lse = paged_attention_reference(*args, return_lse=True, **kw)
     cu = jnp.arange(len(lengths) + 1, dtype=jnp.int32)
     call = functools.partial(paged_attention, cu_seqlens=cu, decode=True, impl="pallas", return_lse=True,
-                             pages_per_block=2, num_splits=3, per_page=variant != "gather",
+                             pages_per_block=2, num_splits=3, per_page=variant != "gather", tail_mask=True,
                              block_softmax=variant != "window-per-page", **kw)
     got_o, got_lse = call(*args, interpret=True)
     assert_close("tail-masked decode output", got_o, want_o, 1e-5)

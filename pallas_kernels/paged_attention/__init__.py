@@ -35,7 +35,8 @@ from pallas_kernels.paged_attention.reference import paged_attention_reference, 
 from pallas_kernels.paged_attention.self_attention import cudnn_supported, split_prefill_attention
 
 _IMPLS = ("auto", "reference", "pallas")
-_TUNING = ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page", "block_softmax", "block_q")
+_TUNING = ("pages_per_block", "num_splits", "num_warps", "num_stages", "per_page", "block_softmax", "tail_mask",
+           "block_q")
 _PREFILL_TUNING = ("pages_per_block", "num_warps", "num_stages", "block_q", "per_page")
 _PREFIX_TUNING = ("pages_per_block", "num_warps", "num_stages", "block_q")
 _TILING = ("pages_per_block", "block_q")

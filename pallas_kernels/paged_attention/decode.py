@@ -206,7 +206,7 @@ def _decode_kernel(
     jax.jit,
     static_argnames=(
         "scale", "sliding_window", "soft_cap", "return_lse", "pages_per_block", "num_splits",
-        "num_warps", "num_stages", "per_page", "block_softmax", "group", "interpret",
+        "num_warps", "num_stages", "per_page", "block_softmax", "tail_mask", "group", "interpret",
     ),
 )
 def paged_attention_decode_pallas(
@@ -227,6 +227,7 @@ def paged_attention_decode_pallas(
     num_stages: int = 4,
     per_page: bool = True,
     block_softmax: bool | None = None,
+    tail_mask: bool | None = None,
     group: int | None = None,
     interpret: bool = False,
 ):
@@ -236,10 +237,10 @@ def paged_attention_decode_pallas(
     D and BS must be powers of two. `num_splits` KV splits per query are merged by LSE. Each loop step
     reads `pages_per_block` pages: as one gathered tile, or with `per_page` page by page, each page an online-softmax
     step of its own or, with `block_softmax`, the block's pages one step together (one running-max update and one
-    rescale of the output a block instead of one a page; the scores of the block's pages are held at once). q may
-    also come as the
-    kernel takes it, `[T, KVH, GP, D]` in the pages' dtype with each kv head's `group` queries first and zero rows
-    after them (`decode_prologue.py`'s output); `group` is then required.
+    rescale of the output a block instead of one a page; the scores of the block's pages are held at once).
+    `tail_mask` (None: `TAIL_MASK`) masks only a split's edge blocks. q may also come as the kernel takes it,
+    `[T, KVH, GP, D]` in the pages' dtype with each kv head's `group` queries first and zero rows after them
+    (`decode_prologue.py`'s output); `group` is then required.
     """
     _, block_size, num_kv_heads, _ = k_pages.shape
     if q.ndim == 4:
@@ -276,7 +277,7 @@ def paged_attention_decode_pallas(
         _decode_kernel, scale=scale, pages_per_block=pages_per_block, pages_per_split=pages_per_split,
         num_splits=num_splits, min_blocks=min_blocks,
         sliding_window=sliding_window, soft_cap=soft_cap, per_page=per_page, block_softmax=block_softmax,
-        skip_empty=SKIP_EMPTY, tail_mask=TAIL_MASK,
+        skip_empty=SKIP_EMPTY, tail_mask=TAIL_MASK if tail_mask is None else tail_mask,
     )
     pages_spec = pl.BlockSpec((k_pages.shape[0], block_size, None, head_dim), lambda t, h, s: (0, 0, h, 0))
     o, lse = pl.pallas_call(
