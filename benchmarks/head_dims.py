@@ -195,29 +195,28 @@ def _rel(got, want) -> float:
     return float(np.sqrt(err / max(num, 1e-30)))
 
 
-def compile_case(name: str, d: int, dtype, *, interpret: bool, built: dict | None = None) -> dict:
-    """The case's row, and (under private keys) its arguments and the reference's and the kernel's executables, or the
-    row FAIL with the error that compiling raised."""
-    fn, args = (built or cases(d, dtype))[name]
+def compile_case(name: str, d: int, dtype, built: dict, *, interpret: bool) -> tuple[dict, tuple | None]:
+    """The case's row and its `(args, reference, kernel)` compiled from `built` (`cases(d, dtype)`), or the row FAIL
+    with the error that compiling raised and None."""
+    fn, args = built[name]
     row = dict(kernel=name, head_dim=d, dtype=jnp.dtype(dtype).name)
     try:
         want = jax.jit(functools.partial(fn, impl="reference", interpret=False)).lower(*args).compile()
         kernel = jax.jit(functools.partial(fn, impl="pallas", interpret=interpret)).lower(*args).compile()
     except Exception as e:  # noqa: BLE001  a kernel that cannot compile here is the finding
-        return row | _failure(e)
-    return row | dict(_args=args, _want=want, _kernel=kernel)
+        return row | _failure(e), None
+    return row, (args, want, kernel)
 
 
 def _failure(e: Exception) -> dict:
     return dict(status="FAIL", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
 
 
-def time_case(row: dict, *, iters: int) -> dict:
+def time_case(row: dict, compiled: tuple | None, *, iters: int) -> dict:
     """Runs a compiled case (`compile_case`) against its reference: PASS / FAIL, relative error, median ms."""
-    row = dict(row)
-    args, want, kernel = row.pop("_args", None), row.pop("_want", None), row.pop("_kernel", None)
-    if "status" in row:
+    if compiled is None:
         return row
+    args, want, kernel = compiled
     try:
         expected = want(*args)
         got = jax.block_until_ready(kernel(*args))
@@ -237,16 +236,15 @@ def run_cases(names, dims, dtypes, *, interpret: bool, iters: int, jobs: int, re
     """Every case, in batches of `2 * jobs`: a batch compiled in `jobs` threads (XLA and Triton compile outside the
     GIL), then its cases run one at a time on the device with no compile beside them; `report(row)` as each ends.
     The inputs are built once a (head dim, dtype)."""
-    grid = [(d, dtype) for d in dims for dtype in dtypes]
-    built = {(d, jnp.dtype(dtype).name): cases(d, dtype) for d, dtype in grid}
-    todo = [(name, d, dtype) for name in names for d, dtype in grid]
-    compile_one = lambda t: compile_case(*t, interpret=interpret, built=built[t[1], jnp.dtype(t[2]).name])  # noqa: E731
+    built = {(d, dtype): cases(d, dtype) for d in dims for dtype in dtypes}
+    todo = [(name, d, dtype) for name in names for d, dtype in built]
+    compile_one = lambda t: compile_case(*t, built[t[1:]], interpret=interpret)  # noqa: E731
     rows = []
-    with concurrent.futures.ThreadPoolExecutor(max(1, jobs)) as pool:
-        step = 2 * max(1, jobs)
-        for lo in range(0, len(todo), step):
-            for c in list(pool.map(compile_one, todo[lo:lo + step])):
-                rows.append(time_case(c, iters=iters))
+    jobs = max(1, jobs)
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        for lo in range(0, len(todo), 2 * jobs):
+            for row, compiled in list(pool.map(compile_one, todo[lo:lo + 2 * jobs])):  # the whole batch first
+                rows.append(time_case(row, compiled, iters=iters))
                 if report:
                     report(rows[-1])
     return rows
