@@ -791,9 +791,10 @@ def main():
     info = machine_info(a.commit)
     print("machine: " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     only = a.only.split(",")
-    bwinfo = copy_bandwidth() if "copy" in only else {}
+    # paged decode reports its read rate as a share of this run's copy rate: measure it whenever that row runs
+    bwinfo = copy_bandwidth() if {"copy", "paged"} & set(only) else {}
     info["copy"] = bwinfo
-    copy_bw = bwinfo.get("torch_tbps", bwinfo.get("jnp_tbps", 4.0))
+    copy_bw = bwinfo.get("torch_tbps", bwinfo.get("jnp_tbps"))
     for name, fn in (("decode", bench_gdn_decode), ("paged", lambda q: bench_paged_decode(q, copy_bw)),
                      ("chunk", bench_gdn_chunk), ("probe", lambda q: probe_cudnn_packed()),
                      ("prefill", bench_paged_prefill), ("chunk_ab", bench_gdn_chunk_ab),
