@@ -128,3 +128,45 @@ def test_launch_floor_chains_compute_their_links(tmp_path):
         want = np.asarray(jnp.asarray(want, jnp.bfloat16) * 0.5 + 1.0, np.float32)
     np.testing.assert_allclose(np.asarray(launch_floor.chain("loop", 3)(x), np.float32), want, rtol=1e-2)
     assert not np.allclose(want, np.asarray(x, np.float32), rtol=0.1)
+
+
+def test_table_judges_every_row_against_its_aim():
+    """`benchmarks.floors.table` prints issue 20's rows with a verdict each, from the aims of the issue's table
+    (not from the code under test): one row just inside and one just outside each aim, and a failed kernel check
+    judged not at all. Checked to fail with the GDN chunk's 1.25x read as 1.2x, with the split prefill's ratio
+    inverted, and with the random-data rate left out of the prefill verdict."""
+    from benchmarks.floors import table
+
+    def model(name, b1, prefill_share, rand_share):
+        rate = 800.0
+        return dict(model=name, decode_b1_ms=b1 * 1.0, decode_b1_floor_ms=1.0, decode_b1_ratio=b1,
+                    decode_b256_ms=1.39 if name == "qwen3_next" else None, decode_b256_tok_s=1.0,
+                    decode_b256_floor_ms=1.0, decode_b256_ratio=1.39, prefill_8k_ms=1.0,
+                    matmul_tflops=rate, matmul_tflops_random=rate * prefill_share / rand_share,
+                    prefill_8k_tflops=rate * prefill_share, prefill_8k_share=prefill_share, prefill_tokens=8192)
+
+    def kernel(op, baseline, ours, base, passed=True, **fields):
+        return dict(op=op, shape="S", baseline=baseline, ours_ms=[ours], baseline_ms=[base], passed=passed,
+                    speedup=base / ours if passed else None, **fields)
+
+    models = [model("qwen3_next", 1.24, 0.71, 0.75), model("nemotron_h", 1.31, 0.52, 0.56)]
+    del models[1]["decode_b256_ms"]
+    kernels = [
+        kernel("gdn_decode", "fla fused_recurrent", 0.99, 1.0),
+        kernel("gdn_chunk", "fla chunk (Triton)", 1.0, 1.24),
+        kernel("gdn_chunk", "fla chunk (Triton)", 1.0, 1.26),
+        kernel("paged_decode", "jax.experimental paged_attention", 1.0, 1.2, copy_share=0.849),
+        kernel("paged_decode", "jax.experimental paged_attention", 1.0, 1.2, copy_share=0.851),
+        kernel("prefill_split", "cuDNN attention, unpaged (XLA)", 1.49, 1.0),
+        kernel("prefill_split", "cuDNN attention, unpaged (XLA)", 1.51, 1.0),
+        kernel("gdn_decode", "fla fused_recurrent", 0.5, 1.0, passed=False),
+        kernel("gdn_chunk", "jnp reference (XLA)", 1.0, 9.0),
+    ]
+    rows = table(models, kernels)[2:]
+    met = [r.split()[-1] for r in rows]
+    # qwen3_next: b1 1.24 <= 1.25, b256 1.39 <= 1.4, prefill 71% >= 70%; nemotron_h: b1 1.31 > 1.3, prefill 52% on
+    # ones but 56% on random data
+    assert met[:5] == ["yes", "yes", "yes", "no", "random"]
+    assert met[5:12] == ["yes", "no", "yes", "no", "yes", "yes", "no"]
+    assert rows[12].split()[-2:] == ["-", "FAIL"]
+    assert "jnp refer" in rows[13] and rows[13].split()[-1] == "0.11x"
