@@ -7,6 +7,11 @@ Prints, per timed call, when each step program call started and returned and whe
 the start of `generate`), the rows and tokens of each step, and the whole call's wall time. With `--trace DIR` one
 more call runs under the JAX profiler, inside a `prefill_generate` annotation: `python3 -m benchmarks.trace_gaps DIR
 --mark prefill_generate` then says where the device idles during it.
+
+`--zero-slots-ab` (a timing probe, not a mode to use) alternates the calls with and without the separate program
+that zeroes a new request's state slot before its first step (`ModelRunner.zero_slots`): what that program costs
+the call's wall time, an upper bound on what zeroing inside the step program would save. The calls without it
+start from whatever the slot held, so their tokens are not checked and not meant to be right.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--trace", metavar="DIR", help="trace one more call with the JAX profiler into DIR")
+    ap.add_argument("--zero-slots-ab", action="store_true", help="alternate calls with and without the separate "
+                    "slot-zeroing program (a timing probe: the calls without it are not correct)")
     a = ap.parse_args(argv)
     import jax
 
@@ -54,16 +61,41 @@ def main(argv=None) -> None:
     engine.runner.execute, engine._take_tokens = timed_execute, timed_read
     sp = jhybrid.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     vocab = cfg.vocab_size
+    zero_slots = engine.runner.zero_slots
+    walls: dict[str, list[float]] = {"with": [], "without": []}
+    spans: list[float] = []  # the step calls' host time, called to returned (the calls with the zeroing program)
     for i in range(a.repeats + 1):
-        events.clear()
-        prompt = [(7 * i + t) % vocab for t in range(a.length)]  # built before the clock starts
-        t0 = time.perf_counter()
-        llm.generate([prompt], sp, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        print(f"generate #{i}{' (compiles)' if i == 0 else ''}: {wall * 1e3:.1f} ms", flush=True)
-        if i:
-            for name, t in events:
-                print(f"  {(t - t0) * 1e3:9.2f} ms  {name}", flush=True)
+        for variant in ("with", "without") if a.zero_slots_ab and i else ("with",):
+            engine.runner.zero_slots = zero_slots if variant == "with" else (lambda slots: None)
+            events.clear()
+            engine.runner.call_log = []  # the dispatch thread's program calls (queued, began, returned)
+            prompt = [(7 * i + t) % vocab for t in range(a.length)]  # built before the clock starts
+            t0 = time.perf_counter()
+            llm.generate([prompt], sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            label = f" ({variant} the slot-zeroing program)" if a.zero_slots_ab else ""
+            print(f"generate #{i}{' (compiles)' if i == 0 else ''}{label}: {wall * 1e3:.1f} ms", flush=True)
+            if i:
+                walls[variant].append(wall * 1e3)
+                if variant == "with":
+                    called = [t for name, t in events if name.startswith("call")]
+                    back = [t for name, t in events if name.strip() == "returned"]
+                    spans.extend((r - c) * 1e3 for c, r in zip(called, back))
+                for name, t in events:
+                    print(f"  {(t - t0) * 1e3:9.2f} ms  {name}", flush=True)
+                for c in engine.runner.call_log:
+                    print(f"  {(c.started - t0) * 1e3:9.2f} ms  dispatch thread: {c.program} called (queued at "
+                          f"{(c.queued - t0) * 1e3:.2f}), returned {(c.returned - t0) * 1e3:.2f}", flush=True)
+            engine.runner.call_log = None
+    engine.runner.zero_slots = zero_slots
+    if walls["with"]:
+        spans = sorted(spans)
+        print(f"median of {len(walls['with'])}: generate {sorted(walls['with'])[len(walls['with']) // 2]:.2f} ms, "
+              f"step call {spans[len(spans) // 2]:.2f} ms (host: called to returned)", flush=True)
+    if a.zero_slots_ab:
+        med = {k: sorted(v)[len(v) // 2] for k, v in walls.items()}
+        print(f"zero-slots A/B, median of {a.repeats}: with {med['with']:.2f} ms, without {med['without']:.2f} ms "
+              f"({med['with'] - med['without']:+.2f} ms for the program)", flush=True)
     if a.trace:
         prompt = [(5 * t + 3) % vocab for t in range(a.length)]
         with jax.profiler.trace(a.trace, create_perfetto_trace=True):
