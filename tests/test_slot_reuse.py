@@ -2,8 +2,9 @@
 not depend on who held its slot before.
 
 A linear layer's state (the recurrent state, and the conv state of Gated DeltaNet and Mamba2 layers) lives in
-a slot that outlives its request; the engine zeroes a slot when it hands it to a new sequence
-(`ModelRunner.zero_slots`), and a swapped-out sequence comes back into whatever slot is free. A dirty or
+a slot that outlives its request; a slot handed to a new sequence is zeroed before its first step (by the step
+program itself for a row that starts in a mixed step, `runner.ZERO_IN_STEP`; else by `ModelRunner.zero_slots`),
+and a swapped-out sequence comes back into whatever slot is free. A dirty or
 wrongly restored slot is the classic hybrid-model bug: the output stays fluent but is wrong. Every test here
 runs one tiny random model per layer kind: Gated DeltaNet (Qwen3.5, with conv state), lightning attention
 (MiniMax, no conv state) and Mamba2 (Bamba, with conv state), each with full-attention layers too. Each
@@ -13,8 +14,11 @@ a fresh engine of the same shapes (so the compiled programs are shared).
 How the tests were checked to fail: on a copy of the tree (`git archive HEAD` plus these tests) with one
 change each, never committed, the file was run whole:
   * the engine's `self.runner.zero_slots(sched.new_slots)` call (`LLMEngine.step`) deleted: all 9 cases fail
-    (by other tokens, or by log-probabilities off by 1.3e-3 to 1.2e-2: over 100x the tolerance);
-  * `zero_slots` (jhybrid/cache/state.py) zeroing the recurrent state only, the conv state left dirty: the 6
+    (by other tokens, or by log-probabilities off by 1.3e-3 to 1.2e-2: over 100x the tolerance). That was before
+    mixed steps zeroed their starting rows themselves (session 51); since then the step program's zeroing
+    (`runner._zero_started_rows`) left out fails the one-slot case, and the engine's `zero_slots` given no slots
+    fails the one-token case;
+  * `zero_slots` (jhybrid/cache/state.py; now `zero_rows`, which both ways use) zeroing the recurrent state only, the conv state left dirty: the 6
     Gated DeltaNet and Mamba2 cases fail, the 3 lightning ones pass (lightning has no conv state);
   * `zero_slots` zeroing the conv state only, the recurrent state left dirty: all 9 fail (the smallest miss,
     Mamba2 with recompute, by log-probabilities off by 7e-4);
@@ -92,6 +96,58 @@ def test_one_slot_the_next_request_gets_a_clean_slot(model):
     (out,) = llm.generate([second], params(10))
     assert_same(f"{name}: second request in the first one's slot", out.token_ids, out.logprobs,
                 *alone(loaded, second, params(10), ONE_SLOT))
+
+
+@pytest.mark.parametrize("model", [name if name == "gated_deltanet" else pytest.param(name, marks=pytest.mark.slow)
+                                   for name in FAMILIES], indirect=True)
+def test_one_slot_a_one_token_prompt_gets_a_clean_slot(model):
+    """As above with a one-token second prompt: its first step is a decode step, whose program does not zero
+    starting rows (`runner.ZERO_IN_STEP` covers mixed steps), so the engine's separate `zero_slots` program must.
+    Fails with that call's slots left out (the engine zeroing none of the new slots)."""
+    name, loaded = model
+    llm = LLM(loaded, **ONE_SLOT)
+    first, second = prompt(1, 70), prompt(4, 1)
+    llm.generate([first], params(16))
+    (out,) = llm.generate([second], params(10))
+    assert_same(f"{name}: one-token request in the first one's slot", out.token_ids, out.logprobs,
+                *alone(loaded, second, params(10), ONE_SLOT))
+
+
+@pytest.mark.parametrize("model", [name if name == "gated_deltanet" else pytest.param(name, marks=pytest.mark.slow)
+                                   for name in FAMILIES], indirect=True)
+def test_mixed_steps_zero_their_starting_rows_and_leave_the_rest_to_the_engine(model, monkeypatch):
+    """`slots_zeroed_by_step` names exactly the slots of rows that start at position 0 in a mixed step, none in a
+    decode step; the engine's `zero_slots` gets the step's other new slots. Checked to fail with a decode step's
+    starting rows claimed by the program."""
+    name, loaded = model
+    llm = LLM(loaded, **POOL)
+    eng = llm.engine
+    zeroed, claimed = [], []
+    real_zero = eng.runner.zero_slots
+    monkeypatch.setattr(eng.runner, "zero_slots", lambda slots: zeroed.append(list(slots)) or real_zero(slots))
+    real_claim = eng.runner.slots_zeroed_by_step
+
+    def claim(sched):
+        got = real_claim(sched)
+        starting = {r.seq.slot for r in sched.rows if r.start == 0}
+        claimed.append((sched.is_decode, got, starting, list(sched.new_slots)))
+        return got
+
+    monkeypatch.setattr(eng.runner, "slots_zeroed_by_step", claim)
+    eng.add_request("long", prompt(5, 40), params(4))
+    eng.add_request("one", prompt(6, 1), params(4))
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps == 3:  # both prompts are in by now: a one-token request joins the running rows' decode steps
+            eng.add_request("late", prompt(7, 1), params(3))
+    assert claimed and len(zeroed) == len(claimed)
+    for (decode, got, starting, new), host in zip(claimed, zeroed):
+        assert got == (set() if decode else starting), (decode, got, starting)
+        assert sorted(host) == sorted(s for s in new if s not in got)
+    assert any(not decode and got for decode, got, _, _ in claimed), "no mixed step zeroed a row itself"
+    assert any(decode and host for (decode, *_), host in zip(claimed, zeroed)), "no decode step left one to the engine"
 
 
 @pytest.mark.parametrize("model,mode", [  # fast tier: Gated DeltaNet with swapping; the others are `slow`

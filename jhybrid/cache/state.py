@@ -82,14 +82,21 @@ def init_state(cfg: ModelConfig, cache: CacheConfig) -> HybridState:
     )
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def zero_slots(state: HybridState, slot_ids: Int[Array, "N"]) -> HybridState:
-    """Zeroes the linear-layer state of `slot_ids` (done when slots are handed to new sequences)."""
+def zero_rows(state: HybridState, rows: Int[Array, "N"]) -> HybridState:
+    """Zeroes the linear-layer state (conv and recurrent, every layer) of state rows `rows`; a row past the last
+    state row is dropped (padding)."""
     return dataclasses.replace(
         state,
-        conv=tuple(c.at[slot_ids].set(0.0) for c in state.conv),
-        ssm=tuple(s.at[slot_ids].set(0.0) for s in state.ssm),
+        conv=tuple(c.at[rows].set(0.0, mode="drop") for c in state.conv),
+        ssm=tuple(s.at[rows].set(0.0, mode="drop") for s in state.ssm),
     )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def zero_slots(state: HybridState, slot_ids: Int[Array, "N"]) -> HybridState:
+    """Zeroes the linear-layer state of `slot_ids` (done when slots are handed to new sequences, unless the step
+    program does it: `jhybrid.engine.runner.ZERO_IN_STEP`)."""
+    return zero_rows(state, slot_ids)
 
 
 def copy_rows(state: HybridState, src: Int[Array, "N"], dst: Int[Array, "N"]) -> HybridState:

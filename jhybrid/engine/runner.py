@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jhybrid.cache.state import CacheConfig, HybridState, copy_rows, copy_slots, init_state, zero_slots
+from jhybrid.cache.state import CacheConfig, HybridState, copy_rows, copy_slots, init_state, zero_rows, zero_slots
 from jhybrid.config import ModelConfig
 from jhybrid.engine.heap import freeze_startup_heap
 from jhybrid.engine.sampling import (FLAG_PENALTIES, MAX_BAN_TOKENS, MAX_LOGPROBS, SamplerPlan, SamplingArrays,
@@ -75,6 +75,14 @@ MIN_ROWS = 4  # smallest row bucket
 # device loop's 1-row program against 0.874 in the engine's 4-row bucket on an H100 (benchmarks/RESULTS.md, "Session
 # 46"), where the padding rows' share of that difference is unmeasured.
 SMALL_ENGINE_ROWS = os.environ.get("JHYBRID_SMALL_ENGINE_ROWS", "0") == "1"
+# A mixed step's program zeroes the linear state of its rows that start their sequence (first fed token at position
+# 0) before its forward, where the engine queued a `zero_slots` program of its own ahead of the step: that call
+# held the step's dispatch back by 0.5-0.9 ms of host time on an H100, in every new request's first step
+# (benchmarks/RESULTS.md, "Session 51"). It costs each mixed step two scatters a linear layer. Decode programs do
+# not do it (every decode step would pay the scatters, and their rows rarely start a sequence); the new slots of
+# their rows, and of rows that start past position 0 (prefix hits, swap-ins), keep the separate program
+# (`ModelRunner.slots_zeroed_by_step`). JHYBRID_ZERO_IN_STEP=0: always the separate program.
+ZERO_IN_STEP = os.environ.get("JHYBRID_ZERO_IN_STEP", "1") == "1"
 MIN_MIXED_TOKENS = 64  # smallest token bucket of a mixed (prefill) step
 # multi-step decode (`num_scheduler_steps` > 1): the most rows a step may have to run several decode steps in one
 # program (beyond them the device's step is long enough to hide the host's), and the sampler plans `warmup` builds
@@ -214,6 +222,18 @@ def _step_inputs(meta: jax.Array, prev_out: jax.Array, history: TokenHistory, la
     return f, batch, sampling, history
 
 
+def _zero_started_rows(state: HybridState, f: dict, num_tokens: int) -> HybridState:
+    """`state` with the linear state of each row that starts its sequence in this step (it feeds tokens, the first
+    at position 0) zeroed (`ZERO_IN_STEP`); other rows and padding rows are left alone."""
+    if not state.conv and not state.ssm:
+        return state
+    cu = f["cu_seqlens"]
+    first = f["positions"][jnp.minimum(cu[:-1], num_tokens - 1)]
+    starts = (cu[1:] > cu[:-1]) & (first == 0)
+    past = (state.ssm or state.conv)[0].shape[0]  # a state row index past the last: dropped
+    return zero_rows(state, jnp.where(starts, f["slot_ids"], past))
+
+
 def _sample_packed(logits, sampling: SamplingArrays, tables: SlotTables, history: TokenHistory,
                    token_mask: jax.Array | None, max_rows: int, mesh, plan: SamplerPlan | None = None):
     """Samples each row and packs the tokens with their bit-cast logprobs into `[2, max_rows]` int32; returns
@@ -319,6 +339,8 @@ def engine_step(cfg: ModelConfig, params, state: HybridState, meta: jax.Array, p
             pairs = meta[meta_size(layout) : meta_size(layout, snaps)]
             state = copy_rows(state, pairs[:snaps], pairs[snaps:])
         return last, top_lp, top_ids, state, history, outs
+    if ZERO_IN_STEP and not decode:
+        state = _zero_started_rows(state, f, num_tokens)
     host = None
     if host_layout is not None:
         from jhybrid.engine.offload import HostPart
@@ -603,6 +625,15 @@ class ModelRunner:
             padded = np.zeros(self._slot_bucket(len(slots)), np.int32)
             padded[: len(slots)] = slots
             self._state_op(zero_slots, padded)
+
+    @staticmethod
+    def slots_zeroed_by_step(sched: SchedulerOutput) -> set[int]:
+        """The slots that `sched`'s step program zeroes itself before its forward (`ZERO_IN_STEP`): those of its
+        rows that start their sequence, in a mixed step (`_execute`'s `decode` false). The engine zeroes the
+        step's other new slots with `zero_slots` first."""
+        if not ZERO_IN_STEP or (sched.is_decode and not _prompt_logprob_rows(sched.rows)):
+            return set()
+        return {r.seq.slot for r in sched.rows if r.start == 0}
 
     def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the linear state of state row `src` into row `dst` for each `(src, dst)` (prefix-cache snapshots
