@@ -77,8 +77,9 @@ MIN_ROWS = 4  # smallest row bucket
 SMALL_ENGINE_ROWS = os.environ.get("JHYBRID_SMALL_ENGINE_ROWS", "0") == "1"
 # A mixed step's program zeroes the linear state of its rows that start their sequence (first fed token at position
 # 0) before its forward, where the engine queued a `zero_slots` program of its own ahead of the step: that call
-# held the step's dispatch back by 0.5-0.9 ms of host time on an H100, in every new request's first step
-# (benchmarks/RESULTS.md, "Session 51"). It costs each mixed step two scatters a linear layer. Decode programs do
+# held the step's dispatch back by 0.5-0.9 ms of host time on an H100, in every new request's first step; zeroed in
+# the step, an 8k prompt's `generate` took 0.8% (NemotronH) and 2.4% (Qwen3-Next) less (benchmarks/RESULTS.md,
+# "Session 51"). It costs each mixed step two scatters a linear layer. Decode programs do
 # not do it (every decode step would pay the scatters, and their rows rarely start a sequence); the new slots of
 # their rows, and of rows that start past position 0 (prefix hits, swap-ins), keep the separate program
 # (`ModelRunner.slots_zeroed_by_step`). JHYBRID_ZERO_IN_STEP=0: always the separate program.
