@@ -12,14 +12,15 @@ request is compared, token for token and by its top-2 log-probabilities, with th
 a fresh engine of the same shapes (so the compiled programs are shared).
 
 How the tests were checked to fail: on a copy of the tree (`git archive HEAD` plus these tests) with one
-change each, never committed, the file was run whole:
+change each, never committed, the file was run whole (the counts are of the 9 cases the file had then):
   * the engine's `self.runner.zero_slots(sched.new_slots)` call (`LLMEngine.step`) deleted: all 9 cases fail
     (by other tokens, or by log-probabilities off by 1.3e-3 to 1.2e-2: over 100x the tolerance). That was before
     mixed steps zeroed their starting rows themselves (session 51); since then the step program's zeroing
-    (`runner._zero_started_rows`) left out fails the one-slot case, and the engine's `zero_slots` given no slots
-    fails the one-token case;
-  * `zero_slots` (jhybrid/cache/state.py; now `zero_rows`, which both ways use) zeroing the recurrent state only, the conv state left dirty: the 6
-    Gated DeltaNet and Mamba2 cases fail, the 3 lightning ones pass (lightning has no conv state);
+    (`runner._zero_started_rows`) left out fails the one-slot mixed-step case, and the engine's `zero_slots` given
+    no slots fails the one-slot one-token case;
+  * `zero_slots` (jhybrid/cache/state.py; now `zero_rows`, which both ways use) zeroing the recurrent state
+    only, the conv state left dirty: the 6 Gated DeltaNet and Mamba2 cases fail, the 3 lightning ones pass
+    (lightning has no conv state);
   * `zero_slots` zeroing the conv state only, the recurrent state left dirty: all 9 fail (the smallest miss,
     Mamba2 with recompute, by log-probabilities off by 7e-4);
   * `Swapper.swap_in` scattering the restored state into the null slot instead of the sequence's new slot:
@@ -84,32 +85,20 @@ def alone(model, prompt_ids: list[int], sp: SamplingParams, engine: dict):
 # every layer kind alike; lightning (recurrent only) and Mamba2 (both) are `slow`
 @pytest.mark.parametrize("model", [name if name == "gated_deltanet" else pytest.param(name, marks=pytest.mark.slow)
                                    for name in FAMILIES], indirect=True)
-def test_one_slot_the_next_request_gets_a_clean_slot(model):
+@pytest.mark.parametrize("second_len", [21, 1], ids=["mixed-step", "one-token"])
+def test_one_slot_the_next_request_gets_a_clean_slot(model, second_len):
     """`max_num_seqs=1`: there is one slot, so the second request runs in the slot the first one left (its
-    state from 70 prompt and 16 generated tokens); its output equals its run on a fresh engine. Fails for
-    every family with the zeroing removed (module docstring)."""
+    state from 70 prompt and 16 generated tokens); its output equals its run on a fresh engine. A 21-token
+    second prompt starts in a mixed step, whose program zeroes the slot (`runner.ZERO_IN_STEP`); a one-token one
+    starts in a decode step, whose program does not, so the engine's separate `zero_slots` program must. Fails
+    for every family with the zeroing removed (module docstring)."""
     name, loaded = model
     llm = LLM(loaded, **ONE_SLOT)
     assert llm.engine.cache.num_slots == 2, "one slot besides the null slot"
-    first, second = prompt(1, 70), prompt(2, 21)
+    first, second = prompt(1, 70), prompt(2, second_len)
     llm.generate([first], params(16))
     (out,) = llm.generate([second], params(10))
-    assert_same(f"{name}: second request in the first one's slot", out.token_ids, out.logprobs,
-                *alone(loaded, second, params(10), ONE_SLOT))
-
-
-@pytest.mark.parametrize("model", [name if name == "gated_deltanet" else pytest.param(name, marks=pytest.mark.slow)
-                                   for name in FAMILIES], indirect=True)
-def test_one_slot_a_one_token_prompt_gets_a_clean_slot(model):
-    """As above with a one-token second prompt: its first step is a decode step, whose program does not zero
-    starting rows (`runner.ZERO_IN_STEP` covers mixed steps), so the engine's separate `zero_slots` program must.
-    Fails with that call's slots left out (the engine zeroing none of the new slots)."""
-    name, loaded = model
-    llm = LLM(loaded, **ONE_SLOT)
-    first, second = prompt(1, 70), prompt(4, 1)
-    llm.generate([first], params(16))
-    (out,) = llm.generate([second], params(10))
-    assert_same(f"{name}: one-token request in the first one's slot", out.token_ids, out.logprobs,
+    assert_same(f"{name}: {second_len}-token second request in the first one's slot", out.token_ids, out.logprobs,
                 *alone(loaded, second, params(10), ONE_SLOT))
 
 
