@@ -9,9 +9,11 @@ more call runs under the JAX profiler, inside a `prefill_generate` annotation: `
 --mark prefill_generate` then says where the device idles during it.
 
 `--zero-slots-ab` (a timing probe, not a mode to use) alternates the calls with and without the separate program
-that zeroes a new request's state slot before its first step (`ModelRunner.zero_slots`): what that program costs
-the call's wall time, an upper bound on what zeroing inside the step program would save. The calls without it
-start from whatever the slot held, so their tokens are not checked and not meant to be right.
+that zeroed a new request's state slot before its first step (`ModelRunner.zero_slots`): what that program costs
+the call's wall time. The calls without it start from whatever the slot held, so their tokens are not checked and
+not meant to be right. Since session 51 a mixed step's program zeroes its starting rows itself
+(`jhybrid.engine.runner.ZERO_IN_STEP`), so the probe needs `JHYBRID_ZERO_IN_STEP=0`; the switch itself is timed
+with `benchmarks.ab` and `JHYBRID_ZERO_IN_STEP=0` / `1` (benchmarks/RESULTS.md, "Session 51").
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def main(argv=None) -> None:
 
     import jhybrid
     from benchmarks.decode_step import random_params
+    from jhybrid.engine import runner
+
+    if a.zero_slots_ab and runner.ZERO_IN_STEP:
+        raise SystemExit("--zero-slots-ab times the separate zeroing program, which a prefill step no longer runs: "
+                         "set JHYBRID_ZERO_IN_STEP=0")
     from benchmarks.floors import hf_config
     from jhybrid.config import ModelConfig
     from jhybrid.model_loader import LoadedModel
