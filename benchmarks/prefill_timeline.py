@@ -22,6 +22,10 @@ import argparse
 import time
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3_next", choices=("qwen3_next", "nemotron_h", "minimax"))
@@ -96,11 +100,10 @@ def main(argv=None) -> None:
             engine.runner.call_log = None
     engine.runner.zero_slots = zero_slots
     if walls["with"]:
-        spans = sorted(spans)
-        print(f"median of {len(walls['with'])}: generate {sorted(walls['with'])[len(walls['with']) // 2]:.2f} ms, "
-              f"step call {spans[len(spans) // 2]:.2f} ms (host: called to returned)", flush=True)
+        print(f"median of {len(walls['with'])}: generate {_median(walls['with']):.2f} ms, "
+              f"step call {_median(spans):.2f} ms (host: called to returned)", flush=True)
     if a.zero_slots_ab:
-        med = {k: sorted(v)[len(v) // 2] for k, v in walls.items()}
+        med = {k: _median(v) for k, v in walls.items()}
         print(f"zero-slots A/B, median of {a.repeats}: with {med['with']:.2f} ms, without {med['without']:.2f} ms "
               f"({med['with'] - med['without']:+.2f} ms for the program)", flush=True)
     if a.trace:

@@ -478,8 +478,9 @@ class LLMEngine:
             if sched.offload:  # the blocks are reused from the next step on
                 self.offloader.dispatch(self.runner.state, sched.offload)
             if sched.rows:
-                in_step = self.runner.slots_zeroed_by_step(sched)  # the step program zeroes these itself
-                self.runner.zero_slots([s for s in sched.new_slots if s not in in_step])
+                if sched.new_slots:  # (most steps hand out none: no walk over their rows)
+                    in_step = self.runner.slots_zeroed_by_step(sched)  # the step program zeroes these itself
+                    self.runner.zero_slots([s for s in sched.new_slots if s not in in_step])
                 if sched.restores:  # prefix hits: their slots start from a snapshot (before the step)
                     self.runner.copy_slots(sched.restores)
                 if sched.swap_in:
